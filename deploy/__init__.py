@@ -1,0 +1,1 @@
+"""Launchers: local multi-process, Ray actors, KubeRay manifests."""

@@ -1,0 +1,46 @@
+"""Batch-invariant kernels: one API, a torch implementation for CPU and Triton for CUDA.
+
+Every function here promises **batch invariance**: the result for one row (token) is
+bitwise the same whatever the other rows are and however many there are. Reduction orders
+are fixed by the weight shapes and the row's own position, never by the number of rows.
+
+Shape legend used throughout:
+    T = tokens, S = sequences, D = hidden size, K = reduction size, N = output features,
+    Hq / Hkv = query / key-value heads, Dh = head dim, E = experts, I = expert intermediate,
+    k = experts per token (top-k), V = vocabulary, R = routed rows (token, expert) pairs.
+
+The implementation is chosen from the device of the first tensor argument: CUDA tensors go
+to ``kernels.triton_impl`` (once it exists), everything else to ``kernels.cpu``.
+"""
+
+from __future__ import annotations
+
+from kernels.api import (
+    KV_SPLIT_SIZE,
+    combine,
+    counter_uniform,
+    expert_ffn,
+    linear,
+    log_softmax,
+    paged_attention,
+    rms_norm,
+    sample,
+    silu_and_mul,
+    topk_route,
+    write_kv_cache,
+)
+
+__all__ = [
+    "KV_SPLIT_SIZE",
+    "combine",
+    "counter_uniform",
+    "expert_ffn",
+    "linear",
+    "log_softmax",
+    "paged_attention",
+    "rms_norm",
+    "sample",
+    "silu_and_mul",
+    "topk_route",
+    "write_kv_cache",
+]

@@ -1,0 +1,185 @@
+"""The kernel API: contracts and device dispatch (see the shape legend in ``kernels``).
+
+Each function checks nothing expensive; callers (the model) pass well-formed tensors.
+A backend module implements every name below with the same signature.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+# Keys per attention split. Fixed, so a query's reduction order depends only on its own
+# position: a decode token and the same token inside a (chunked) prefill agree bitwise.
+KV_SPLIT_SIZE = 64
+
+_BACKENDS = {"cpu": "kernels.cpu", "cuda": "kernels.triton_impl"}
+_loaded: dict[str, ModuleType] = {}
+
+
+def _backend(t: torch.Tensor) -> ModuleType:
+    """The implementation module for ``t``'s device type; raises ``RuntimeError`` if none."""
+    kind = t.device.type
+    module = _loaded.get(kind)
+    if module is not None:
+        return module
+    name = _BACKENDS.get(kind)
+    if name is None:
+        raise RuntimeError(
+            f"no kernel backend for device type {kind!r}; supported: {sorted(_BACKENDS)}"
+        )
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        raise RuntimeError(f"kernel backend {name} for {kind!r} is unavailable: {e}") from e
+    _loaded[kind] = module
+    return module
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with fp32 accumulation, row-invariant.
+
+    x: `[M, K]` float; weight: `[N, K]` same dtype (nn.Linear layout); bias: `[N]` or None.
+    Returns `[M, N]` in x.dtype.
+    """
+    return _backend(x).linear(x, weight, bias)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim in fp32, optionally fused with a residual add.
+
+    x: `[T, D]`; weight: `[D]`. Without ``residual``: returns ``norm(x) * weight`` in
+    x.dtype. With ``residual`` `[T, D]`: ``h = x + residual`` (in x.dtype) and returns
+    ``(norm(h) * weight, h)``. As in HF, the normalised value is cast to x.dtype before
+    the weight multiply.
+    """
+    return _backend(x).rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: gate_up `[T, 2I]` (gate first, then up) → `silu(gate) * up` `[T, I]`."""
+    return _backend(gate_up).silu_and_mul(gate_up)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new keys/values into the paged cache (in place) before attention reads them.
+
+    k, v: `[T, Hkv, Dh]`; k_cache, v_cache: `[num_blocks, block_size, Hkv, Dh]`;
+    slot_mapping: `[T]` int64, ``block_id * block_size + offset`` per token.
+    """
+    _backend(k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over the paged KV cache (GQA aware).
+
+    q: `[T, Hq, Dh]`, the new tokens of S sequences packed back to back; sequence s owns
+    rows ``query_start_loc[s]:query_start_loc[s+1]`` and they are the **last** tokens of
+    its context of ``context_lens[s]`` tokens (their K/V already written to the cache).
+    k_cache, v_cache: `[num_blocks, block_size, Hkv, Dh]`; block_tables: `[S, max_blocks]`
+    int32; context_lens: `[S]` int32; query_start_loc: `[S + 1]` int32.
+    Keys are reduced in splits of ``KV_SPLIT_SIZE`` merged in ascending order, so the
+    same kernel serves prefill, chunked prefill and decode with identical results.
+    Returns `[T, Hq, Dh]` in q.dtype.
+    """
+    return _backend(q).paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale
+    )
+
+
+def topk_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing with a stable top-k.
+
+    router_logits: `[T, E]`. Softmax in fp32 over E, then the k largest probabilities;
+    ties go to the lower expert id. With ``renormalize`` the k weights are divided by
+    their sum. Returns ``(topk_ids `[T, k]` int64, topk_weights `[T, k]` float32)``,
+    ordered by descending weight (rank order), the order combine sums in.
+    """
+    return _backend(router_logits).topk_route(router_logits, top_k, renormalize)
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU expert MLP over rows grouped by expert; each row's result is independent of
+    how many rows each expert received.
+
+    x: `[R, D]`; expert_ids: `[R]` int64 indices into the local expert stack;
+    w_gate_up: `[E, 2I, D]` (gate rows then up rows); w_down: `[E, D, I]`.
+    Returns `[R, D]` in x.dtype: ``down_e(silu(gate_e x) * up_e x)`` for each row.
+    """
+    return _backend(x).expert_ffn(x, expert_ids, w_gate_up, w_down)
+
+
+def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of a token's k expert outputs in fp32, in ascending rank order.
+
+    expert_out: `[T, k, D]` any float dtype; topk_weights: `[T, k]` float32.
+    Returns `[T, D]` float32: ``((w0*o0 + w1*o1) + w2*o2) + ...``.
+    """
+    return _backend(expert_out).combine(expert_out, topk_weights)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-invariant log-softmax in fp32. logits: `[B, V]` → `[B, V]` float32."""
+    return _backend(logits).log_softmax(logits)
+
+
+def counter_uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Counter-based uniforms in (0, 1): a pure function of (seed, position, vocab index).
+
+    seeds, positions: `[B]` int64. Returns `[B, vocab_size]` float64. Backends may differ
+    from each other; within one backend the value never depends on the batch.
+    """
+    return _backend(seeds).counter_uniform(seeds, positions, vocab_size)
+
+
+def sample(
+    logprobs: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Sample one token per row, batch-invariantly.
+
+    logprobs: `[B, V]` float32 (from :func:`log_softmax`); temperatures, top_ps, min_ps:
+    `[B]` float32 (temperature 0 = greedy: argmax, lowest id on ties); top_ks: `[B]` int64
+    (0 = off); seeds, positions: `[B]` int64. Filtering (top-k, then top-p, then min-p)
+    uses the tempered distribution; the draw is the Gumbel-max trick with
+    :func:`counter_uniform` noise, so a row's token depends only on its own inputs.
+    Returns `[B]` int64 token ids.
+    """
+    return _backend(logprobs).sample(
+        logprobs, temperatures, top_ks, top_ps, min_ps, seeds, positions
+    )

@@ -1,0 +1,76 @@
+"""The ``megaserve`` command: a thin dispatcher to each subsystem's own CLI module.
+
+Subcommands are imported only when used, so ``megaserve plan --help`` never imports torch.
+Every target is ``module:function`` where ``function(argv: list[str]) -> int``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from megaserve import __version__
+
+COMMANDS = {
+    "generate": ("megaserve.entrypoints.generate_cli:main", "generate text (local model or --server)"),
+    "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
+    "plan": ("planner.cli:main", "plan a deployment over heterogeneous GPUs"),
+    "deploy": ("deploy.cli:main", "launch a plan locally, on Ray or emit KubeRay manifests"),
+    "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner"])),
+}
+
+BENCHMARKS = {
+    "throughput": "megaserve.bench.throughput:main",
+    "kernels": "kernels.bench:main",
+    "comm": "comm.bench:main",
+    "planner": "planner.bench:main",
+}
+
+EXIT_USAGE = 2
+
+
+def _usage() -> str:
+    lines = [f"megaserve {__version__}", "", "usage: megaserve <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run 'megaserve <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def _run(target: str, argv: list[str]) -> int:
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            print(f"megaserve: {module_name} is not available in this build", file=sys.stderr)
+            return EXIT_USAGE
+        raise
+    return int(getattr(module, func_name)(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        print(f"megaserve {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"megaserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return EXIT_USAGE
+    if command == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            given = repr(rest[0]) if rest else "none"
+            print(
+                f"megaserve bench: unknown benchmark {given}; choose one of {sorted(BENCHMARKS)}",
+                file=sys.stderr,
+            )
+            return 0 if rest and rest[0] in ("-h", "--help") else EXIT_USAGE
+        return _run(BENCHMARKS[rest[0]], rest[1:])
+    return _run(COMMANDS[command][0], rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

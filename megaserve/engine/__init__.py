@@ -1,0 +1,1 @@
+"""Engine: requests, paged KV cache, continuous-batching scheduler, sampler, model runner."""

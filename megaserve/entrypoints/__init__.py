@@ -1,0 +1,1 @@
+"""User-facing entry points: the LLM class and CLI commands."""

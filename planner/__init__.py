@@ -1,0 +1,1 @@
+"""Deployment planner over heterogeneous GPUs (never imports torch)."""
