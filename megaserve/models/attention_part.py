@@ -1,0 +1,183 @@
+"""The attention part of a MoE model: everything except the routed experts.
+
+It owns embeddings, attention (with the paged KV cache), norms, router gates, dense MLPs,
+the shared expert, the final norm and the LM head: what an attention worker runs.
+
+Shape legend: T = tokens of the (micro-)batch, S = sequences, D = hidden, Hq / Hkv = query /
+kv heads, Dh = head dim, E = experts, k = top-k, V = vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from megaserve.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the tokens of one (micro-)batch sit in their sequences and in the KV cache."""
+
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence (rotary)
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per token
+    block_tables: torch.Tensor  # [S, max_blocks] int32, each sequence's blocks
+    context_lens: torch.Tensor  # [S] int32, tokens in the cache after this step
+    query_start_loc: torch.Tensor  # [S + 1] int32, row offsets of each sequence's tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's attention-side weights (None where the family has none)."""
+
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [Hq*Dh + 2*Hkv*Dh, D], q, k, v rows stacked
+    qkv_bias: torch.Tensor | None  # [Hq*Dh + 2*Hkv*Dh]
+    o_proj: torch.Tensor  # [D, Hq*Dh]
+    q_norm: torch.Tensor | None  # [Dh] (Qwen3)
+    k_norm: torch.Tensor | None  # [Dh] (Qwen3)
+    post_norm: torch.Tensor  # [D]
+    router: torch.Tensor | None  # [E, D]; None for a dense layer
+    dense_gate_up: torch.Tensor | None  # [2I, D] for a dense layer
+    dense_down: torch.Tensor | None  # [D, I]
+    shared_gate_up: torch.Tensor | None  # [2Is, D] (Qwen2-MoE shared expert)
+    shared_down: torch.Tensor | None  # [D, Is]
+    shared_gate: torch.Tensor | None  # [1, D] sigmoid gate of the shared expert
+
+
+class AttentionPart:
+    """Runs the attention side of every layer; stateless apart from its weights."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.embed_tokens = embed  # [V, D]
+        self.layers = layers
+        self.final_norm = final_norm  # [D]
+        self.lm_head = lm_head  # [V, D]
+        self.scale = config.head_dim**-0.5
+        self.cos, self.sin = _rotary_tables(config, max_positions, embed.device, embed.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids `[T]` int64 → hidden states `[T, D]`."""
+        return self.embed_tokens[input_ids]
+
+    def attention(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention block with its residual, then the post-attention norm.
+
+        h: `[T, D]` residual stream. Writes this batch's K/V into ``kv_cache`` (the layer's
+        `[num_blocks, block_size, Hkv, Dh]` pair) before attending. Returns
+        ``(h + attn(norm(h)), post_norm(that))``, both `[T, D]`.
+        """
+        cfg, w = self.config, self.layers[layer]
+        num_tokens = h.shape[0]
+        x = kernels.rms_norm(h, w.input_norm, cfg.rms_norm_eps)
+        qkv = kernels.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2Hkv) * Dh]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
+            k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self._rotate(q, meta.positions), self._rotate(k, meta.positions)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+            meta.query_start_loc, self.scale,
+        )  # [T, Hq, Dh]
+        h = h + kernels.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)
+        return h, kernels.rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.layers[layer].router is not None
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, D]` → (topk_ids `[T, k]` int64, topk_weights `[T, k]` float32)."""
+        logits = kernels.linear(x, self.layers[layer].router)  # [T, E]
+        return kernels.topk_route(logits, self.config.top_k, self.config.norm_topk_prob)
+
+    def dense_mlp(self, layer: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A dense layer's MLP with its residual: `h + mlp(x)`, `[T, D]`."""
+        w = self.layers[layer]
+        return h + _swiglu(x, w.dense_gate_up, w.dense_down)
+
+    def finish_moe(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        expert_out: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Combine routed outputs (fixed rank order, fp32), add the shared expert and residual.
+
+        h, x: `[T, D]`; expert_out: `[T, k, D]` in rank order; topk_weights: `[T, k]` fp32.
+        """
+        w = self.layers[layer]
+        out = kernels.combine(expert_out, topk_weights)  # [T, D] fp32
+        if w.shared_gate_up is not None:
+            shared = _swiglu(x, w.shared_gate_up, w.shared_down)
+            gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
+            out = out + gate * shared.float()
+        return h + out.to(h.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: h `[B, D]` → logits `[B, V]` float32."""
+        x = kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
+        return kernels.linear(x, self.lm_head).float()
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (HF rotate-half convention). x: `[T, H, Dh]`."""
+        cos = self.cos[positions][:, None, :]  # [T, 1, Dh]
+        sin = self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return kernels.linear(kernels.silu_and_mul(kernels.linear(x, gate_up)), down)
+
+
+def _rotary_tables(
+    config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[max_positions, Dh]`, computed in fp32 as HF does, stored in ``dtype``."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)

@@ -1,0 +1,56 @@
+"""The expert part of a MoE model: the routed experts an expert worker holds.
+
+A worker holds the same subset of expert ids in every MoE layer (the placement table maps
+expert id → worker). Shape legend: R = routed rows (token, expert) pairs, D = hidden,
+E_local = experts held here, I = expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+
+
+class ExpertPart:
+    """Routed experts ``expert_ids`` of every MoE layer.
+
+    w_gate_up[layer]: `[E_local, 2I, D]`; w_down[layer]: `[E_local, D, I]`, in the order of
+    ``expert_ids``; layers without experts (dense) are absent from the dicts.
+    """
+
+    def __init__(
+        self,
+        expert_ids: list[int],
+        num_experts: int,
+        w_gate_up: dict[int, torch.Tensor],
+        w_down: dict[int, torch.Tensor],
+    ) -> None:
+        if len(set(expert_ids)) != len(expert_ids):
+            raise ValueError(f"expert ids must be distinct, got {expert_ids}")
+        self.expert_ids = list(expert_ids)
+        self.w_gate_up = w_gate_up
+        self.w_down = w_down
+        # Global expert id → index in the local stacks; experts not held map to a value
+        # that forward() rejects.
+        lookup = torch.full((num_experts,), len(expert_ids), dtype=torch.int64)
+        lookup[torch.tensor(expert_ids, dtype=torch.int64)] = torch.arange(len(expert_ids))
+        self._local_index = lookup
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.w_gate_up)
+
+    def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Run each row through its expert.
+
+        x: `[R, D]`; expert_ids: `[R]` int64 global expert ids, all held here.
+        Returns `[R, D]` in x.dtype. Each row's result is independent of the other rows.
+        """
+        local = self._local_index.to(expert_ids.device)[expert_ids]
+        if local.numel() and int(local.max()) >= len(self.expert_ids):
+            raise ValueError(
+                f"layer {layer}: rows routed to experts not held by this worker "
+                f"(holds {self.expert_ids})"
+            )
+        return kernels.expert_ffn(x, local, self.w_gate_up[layer], self.w_down[layer])

@@ -1,0 +1,107 @@
+"""The layer loop: attention part + expert part, over one or more micro-batches.
+
+The loop is written for disaggregation from the start. The experts sit behind an
+:class:`ExpertClient` whose ``dispatch`` may return before the experts have run; with
+``m`` micro-batches the loop issues attention for micro-batch ``i + 1`` while the experts
+of micro-batch ``i`` are busy (ping-pong)::
+
+    for layer l:  for micro-batch i:
+        wait combine(l-1, i) → finish layer l-1 on i → attention l on i → route → dispatch(l, i)
+
+With ``m = 1`` and in-process experts this is the plain sequential forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megaserve.models.attention_part import AttentionMetadata, AttentionPart
+from megaserve.models.expert_part import ExpertPart
+
+
+class ExpertClient(Protocol):
+    """Where routed tokens go. ``combine`` returns the k expert outputs per token."""
+
+    def dispatch(
+        self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor
+    ) -> Any:
+        """Send x `[T, D]` with topk_ids `[T, k]` to the experts; returns a handle."""
+
+    def combine(self, handle: Any) -> torch.Tensor:
+        """Wait for a dispatch; returns `[T, k, D]`, row (t, r) = expert topk_ids[t, r] of x[t]."""
+
+
+class LocalExperts:
+    """ExpertClient running an in-process ExpertPart synchronously."""
+
+    def __init__(self, experts: ExpertPart) -> None:
+        self.experts = experts
+
+    def dispatch(
+        self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        rows = x.repeat_interleave(top_k, dim=0)  # [T*k, D]
+        out = self.experts.forward(layer, rows, topk_ids.reshape(-1))
+        return out.view(num_tokens, top_k, -1)
+
+    def combine(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+
+
+@dataclass
+class _Pending:
+    x: torch.Tensor  # [T, D] post-attention-norm input of the experts
+    topk_weights: torch.Tensor  # [T, k] fp32
+    handle: Any
+
+
+def run_layers(
+    attention: AttentionPart,
+    experts: ExpertClient,
+    micro_batches: list[MicroBatch],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Run every decoder layer over the micro-batches; returns each one's final hidden
+    states `[T_i, D]` (before the final norm)."""
+    hidden = [attention.embed(mb.input_ids) for mb in micro_batches]
+    pending: list[_Pending | None] = [None] * len(micro_batches)
+    num_layers = attention.config.num_layers
+    for layer in range(num_layers):
+        for i, mb in enumerate(micro_batches):
+            hidden[i] = _finish(attention, layer - 1, hidden[i], pending[i], experts)
+            pending[i] = None
+            h, x = attention.attention(layer, hidden[i], mb.meta, kv_caches[layer])
+            if not attention.is_moe(layer):
+                hidden[i] = attention.dense_mlp(layer, h, x)
+                continue
+            hidden[i] = h
+            topk_ids, topk_weights = attention.route(layer, x)
+            handle = experts.dispatch(layer, i, x, topk_ids)
+            pending[i] = _Pending(x, topk_weights, handle)
+    return [
+        _finish(attention, num_layers - 1, hidden[i], pending[i], experts)
+        for i in range(len(micro_batches))
+    ]
+
+
+def _finish(
+    attention: AttentionPart,
+    layer: int,
+    h: torch.Tensor,
+    pending: _Pending | None,
+    experts: ExpertClient,
+) -> torch.Tensor:
+    if pending is None:
+        return h
+    expert_out = experts.combine(pending.handle)  # [T, k, D]
+    return attention.finish_moe(layer, h, pending.x, expert_out, pending.topk_weights)

@@ -1,0 +1,162 @@
+"""Load an HF MoE checkpoint into an AttentionPart and/or an ExpertPart.
+
+Tensor names follow the Hub's per-expert layout (what ``save_pretrained`` writes):
+Mixtral ``block_sparse_moe.experts.{e}.w1|w3|w2``, Qwen ``mlp.experts.{e}.gate_proj|up_proj|down_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaserve.models.attention_part import AttentionPart, LayerWeights
+from megaserve.models.checkpoint import CheckpointReader
+from megaserve.models.config import ModelConfig
+from megaserve.models.expert_part import ExpertPart
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
+    """``"auto"`` → the checkpoint's dtype; otherwise one of :data:`DTYPES`."""
+    if name == "auto":
+        name = config.dtype if config.dtype in DTYPES else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    attention: AttentionPart | None
+    experts: ExpertPart | None
+
+
+class _Weights:
+    """Typed access to checkpoint tensors: converted, placed and shape-checked."""
+
+    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device):
+        self.reader, self.dtype, self.device = reader, dtype, device
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.reader.get(name)
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"model: tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}"
+            )
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.get(name, shape) if self.reader.has(name) else None
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    attention: bool = True,
+    expert_ids: list[int] | None = None,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load the parts of a checkpoint that one worker needs.
+
+    ``attention``: build the AttentionPart. ``expert_ids``: the routed experts to hold
+    (None = all, [] = none). ``max_positions``: rotary table length (default: the
+    model's max_position_embeddings). Raises ``ValueError`` naming the file or tensor
+    for anything missing, corrupt or inconsistent.
+    """
+    config = ModelConfig.from_dir(path)
+    weights = _Weights(CheckpointReader(path), resolve_dtype(dtype, config), torch.device(device))
+    if expert_ids is None:
+        expert_ids = list(range(config.num_experts))
+    bad = [e for e in expert_ids if not 0 <= e < config.num_experts]
+    if bad:
+        raise ValueError(f"expert ids {bad} out of range [0, {config.num_experts})")
+    attn = None
+    if attention:
+        attn = _load_attention(config, weights, max_positions or config.max_position_embeddings)
+    experts = _load_experts(config, weights, expert_ids) if expert_ids else None
+    return LoadedModel(config=config, attention=attn, experts=experts)
+
+
+def _load_attention(config: ModelConfig, w: _Weights, max_positions: int) -> AttentionPart:
+    d, v = config.hidden_size, config.vocab_size
+    embed = w.get("model.embed_tokens.weight", (v, d))
+    if w.reader.has("lm_head.weight") and not config.tie_word_embeddings:
+        lm_head = w.get("lm_head.weight", (v, d))
+    else:
+        lm_head = embed
+    layers = [_load_layer(config, w, i) for i in range(config.num_layers)]
+    return AttentionPart(
+        config, embed, layers, w.get("model.norm.weight", (d,)), lm_head, max_positions
+    )
+
+
+def _moe_prefix(config: ModelConfig, layer: int) -> str:
+    block = "block_sparse_moe" if config.family == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}."
+
+
+def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
+    d, dh = config.hidden_size, config.head_dim
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    sizes = {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}
+    qkv = torch.cat([w.get(f"{a}{n}_proj.weight", (s, d)) for n, s in sizes.items()])
+    qkv_bias = None
+    if config.qkv_bias:
+        qkv_bias = torch.cat([w.get(f"{a}{n}_proj.bias", (s,)) for n, s in sizes.items()])
+    layer = LayerWeights(
+        input_norm=w.get(p + "input_layernorm.weight", (d,)),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o_proj=w.get(a + "o_proj.weight", (d, config.q_size)),
+        q_norm=w.get(a + "q_norm.weight", (dh,)) if config.qk_norm else None,
+        k_norm=w.get(a + "k_norm.weight", (dh,)) if config.qk_norm else None,
+        post_norm=w.get(p + "post_attention_layernorm.weight", (d,)),
+        router=None, dense_gate_up=None, dense_down=None,
+        shared_gate_up=None, shared_down=None, shared_gate=None,
+    )
+    if not config.moe_layers[i]:
+        inter = config.dense_intermediate_size
+        layer.dense_gate_up = torch.cat(
+            [w.get(f"{p}mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+        )
+        layer.dense_down = w.get(p + "mlp.down_proj.weight", (d, inter))
+        return layer
+    m = _moe_prefix(config, i)
+    layer.router = w.get(m + "gate.weight", (config.num_experts, d))
+    if config.shared_expert_intermediate_size:
+        s = config.shared_expert_intermediate_size
+        layer.shared_gate_up = torch.cat(
+            [w.get(f"{m}shared_expert.{n}_proj.weight", (s, d)) for n in ("gate", "up")]
+        )
+        layer.shared_down = w.get(m + "shared_expert.down_proj.weight", (d, s))
+        layer.shared_gate = w.get(m + "shared_expert_gate.weight", (1, d))
+    return layer
+
+
+def _load_experts(config: ModelConfig, w: _Weights, expert_ids: list[int]) -> ExpertPart:
+    d, inter = config.hidden_size, config.moe_intermediate_size
+    names = ("w1", "w3", "w2") if config.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    gate_up: dict[int, torch.Tensor] = {}
+    down: dict[int, torch.Tensor] = {}
+    for i, is_moe in enumerate(config.moe_layers):
+        if not is_moe:
+            continue
+        base = _moe_prefix(config, i) + "experts."
+        gate_up[i] = torch.stack([
+            torch.cat([
+                w.get(f"{base}{e}.{names[0]}.weight", (inter, d)),
+                w.get(f"{base}{e}.{names[1]}.weight", (inter, d)),
+            ])
+            for e in expert_ids
+        ])  # [E_local, 2I, D]
+        down[i] = torch.stack(
+            [w.get(f"{base}{e}.{names[2]}.weight", (d, inter)) for e in expert_ids]
+        )  # [E_local, D, I]
+    return ExpertPart(expert_ids, config.num_experts, gate_up, down)
