@@ -1,0 +1,250 @@
+"""What the gRPC and HTTP front ends share: admission, validation and the streaming loop.
+
+Request life cycle (one asyncio loop, no locks needed)::
+
+    admit(request_id)        # refuse while loading/draining (UNAVAILABLE), over the waiting
+        │                    # cap (RESOURCE_EXHAUSTED), or a duplicate id (ALREADY_EXISTS)
+    prepare(prompt, params)  # size cap, vocabulary and engine checks → prompt token ids
+        │
+    stream(request_id, ...)  # engine.generate → Delta per step (new tokens only), metrics;
+                             # if the consumer goes away (cancel, deadline, disconnect)
+                             # the request is aborted in the engine and its KV blocks freed
+
+NOTE: the waiting cap counts requests the *server* has admitted, so a burst that arrives
+before the engine schedules anything is still bounded: at most ``max_num_seqs +
+max_waiting`` requests are in flight at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from megaserve.outputs import Logprobs
+from megaserve.sampling_params import SamplingParams
+from megaserve.server.errors import ErrorCode, RequestError
+from megaserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# Text prompts longer than this many characters per token of max_model_len are refused
+# before tokenization: no tokenizer we ship packs more characters than this into a token,
+# and it keeps a 10 MB prompt from holding the event loop while it is tokenized.
+MAX_CHARS_PER_TOKEN = 32
+# Prompts of more characters than this are tokenized in a worker thread.
+_THREAD_TOKENIZE_CHARS = 16384
+
+
+class ServerState(enum.Enum):
+    LOADING = "LOADING"
+    SERVING = "SERVING"
+    DRAINING = "DRAINING"
+    STOPPED = "STOPPED"
+
+
+@dataclass
+class Delta:
+    """What one engine step added to a request (new tokens only), plus the end state.
+
+    When ``finish_reason`` is set this is the last delta and ``output_ids`` / ``output_text``
+    / ``output_logprobs`` hold the whole output.
+    """
+
+    token_ids: list[int]
+    text: str
+    logprobs: Logprobs | None
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    output_logprobs: Logprobs | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ServingCore:
+    """Owns the engine (once loaded), the in-flight table and the metrics."""
+
+    def __init__(self, model_name: str, max_num_seqs: int, max_waiting: int) -> None:
+        self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.engine = None  # AsyncLLMEngine once load() is done
+        self.state = ServerState.LOADING
+        self.started_at = time.monotonic()
+        self._in_flight: dict[str, float] = {}  # request id → arrival time (monotonic)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.metrics = ServerMetrics(
+            model_name, lambda: self.engine.stats() if self.engine else None,
+            lambda: len(self._in_flight))
+
+    # -- admission ---------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @contextlib.contextmanager
+    def admit(self, request_id: str | None) -> Iterator[str]:
+        """Registers a request for the duration of the ``with`` block; yields its id.
+
+        Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS).
+        """
+        try:
+            if self.state is not ServerState.SERVING:
+                what = "loading the model" if self.state is ServerState.LOADING else "shutting down"
+                raise RequestError(ErrorCode.UNAVAILABLE, f"server is {what}; retry later")
+            if len(self._in_flight) >= self.max_num_seqs + self.max_waiting:
+                raise RequestError(
+                    ErrorCode.RESOURCE_EXHAUSTED,
+                    f"too many requests: {len(self._in_flight)} in flight, the limit is "
+                    f"max_num_seqs + max_waiting = {self.max_num_seqs + self.max_waiting}; "
+                    "retry later")
+            request_id = request_id or uuid.uuid4().hex
+            if request_id in self._in_flight:
+                raise RequestError(ErrorCode.ALREADY_EXISTS,
+                                   f"request_id: {request_id!r} is already in flight",
+                                   param="request_id")
+        except RequestError as e:
+            self.metrics.rejected(e.code.grpc_name)
+            raise
+        self._in_flight[request_id] = time.monotonic()
+        self._idle.clear()
+        try:
+            yield request_id
+        finally:
+            del self._in_flight[request_id]
+            if not self._in_flight:
+                self._idle.set()
+
+    # -- validation --------------------------------------------------------------------
+    async def prepare(self, prompt: str | list[int], params: SamplingParams,
+                      field_name: str = "prompt") -> list[int]:
+        """Checks a prompt against the model and returns its token ids.
+
+        Raises RequestError(INVALID_ARGUMENT) naming ``field_name`` or the engine's field.
+        """
+        engine = self.engine
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError.invalid(field_name, "must not be empty")
+            limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+            if len(prompt) > limit:
+                raise RequestError.invalid(
+                    field_name, f"{len(prompt)} characters is too long: the limit is {limit} "
+                    f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={engine.max_model_len})")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError.invalid(field_name, "is not valid UTF-8 (unpaired surrogate)") from None
+        else:
+            if not prompt:
+                raise RequestError.invalid(field_name, "must not be empty")
+            vocab = engine.vocab_size
+            for pos, token in enumerate(prompt):
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise RequestError.invalid(
+                        field_name, f"token id {token!r} at position {pos} is outside the "
+                        f"vocabulary [0, {vocab})")
+        try:
+            if isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS:
+                return await asyncio.to_thread(engine.validate, prompt, params)
+            return engine.validate(prompt, params)
+        except ValueError as e:
+            raise RequestError.from_value_error(e, field_name) from None
+
+    # -- generation --------------------------------------------------------------------
+    async def stream(self, request_id: str, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[Delta]:
+        """Runs one admitted request and yields a Delta per engine step.
+
+        The last Delta has ``finish_reason`` set. If the consumer stops early (cancelled,
+        deadline, client gone, ``aclose()``), the request is aborted in the engine.
+        Use with ``contextlib.aclosing`` so that happens promptly.
+        """
+        arrival = self._in_flight.get(request_id, time.monotonic())
+        prev_ids: list[int] = []
+        prev_text = ""
+        last_token_at: float | None = None
+        finished = False
+        try:
+            async for out in self.engine.generate(request_id, prompt_ids, params):
+                comp = out.outputs[0]
+                new_ids = comp.token_ids[len(prev_ids):]
+                now = time.monotonic()
+                if new_ids:
+                    if last_token_at is None:
+                        self.metrics.ttft.observe(now - arrival, self.metrics.labels)
+                    else:
+                        gap = (now - last_token_at) / len(new_ids)
+                        for _ in new_ids:
+                            self.metrics.itl.observe(gap, self.metrics.labels)
+                    last_token_at = now
+                delta = Delta(
+                    token_ids=list(new_ids), text=comp.text[len(prev_text):],
+                    logprobs=comp.logprobs[len(prev_ids):] if comp.logprobs is not None else None)
+                prev_ids, prev_text = list(comp.token_ids), comp.text
+                if out.finished:
+                    finished = True
+                    reason = comp.finish_reason or "stop"
+                    self.metrics.e2e.observe(now - arrival, self.metrics.labels)
+                    self.metrics.finished(reason)
+                    delta.finish_reason = reason
+                    delta.output_ids = list(comp.token_ids)
+                    delta.output_text = comp.text
+                    delta.output_logprobs = comp.logprobs
+                    delta.prompt_tokens = len(out.prompt_token_ids)
+                    delta.cached_tokens = out.num_cached_tokens
+                if delta.token_ids or delta.text or delta.finish_reason:
+                    yield delta
+                if finished:
+                    return
+        except ValueError as e:
+            finished = True  # refused before it ran: nothing to abort
+            raise RequestError.from_value_error(e) from None
+        finally:
+            if not finished:
+                # Cancelled, deadline passed, client gone or an engine failure: free the
+                # request's KV blocks. Shielded: we may be inside a cancelled task.
+                await asyncio.shield(self._abort_quietly(request_id))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+            self.metrics.finished("abort")
+        except Exception:  # the engine may already have dropped it
+            logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts an in-flight request; False if no such request is in flight."""
+        if request_id not in self._in_flight or self.engine is None:
+            return False
+        await self.engine.abort(request_id)
+        return True
+
+    # -- shutdown ----------------------------------------------------------------------
+    async def drain(self, grace_period: float) -> int:
+        """Stops admitting, waits up to ``grace_period`` s for in-flight requests, then
+        aborts what is left (their streams end with finish_reason "abort").
+
+        Returns the number of requests that had to be aborted.
+        """
+        self.state = ServerState.DRAINING
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=grace_period)
+            return 0
+        except asyncio.TimeoutError:
+            pass
+        left = list(self._in_flight)
+        logger.warning("grace period over: aborting %d in-flight request(s)", len(left))
+        for request_id in left:
+            with contextlib.suppress(Exception):
+                await self.engine.abort(request_id)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout=5.0)
+        return len(left)

@@ -1,0 +1,164 @@
+"""The ``megaserve.v1.Generation`` service on grpc.aio, plus health and reflection.
+
+Health: overall (``""``) and readiness (``megaserve.v1.Generation``) are NOT_SERVING until
+the model is loaded and again from the start of a drain.
+
+The handlers are registered by hand (not with the generated ``add_*_to_server``) so that
+GenerateRequest goes through ``grpc_protocol.deserialize_generate``: malformed requests get
+INVALID_ARGUMENT with a field name instead of grpc's generic INTERNAL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from megaserve import __version__
+from megaserve.server import generation_pb2 as pb
+from megaserve.server.core import Delta, ServingCore
+from megaserve.server.errors import RequestError
+from megaserve.server.grpc_protocol import (
+    SERVICE_NAME, BadMessage, deserialize_generate, logprobs_to_proto, parse_generate)
+
+logger = logging.getLogger(__name__)
+
+# Enough for any prompt the size cap lets through; larger messages get RESOURCE_EXHAUSTED
+# from grpc itself.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class GenerationService:
+    """Implements the four RPCs on top of a ServingCore."""
+
+    def __init__(self, core: ServingCore, dtype: str, device: str) -> None:
+        self.core = core
+        self.dtype = dtype
+        self.device = device
+
+    async def Generate(self, request: pb.GenerateRequest | BadMessage,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        core = self.core
+        started = False
+        try:
+            if isinstance(request, BadMessage):
+                raise request.error
+            parsed = parse_generate(request)
+            with core.admit(parsed.request_id) as request_id:
+                prompt_ids = await core.prepare(parsed.prompt, parsed.params, _input_field(request))
+                async with contextlib.aclosing(
+                        core.stream(request_id, prompt_ids, parsed.params)) as deltas:
+                    async for delta in deltas:
+                        started = True
+                        if parsed.stream and delta.token_ids:
+                            yield pb.GenerateResponse(chunk=_chunk(delta))
+                        if delta.finish_reason is not None:
+                            yield pb.GenerateResponse(complete=_complete(request_id, delta))
+        except RequestError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code.grpc_name), e.message)
+        except Exception as e:  # an engine failure: report it in-stream, then as a status
+            logger.exception("Generate failed")
+            message = f"internal error: {type(e).__name__}: {e}"
+            if started:
+                yield pb.GenerateResponse(error=pb.Error(message=message, code="INTERNAL"))
+            await context.abort(grpc.StatusCode.INTERNAL, message)
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.core.abort(request.request_id))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        engine = self.core.engine
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is loading the model")
+        return pb.GetModelInfoResponse(
+            model_name=engine.model_name, max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size, eos_token_ids=list(engine.tokenizer.eos_token_ids),
+            dtype=self.dtype, device=self.device)
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        core = self.core
+        info = pb.GetServerInfoResponse(
+            version=__version__, state=core.state.value, num_in_flight=core.num_in_flight,
+            max_num_seqs=core.max_num_seqs, max_waiting=core.max_waiting,
+            uptime_s=_uptime(core))
+        if core.engine is not None:
+            s = core.engine.stats()
+            info.num_running, info.num_waiting = s.num_running, s.num_waiting
+            info.num_kv_blocks, info.num_free_kv_blocks = s.num_kv_blocks, s.num_free_kv_blocks
+        return info
+
+
+def _uptime(core: ServingCore) -> float:
+    return time.monotonic() - core.started_at
+
+
+def _input_field(request: pb.GenerateRequest) -> str:
+    return "token_ids" if request.WhichOneof("input") == "token_ids" else "text"
+
+
+def _chunk(delta: Delta) -> pb.Chunk:
+    return pb.Chunk(token_ids=delta.token_ids, text=delta.text,
+                    logprobs=logprobs_to_proto(delta.token_ids, delta.logprobs))
+
+
+def _complete(request_id: str, delta: Delta) -> pb.Complete:
+    usage = pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=len(delta.output_ids),
+                     cached_tokens=delta.cached_tokens)
+    return pb.Complete(request_id=request_id, output_ids=delta.output_ids,
+                       text=delta.output_text, finish_reason=delta.finish_reason, usage=usage,
+                       logprobs=logprobs_to_proto(delta.output_ids, delta.output_logprobs))
+
+
+def _handlers(service: GenerationService) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=deserialize_generate,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            service.Abort, request_deserializer=pb.AbortRequest.FromString,
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetServerInfo, request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.GetServerInfoResponse.SerializeToString),
+    })
+
+
+def build_grpc_server(service: GenerationService, address: str,
+                      ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """Creates (does not start) the grpc.aio server bound to ``address`` ("host:port").
+
+    Health starts NOT_SERVING for both the overall and the service name; the caller flips
+    it with ``set_health``. Raises RuntimeError if the port cannot be bound.
+    """
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ])
+    server.add_generic_rpc_handlers((_handlers(service),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind gRPC to {address}")
+    return server, health_servicer
+
+
+async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    """Sets overall ("") and readiness (the service name) health together."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
