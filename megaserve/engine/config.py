@@ -1,0 +1,53 @@
+"""EngineConfig: everything that shapes one engine instance, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load and run a model. ``None`` fields are derived from the model.
+
+    max_model_len: prompt + generated tokens per request (default: the model's
+    max_position_embeddings, capped at 4096). num_kv_blocks: size of each attention
+    replica's KV pool (default: enough for ``max_num_seqs`` full-length requests within
+    ``kv_cache_bytes``). attention_replicas / expert_workers / microbatches / transport:
+    the disaggregated layout (defaults: everything in this process, one micro-batch).
+    """
+
+    model: str = "builtin:tiny-moe"
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    seed: int = 0
+    attention_replicas: int = 1
+    expert_workers: int = 1
+    microbatches: int = 1
+    transport: str = "inproc"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
+                     "attention_replicas", "expert_workers", "microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 1):
+                raise ValueError(f"{name} must be an integer > 1, got {value!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

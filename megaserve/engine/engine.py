@@ -1,0 +1,203 @@
+"""LLMEngine: the synchronous engine. ``step()`` = schedule, execute, make outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
+from megaserve.engine.model_runner import ModelRunner
+from megaserve.engine.output_processor import OutputProcessor
+from megaserve.engine.scheduler import Scheduler, SchedulerConfig
+from megaserve.engine.sequence import Sequence
+from megaserve.models.builtin import resolve_model
+from megaserve.models.config import ModelConfig
+from megaserve.models.forward import LocalExperts
+from megaserve.models.loader import load_model
+from megaserve.outputs import RequestOutput
+from megaserve.sampling_params import SamplingParams
+from megaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Loads a model and serves requests step by step (not thread-safe: one caller).
+
+    Raises ``ValueError`` at construction for a bad config, an unknown model path, a
+    corrupt checkpoint or an unsupported architecture, naming the field or file.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        self.model_path = Path(path)
+        self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+        model_max = ModelConfig.from_dir(path).max_position_embeddings
+        self.max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
+        model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len)
+        self.model_config = model.config
+        self.model_name = config.model
+        self.vocab_size = model.config.vocab_size
+        num_blocks = self._num_kv_blocks(model.attention.dtype)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size),
+            self.pool,
+        )
+        kv = allocate_kv_tensors(
+            model.config.num_layers, num_blocks, config.block_size, model.config.num_kv_heads,
+            model.config.head_dim, model.attention.dtype, model.attention.device,
+        )
+        self.runner = ModelRunner(
+            model.attention, LocalExperts(model.experts), kv, config.block_size, config.microbatches
+        )
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.outputs = OutputProcessor(
+            self.tokenizer, tuple(eos) or model.config.eos_token_ids, self.max_model_len
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
+        cfg, bs = self.model_config, self.config.block_size
+        per_seq = blocks_for(self.max_model_len, bs)
+        if self.config.num_kv_blocks is not None:
+            num = self.config.num_kv_blocks
+        else:
+            bytes_per_block = 2 * cfg.num_layers * bs * cfg.kv_size * dtype.itemsize
+            num = min(self.config.max_num_seqs * per_seq, self.config.kv_cache_bytes // bytes_per_block)
+        if num < per_seq:
+            raise ValueError(
+                f"num_kv_blocks: {num} blocks of {bs} tokens cannot hold one request of "
+                f"max_model_len={self.max_model_len}; raise kv_cache_bytes / num_kv_blocks "
+                f"or lower max_model_len"
+            )
+        return num
+
+    # -- requests ---------------------------------------------------------------------
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids; ``ValueError`` starting with the offending field."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer.json; pass prompt_token_ids")
+            if not prompt:
+                raise ValueError("prompt: empty prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+                )
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        return ids
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Queue a request; raises ``ValueError`` for bad input or a duplicate id."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        ids = self.validate(prompt, params)
+        arrival = next(self._arrivals)
+        seed = params.seed if params.seed is not None else self._derived_seed(arrival)
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids,
+            params=params,
+            seed=seed,
+            arrival=arrival,
+        )
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _derived_seed(self, arrival: int) -> int:
+        """A seed for an unseeded request: fixed by the engine seed and arrival order."""
+        return (self.config.seed * 0x9E3779B97F4A7C15 + arrival * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request with reason "abort" and free its blocks; None if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        self.outputs.release(seq)
+        seq.finish_reason = "abort"
+        return self.outputs.make_output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns a snapshot of every request that advanced."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        results = self.runner.execute(plan.scheduled)
+        outputs: list[RequestOutput] = []
+        for item, result in zip(plan.scheduled, results):
+            seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self._prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            for position, logprobs in result.prompt_logprobs:
+                if position + 1 == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(logprobs)
+            seq.num_computed_tokens += item.num_new_tokens
+            if result.token is None:
+                continue
+            self._generation_tokens += 1
+            self.outputs.append_token(seq, result.token, result.logprobs)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                self._seqs.pop(seq.request_id, None)
+            outputs.append(self.outputs.make_output(seq))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.pool.num_blocks,
+            num_free_kv_blocks=self.pool.num_free,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_preemptions=self.scheduler.total_preemptions,
+        )
+
+    def shutdown(self) -> None:
+        """Release resources (worker processes, once disaggregated)."""

@@ -1,0 +1,177 @@
+"""ModelRunner: turns a scheduled step into model inputs, runs the layers, samples.
+
+Shape legend: T = tokens in the step, S = scheduled sequences, B = rows whose logits are
+needed (sampling rows, plus prompt rows of requests asking for prompt logprobs), V = vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from megaserve.engine.scheduler import ScheduledSeq
+from megaserve.models.attention_part import AttentionMetadata, AttentionPart
+from megaserve.models.forward import ExpertClient, MicroBatch, run_layers
+
+
+@dataclass
+class SeqResult:
+    """What one step produced for one sequence."""
+
+    token: int | None = None  # sampled token, if the sequence sampled this step
+    logprobs: dict[int, float] | None = None  # for the sampled token (when requested)
+    # (position p, logprobs of prompt token p + 1) for prompt rows computed this step
+    prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+
+
+def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[ScheduledSeq]]:
+    """Split sequences into at most ``m`` contiguous groups of about equal token counts."""
+    if m <= 1 or len(scheduled) <= 1:
+        return [scheduled]
+    total = sum(s.num_new_tokens for s in scheduled)
+    groups: list[list[ScheduledSeq]] = [[]]
+    acc = 0
+    for s in scheduled:
+        target = total * len(groups) / m
+        if groups[-1] and acc >= target and len(groups) < m:
+            groups.append([])
+        groups[-1].append(s)
+        acc += s.num_new_tokens
+    return groups
+
+
+class ModelRunner:
+    """Executes steps for one attention worker (its KV cache and attention part)."""
+
+    def __init__(
+        self,
+        attention: AttentionPart,
+        experts: ExpertClient,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        microbatches: int = 1,
+    ) -> None:
+        self.attention = attention
+        self.experts = experts
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.microbatches = microbatches
+        self.device = attention.device
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
+        """Run one step; returns one SeqResult per scheduled sequence, in order."""
+        groups = split_microbatches(scheduled, self.microbatches)
+        hidden = run_layers(
+            self.attention, self.experts, [self._micro_batch(g) for g in groups], self.kv_caches
+        )
+        h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, D]
+        rows, row_owner = self._logit_rows(scheduled)
+        results = [SeqResult() for _ in scheduled]
+        if not rows:
+            return results
+        logprobs = kernels.log_softmax(
+            self.attention.logits(h[torch.tensor(rows, device=self.device)])
+        )  # [B, V] fp32
+        self._sample(scheduled, row_owner, logprobs, results)
+        self._prompt_logprobs(scheduled, row_owner, logprobs, results)
+        return results
+
+    def _micro_batch(self, group: list[ScheduledSeq]) -> MicroBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        starts = [0]
+        max_blocks = max(len(s.seq.block_ids) for s in group)
+        tables = torch.zeros(len(group), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(group):
+            seq, begin = s.seq, s.seq.num_computed_tokens
+            end = begin + s.num_new_tokens
+            ids += seq.token_ids(begin, end)
+            positions += range(begin, end)
+            bs = self.block_size
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(begin, end)]
+            context_lens.append(end)
+            starts.append(starts[-1] + s.num_new_tokens)
+            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
+
+        def dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device)
+
+        meta = AttentionMetadata(
+            positions=dev(positions, torch.int64),
+            slot_mapping=dev(slots, torch.int64),
+            block_tables=tables.to(self.device),
+            context_lens=dev(context_lens, torch.int32),
+            query_start_loc=dev(starts, torch.int32),
+        )
+        return MicroBatch(dev(ids, torch.int64), meta)
+
+    @staticmethod
+    def _logit_rows(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Rows of the step's hidden states that need logits, and (sequence index,
+        position) for each: the last row of sampling sequences and, for prompt logprobs,
+        every row whose next token is still a prompt token."""
+        rows: list[int] = []
+        owner: list[tuple[int, int]] = []
+        offset = 0
+        for i, s in enumerate(scheduled):
+            begin = s.seq.num_computed_tokens
+            if s.seq.wants_prompt_logprobs():
+                for p in range(begin, min(begin + s.num_new_tokens, s.seq.num_prompt_tokens - 1)):
+                    rows.append(offset + p - begin)
+                    owner.append((i, p))
+            if s.samples:
+                rows.append(offset + s.num_new_tokens - 1)
+                owner.append((i, s.seq.num_tokens - 1))
+            offset += s.num_new_tokens
+        return rows, owner
+
+    def _sample(self, scheduled, row_owner, logprobs, results) -> None:
+        picks = [
+            (r, i) for r, (i, p) in enumerate(row_owner)
+            if scheduled[i].samples and p == scheduled[i].seq.num_tokens - 1
+        ]
+        if not picks:
+            return
+        index = torch.tensor([r for r, _ in picks], device=self.device)
+        seqs = [scheduled[i].seq for _, i in picks]
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device)
+
+        tokens = kernels.sample(
+            logprobs[index],
+            col([s.params.temperature for s in seqs], torch.float32),
+            col([s.params.top_k for s in seqs], torch.int64),
+            col([s.params.top_p for s in seqs], torch.float32),
+            col([s.params.min_p for s in seqs], torch.float32),
+            col([s.seed for s in seqs], torch.int64),
+            # The position of the token being generated keys the random draw.
+            col([s.num_tokens for s in seqs], torch.int64),
+        ).tolist()
+        for (r, i), seq, token in zip(picks, seqs, tokens):
+            results[i].token = token
+            if seq.params.logprobs is not None:
+                results[i].logprobs = _top_logprobs(logprobs[r], seq.params.logprobs, token)
+
+    def _prompt_logprobs(self, scheduled, row_owner, logprobs, results) -> None:
+        for r, (i, p) in enumerate(row_owner):
+            seq = scheduled[i].seq
+            if p + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs():
+                next_token = seq.prompt_token_ids[p + 1]
+                results[i].prompt_logprobs.append(
+                    (p, _top_logprobs(logprobs[r], seq.params.prompt_logprobs, next_token))
+                )
+
+
+def _top_logprobs(row: torch.Tensor, n: int, token: int) -> dict[int, float]:
+    """The ``n`` most likely tokens of a `[V]` logprob row, plus ``token``."""
+    out: dict[int, float] = {}
+    if n > 0:
+        values, ids = torch.topk(row, min(n, row.shape[0]))
+        out = dict(zip(ids.tolist(), values.tolist()))
+    out[token] = float(row[token])
+    return out
