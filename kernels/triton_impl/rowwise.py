@@ -1,0 +1,143 @@
+"""Row-wise Triton kernels: RMSNorm (+ residual), SwiGLU, combine, log-softmax.
+
+Shape legend: T = tokens, D = hidden, I = intermediate, k = experts per token, V = vocab.
+
+Every kernel runs one row per program with a block size fixed by the row length, so a
+row's reduction order (``tl.sum`` over a fixed-size block, blocks folded in ascending
+order) is a function of the row length only, never of the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_ROW_BLOCK = 4096  # longer rows are reduced in chunks of this many elements
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
+                     stride_x, stride_r, stride_o, stride_h,
+                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x + r).to(x_ptr.dtype.element_ty)  # h = x + residual, in x.dtype
+        tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / D
+    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """See ``kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None."""
+    t, d = x.shape
+    block_d = triton.next_power_of_2(d)
+    if block_d > 65536:
+        raise ValueError(f"rms_norm: hidden size {d} too large (max 65536)")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(out) if residual is not None else out
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    res = residual if residual is not None else x
+    if t:
+        _rms_norm_kernel[(t,)](x, res, weight, out, h, d, float(eps),
+                               x.stride(0), res.stride(0), out.stride(0), h.stride(0),
+                               HAS_RES=residual is not None, BLOCK_D=block_d,
+                               num_warps=min(16, max(1, block_d // 512)))
+    return (out, h) if residual is not None else out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_g, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    gate = tl.load(gu_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_g + I + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # silu in fp32, rounded like F.silu
+    tl.store(out_ptr + row * stride_o + cols, act * up, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up `[T, 2I]` (gate first) → `silu(gate) * up` `[T, I]`, elementwise."""
+    t, two_i = gate_up.shape
+    i = two_i // 2
+    gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    out = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if t and i:
+        _silu_mul_kernel[(t, triton.cdiv(i, block))](gate_up, out, i, gate_up.stride(0),
+                                                     out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _combine_kernel(eo_ptr, w_ptr, out_ptr, D, stride_et, stride_ek, stride_wt,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    w0 = tl.load(w_ptr + row * stride_wt)
+    acc = w0 * tl.load(eo_ptr + row * stride_et + cols, mask=mask, other=0.0).to(tl.float32)
+    for rank in tl.static_range(1, TOP_K):  # ascending rank order, fixed
+        w = tl.load(w_ptr + row * stride_wt + rank)
+        o = tl.load(eo_ptr + row * stride_et + rank * stride_ek + cols, mask=mask, other=0.0)
+        acc = acc + w * o.to(tl.float32)
+    tl.store(out_ptr + row * D + cols, acc, mask=mask)
+
+
+def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """expert_out `[T, k, D]`, topk_weights `[T, k]` float32 → `[T, D]` float32."""
+    t, k, d = expert_out.shape
+    expert_out = expert_out if expert_out.stride(2) == 1 else expert_out.contiguous()
+    w = topk_weights.float().contiguous()
+    out = torch.empty(t, d, dtype=torch.float32, device=expert_out.device)
+    block = 1024
+    if t and d:
+        _combine_kernel[(t, triton.cdiv(d, block))](
+            expert_out, w, out, d, expert_out.stride(0), expert_out.stride(1), w.stride(0),
+            TOP_K=k, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < V,
+                    other=float("-inf")).to(tl.float32)
+        run_max = tl.maximum(run_max, x)
+    row_max = tl.max(run_max, axis=0)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < V,
+                    other=float("-inf")).to(tl.float32)
+        acc += tl.exp(x - row_max)
+    log_z = tl.log(tl.sum(acc, axis=0))
+    for start in range(0, V, BLOCK):
+        mask = start + cols < V
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + start + cols, (x - row_max) - log_z, mask=mask)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits `[B, V]` → `[B, V]` float32, one row per program, chunked fixed by V."""
+    b, v = logits.shape
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    out = torch.empty(b, v, dtype=torch.float32, device=logits.device)
+    block = min(_MAX_ROW_BLOCK, triton.next_power_of_2(v))
+    if b and v:
+        _log_softmax_kernel[(b,)](logits, out, v, logits.stride(0), out.stride(0),
+                                  BLOCK=block, num_warps=8)
+    return out
