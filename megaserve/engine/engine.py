@@ -201,3 +201,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release resources (worker processes, once disaggregated)."""
+
+
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The engine for a config: everything in this process, or disaggregated workers."""
+    return LLMEngine(config)

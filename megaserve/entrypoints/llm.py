@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import LLMEngine
+from megaserve.engine.engine import make_engine
 from megaserve.outputs import RequestOutput
 from megaserve.sampling_params import SamplingParams
 
@@ -38,7 +38,7 @@ class LLM:
             model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, block_size=block_size, seed=seed, **engine_options,
         )
-        self.engine = _make_engine(config)
+        self.engine = make_engine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -100,8 +100,3 @@ def _prompt_of(prompt: PromptInput) -> str | list[int]:
         "prompt: expected a str or a dict with 'prompt_token_ids', got "
         f"{type(prompt).__name__}"
     )
-
-
-def _make_engine(config: EngineConfig) -> LLMEngine:
-    """The engine for a config: in-process, or disaggregated over workers."""
-    return LLMEngine(config)
