@@ -1,0 +1,215 @@
+"""Plan atoms: MegaScale-Infer's Algorithm 1, vectorised over a grid of configurations.
+
+For every (attention GPU type, expert GPU type) pair of the inventory it enumerates
+``tp_a, tp_e`` in {1, 2, 4, 8} (within GPUs per node), ``n_e`` (divisors of E whose experts
+fit), ``n_a`` (the attention replicas; balancing is done by evaluating a grid of them and
+keeping what is not dominated) and ``m`` in 1..N_m, then binary-searches the largest
+per-replica micro-batch ``b`` meeting the TPOT SLO and memory. Each surviving configuration
+is a *plan atom*: a deployment unit with a GPU usage vector and a predicted throughput.
+Atoms dominated by another (no more GPUs of any type, at least the throughput) are dropped:
+that never changes the optimum of the inventory ILP.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+from planner import perf
+from planner.catalog import Cluster, GpuSpec
+from planner.errors import InfeasibleError
+from planner.model_spec import ModelSpec
+from planner.profile import Profile
+
+logger = logging.getLogger(__name__)
+
+TP_CHOICES = (1, 2, 4, 8)
+NA_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+BOTTLENECKS = ("attention", "expert", "comm", "memory", "batch cap")
+
+
+@dataclass(frozen=True)
+class Atoms:
+    """A struct of arrays, one row per plan atom (all arrays have length N).
+
+    ``usage[i, t]`` = GPUs of type ``types[t]`` used by atom i; ``throughput`` in output
+    tokens/s; times in seconds per micro-batch per MoE layer; memory in bytes per GPU.
+    """
+
+    types: tuple[str, ...]
+    ga: np.ndarray  # attention GPU type index into types
+    ge: np.ndarray  # expert GPU type index
+    tp_a: np.ndarray
+    n_a: np.ndarray
+    tp_e: np.ndarray
+    n_e: np.ndarray
+    m: np.ndarray
+    b: np.ndarray  # sequences per micro-batch per replica; max batch per replica = m * b
+    t_a: np.ndarray
+    t_e: np.ndarray
+    t_c: np.ndarray
+    tpot: np.ndarray
+    ttft: np.ndarray
+    throughput: np.ndarray
+    mem_a: np.ndarray
+    mem_e: np.ndarray
+    bottleneck: np.ndarray  # index into BOTTLENECKS
+    usage: np.ndarray  # [N, len(types)] int
+    cost: np.ndarray  # relative price per hour
+
+    def __len__(self) -> int:
+        return len(self.ga)
+
+    def take(self, index: np.ndarray) -> Atoms:
+        """Rows selected by a boolean mask or an index array."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Atoms(**{k: (v if k == "types" else v[index]) for k, v in kw.items()})
+
+    def row(self, i: int) -> dict[str, object]:
+        """Atom i as plain Python values (for reports and plan files)."""
+        out = {f.name: getattr(self, f.name)[i] for f in fields(self) if f.name not in ("types", "usage")}
+        out = {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items()}
+        out["attn_gpu"], out["expert_gpu"] = self.types[out.pop("ga")], self.types[out.pop("ge")]
+        out["bottleneck"] = BOTTLENECKS[out["bottleneck"]]
+        return out
+
+
+def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster) -> dict[str, np.ndarray]:
+    """All (pair, tp_a, tp_e, n_e, n_a, m) within node sizes and inventory, as flat columns."""
+    entries = cluster.available()
+    counts = np.array([e.count for e in entries])
+    n_e_opts = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+    cols = []
+    for ia, ea in enumerate(entries):
+        for ie, ee in enumerate(entries):
+            tpa = [t for t in TP_CHOICES if t <= ea.gpus_per_node]
+            tpe = [t for t in TP_CHOICES if t <= ee.gpus_per_node]
+            g = np.meshgrid(tpa, tpe, n_e_opts, NA_GRID, np.arange(1, work.max_microbatches + 1), indexing="ij")
+            g = [x.ravel() for x in g]
+            cols.append([np.full(len(g[0]), ia), np.full(len(g[0]), ie), *g])
+    ga, ge, tp_a, tp_e, n_e, n_a, m = (np.concatenate(c) for c in zip(*cols))
+    usage = np.zeros((len(ga), len(entries)), dtype=np.int64)
+    np.add.at(usage, (np.arange(len(ga)), ga), n_a * tp_a)
+    np.add.at(usage, (np.arange(len(ga)), ge), n_e * tp_e)
+    keep = np.all(usage <= counts, axis=1)
+    out = dict(ga=ga, ge=ge, tp_a=tp_a, tp_e=tp_e, n_e=n_e, n_a=n_a, m=m)
+    out = {k: v[keep] for k, v in out.items()}
+    out["usage"] = usage[keep]
+    return out
+
+
+def _binary_search_b(model, work, hw_a, hw_e, g, b_cap) -> np.ndarray:
+    """Largest b in [1, b_cap] with TPOT <= SLO, for every config at once (TPOT rises with b).
+    Callers guarantee b = 1 is feasible."""
+    slo = work.tpot_ms / 1e3
+    lo, hi = np.ones_like(b_cap), b_cap.copy()
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        t = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], mid)
+        ok = t.t_total <= slo
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+    return lo
+
+
+def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile = Profile(),
+               prune: bool = True) -> Atoms:
+    """All non-dominated plan atoms for the inventory. Raises InfeasibleError naming why
+    none exists (empty inventory, model does not fit, SLO unreachable)."""
+    entries = cluster.available()
+    if not entries:
+        raise InfeasibleError("empty inventory: the cluster file lists no GPUs with count > 0")
+    gpus: Sequence[GpuSpec] = [cluster.gpus[e.gpu] for e in entries]
+    g = _grid(model, work, cluster)
+    if len(g["ga"]) == 0:
+        raise InfeasibleError("inventory too small: no unit of one attention replica and expert workers fits")
+    hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
+    mem_e = perf.expert_memory(model, g["tp_e"], g["n_e"])
+    expert_fits = mem_e <= hw_e.mem * (1 - work.reserve_frac)
+    b_mem = perf.max_batch_by_memory(model, work, hw_a, g["tp_a"])
+    b_cap = np.floor(np.minimum(b_mem, work.max_batch_per_replica) / g["m"]).astype(np.int64)
+    fits = expert_fits & (b_cap >= 1)
+    if not fits.any():
+        raise InfeasibleError(_fit_message(model, work, gpus, cluster, expert_fits.any()))
+    g, b_cap, b_mem = {k: v[fits] for k, v in g.items()}, b_cap[fits], b_mem[fits]
+    hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
+    args = (g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"])
+    t1 = perf.decode_step(model, work, hw_a, hw_e, *args, np.ones_like(b_cap)).t_total
+    ok = t1 <= work.tpot_ms / 1e3
+    if not ok.any():
+        raise InfeasibleError(
+            f"TPOT SLO unreachable: {work.tpot_ms:g} ms requested, the fastest unit needs "
+            f"{t1.min() * 1e3:.1f} ms per token even at batch 1; raise --tpot-ms or add faster GPUs"
+        )
+    g, b_cap, b_mem = {k: v[ok] for k, v in g.items()}, b_cap[ok], b_mem[ok]
+    hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
+    args = (g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"])
+    b = _binary_search_b(model, work, hw_a, hw_e, g, b_cap)
+    step = perf.decode_step(model, work, hw_a, hw_e, *args, b)
+    ttft = perf.prefill_time(model, work, hw_a, hw_e, g["tp_a"], g["tp_e"], g["n_e"]) + step.t_total
+    if work.ttft_ms is not None:
+        ok = ttft <= work.ttft_ms / 1e3
+        if not ok.any():
+            raise InfeasibleError(
+                f"TTFT SLO unreachable: {work.ttft_ms:g} ms requested, the best unit needs "
+                f"{ttft.min() * 1e3:.0f} ms for a {work.input_len}-token prompt; raise --ttft-ms"
+            )
+        g, b, b_cap, b_mem, ttft = {k: v[ok] for k, v in g.items()}, b[ok], b_cap[ok], b_mem[ok], ttft[ok]
+        hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
+        step = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], b)
+    atoms = _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft)
+    return prune_dominated(atoms) if prune else atoms
+
+
+def _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft) -> Atoms:
+    at_cap = b == b_cap
+    mem_limited = np.floor(b_mem / g["m"]) <= np.floor(work.max_batch_per_replica / g["m"])
+    times = np.stack([step.t_a, step.t_e, step.t_c])
+    bottleneck = np.where(at_cap, np.where(mem_limited, 3, 4), np.argmax(times, axis=0))
+    prices = np.array([x.price for x in gpus])
+    return Atoms(
+        types=tuple(e.gpu for e in entries), ga=g["ga"], ge=g["ge"], tp_a=g["tp_a"], n_a=g["n_a"],
+        tp_e=g["tp_e"], n_e=g["n_e"], m=g["m"], b=b, t_a=step.t_a, t_e=step.t_e, t_c=step.t_c,
+        tpot=step.t_total, ttft=ttft, throughput=g["n_a"] * g["m"] * b / step.t_total,
+        mem_a=perf.attention_memory(model, work, g["tp_a"], g["m"] * b),
+        mem_e=perf.expert_memory(model, g["tp_e"], g["n_e"]), bottleneck=bottleneck,
+        usage=g["usage"], cost=g["usage"] @ prices,
+    )
+
+
+def prune_dominated(atoms: Atoms) -> Atoms:
+    """Drop atoms for which another uses no more GPUs of every type and has at least the
+    throughput (ties keep the lowest TPOT, then the first)."""
+    if len(atoms) == 0:
+        return atoms
+    order = np.lexsort((atoms.tpot, -atoms.throughput))  # best first
+    usage, tput = atoms.usage[order], atoms.throughput[order]
+    kept: list[int] = []
+    kept_usage = np.empty((0, usage.shape[1]), dtype=usage.dtype)
+    for i in range(len(order)):
+        # every kept atom has throughput >= this one: dominated if one also uses <= GPUs
+        if len(kept) and np.any(np.all(kept_usage <= usage[i], axis=1)):
+            continue
+        kept.append(i)
+        kept_usage = np.vstack([kept_usage, usage[i]])
+    del tput
+    return atoms.take(order[np.array(kept, dtype=np.int64)])
+
+
+def _fit_message(model, work, gpus, cluster, experts_fit: bool) -> str:
+    biggest = max(gpus, key=lambda x: x.memory_gb)
+    usable = biggest.memory_gb * (1 - work.reserve_frac)
+    if not experts_fit:
+        need = model.expert_side_bytes / 1e9
+        return (
+            f"model fits nowhere: {model.name}'s experts need {need:.0f} GB; no split over at most "
+            f"{model.num_experts} workers x 8 GPUs of the inventory ({', '.join(x.name for x in gpus)}) "
+            f"fits in {usable:.0f} GB usable per GPU; add GPUs or larger GPUs"
+        )
+    return (
+        f"model fits nowhere: attention-side weights ({model.attn_side_bytes / 1e9:.1f} GB) plus the KV "
+        f"of one {work.ctx_max}-token sequence exceed the usable memory of every attention choice "
+        f"(largest GPU {biggest.name}, {usable:.0f} GB usable); shorten --input-len/--output-len or add GPUs"
+    )
