@@ -48,6 +48,7 @@ class RendezvousServer:
 
     def _serve(self) -> None:
         conns: dict[int, socket.socket] = {}
+        addresses: dict[int, str] = {}
         deadline = time.monotonic() + self._timeout_s
         try:
             while len(conns) < self.world_size and not self._stop.is_set():
@@ -60,19 +61,26 @@ class RendezvousServer:
                 except socket.timeout:
                     continue
                 conn.settimeout(self._timeout_s)
-                msg = json.loads(conn.makefile("r").readline())
-                rank = int(msg["rank"])
+                try:
+                    msg = json.loads(conn.makefile("r").readline())
+                    rank, address = int(msg["rank"]), str(msg["address"])
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("rendezvous: dropped a malformed registration: %s", e)
+                    conn.close()
+                    continue
                 if rank in conns or not 0 <= rank < self.world_size:
                     self.error = f"bad or duplicate rank {rank}"
                     conn.sendall(json.dumps({"error": self.error}).encode() + b"\n")
                     conn.close()
                     continue
-                conns[rank] = conn
-                conns[rank].address = msg["address"]  # type: ignore[attr-defined]
+                conns[rank], addresses[rank] = conn, address
             if len(conns) == self.world_size:
-                reply = json.dumps({"addresses": [conns[r].address for r in range(self.world_size)]})  # type: ignore[attr-defined]
+                reply = json.dumps({"addresses": [addresses[r] for r in range(self.world_size)]})
                 for conn in conns.values():
-                    conn.sendall(reply.encode() + b"\n")
+                    try:
+                        conn.sendall(reply.encode() + b"\n")
+                    except OSError as e:
+                        log.warning("rendezvous: a worker left before the reply: %s", e)
         finally:
             for conn in conns.values():
                 conn.close()
