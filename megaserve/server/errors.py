@@ -68,7 +68,12 @@ class RequestError(Exception):
         head = text.split(":", 1)[0].split(" ", 1)[0].strip()
         if head and head.replace("_", "").isalnum():
             param = head
-            message = text if text.startswith(f"{head}:") else f"{head}: {text}"
+            if text.startswith(f"{head}:"):
+                message = text
+            elif text.startswith(f"{head} "):  # "top_p must be ..." → "top_p: must be ..."
+                message = f"{head}: {text[len(head) + 1:]}"
+            else:
+                message = f"{head}: {text}"
         else:
             param = default_param
             message = f"{default_param}: {text}"

@@ -1,0 +1,150 @@
+"""Wiring of one serving process: gRPC + HTTP on one loop, model load, SIGTERM drain.
+
+Timeline::
+
+    bind gRPC and HTTP ──▶ health NOT_SERVING, requests get UNAVAILABLE / 503
+    load the engine in a worker thread (seconds) ──▶ health SERVING
+    SIGTERM / SIGINT ──▶ health NOT_SERVING, listeners closed (no new connections or RPCs)
+        ──▶ in-flight requests finish, for at most grace_period seconds
+        ──▶ the rest are aborted (their streams end with finish_reason "abort")
+        ──▶ servers stopped, engine shut down, exit 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from megaserve.server.core import ServerState, ServingCore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What ``megaserve serve`` runs. ``engine_kwargs`` go to AsyncLLMEngine unchanged."""
+
+    model: str = "builtin:tiny-moe"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    seed: int = 0
+    host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    max_waiting: int = 256
+    grace_period: float = 30.0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_waiting", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("grpc_port", "http_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 < value < 65536:
+                raise ValueError(f"{name} must be in [1, 65535], got {value!r}")
+        if self.grpc_port == self.http_port:
+            raise ValueError(f"grpc_port and http_port must differ, both are {self.grpc_port}")
+        if not self.grace_period >= 0:
+            raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period!r}")
+
+
+def _default_engine_factory(config: ServeConfig) -> Any:
+    from megaserve.engine.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(
+        model=config.model, dtype=config.dtype, device=config.device,
+        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+        seed=config.seed, **config.engine_kwargs)
+
+
+async def serve(config: ServeConfig,
+                engine_factory: Callable[[ServeConfig], Any] = _default_engine_factory) -> int:
+    """Serves until SIGTERM/SIGINT, then drains. Returns the process exit code.
+
+    Raises OSError if a port cannot be bound. A model that fails to load is logged and
+    gives exit code 1.
+    """
+    from megaserve.server.grpc_service import GenerationService, build_grpc_server, set_health
+    from megaserve.server.openai_http import build_app
+
+    core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
+    grpc_server, health = build_grpc_server(
+        GenerationService(core, config.dtype, config.device),
+        f"{_grpc_host(config.host)}:{config.grpc_port}")
+    await set_health(health, serving=False)
+    await grpc_server.start()
+    runner = web.AppRunner(build_app(core), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await grpc_server.stop(0)
+        await runner.cleanup()
+        raise
+    logger.info("megaserve: gRPC on %s:%d, HTTP on %s:%d; loading %s",
+                config.host, config.grpc_port, config.host, config.http_port, config.model)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    exit_code = 0
+    load = asyncio.create_task(asyncio.to_thread(engine_factory, config))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if load.done():
+        try:
+            core.engine = load.result()
+        except Exception:  # a bad model path, a corrupt checkpoint: log it, exit 1
+            logger.exception("megaserve: loading %s failed", config.model)
+            exit_code = 1
+            stop.set()
+        else:
+            core.state = ServerState.SERVING
+            await set_health(health, serving=True)
+            logger.info("megaserve: serving %s (max_model_len=%d)", config.model,
+                        core.engine.max_model_len)
+    await stop.wait()
+
+    # Drain: refuse new work first, then give in-flight work the grace period.
+    logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
+    core.state = ServerState.DRAINING
+    await set_health(health, serving=False)
+    await site.stop()
+    # grpc refuses new RPCs at once; in-flight ones get the grace period plus time to
+    # flush the final message of the streams the drain aborts.
+    grpc_stopped = asyncio.create_task(grpc_server.stop(config.grace_period + 5.0))
+    if core.engine is not None:
+        aborted = await core.drain(config.grace_period)
+        if aborted:
+            logger.warning("megaserve: aborted %d request(s) at the end of the grace period",
+                           aborted)
+    await grpc_stopped
+    await runner.cleanup()
+    core.state = ServerState.STOPPED
+    if core.engine is not None:
+        await core.engine.shutdown()
+    elif not load.done():
+        load.cancel()
+    logger.info("megaserve: stopped")
+    return exit_code
+
+
+def _grpc_host(host: str) -> str:
+    """grpc wants IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

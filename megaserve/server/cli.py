@@ -1,0 +1,70 @@
+"""``megaserve serve``: one process serving the gRPC and OpenAI-compatible HTTP APIs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from megaserve.server.app import ServeConfig, serve
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServeConfig()
+    p = argparse.ArgumentParser(
+        prog="megaserve serve",
+        description="Serve a MoE model over gRPC (megaserve.v1.Generation) and "
+                    "OpenAI-compatible HTTP from one process.")
+    p.add_argument("--model", default=d.model,
+                   help="HF checkpoint directory or built-in name (default: %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 or auto")
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests in the running batch (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="prompt + generated tokens per request (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="engine seed for requests without one (default: %(default)s)")
+    p.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port)
+    p.add_argument("--http-port", type=int, default=d.http_port)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="requests allowed beyond --max-num-seqs before refusing with "
+                        "RESOURCE_EXHAUSTED / HTTP 429 (default: %(default)s)")
+    p.add_argument("--grace-period", type=float, default=d.grace_period,
+                   help="seconds in-flight requests get to finish after SIGTERM before "
+                        "they are aborted (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``megaserve serve``; returns the exit code (2 for bad usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed the message
+        return int(e.code or 0)
+    try:
+        config = ServeConfig(
+            model=args.model, dtype=args.dtype, device=args.device,
+            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed,
+            host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+            max_waiting=args.max_waiting, grace_period=args.grace_period)
+    except ValueError as e:
+        print(f"megaserve serve: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(config))
+    except OSError as e:
+        print(f"megaserve serve: cannot listen: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        print(f"megaserve serve: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,244 @@
+"""The OpenAI-compatible HTTP app (aiohttp): completions, chat, models, health, metrics.
+
+A request with several prompts and/or ``n > 1`` becomes one engine request per choice
+(choice ``index = prompt_index * n + j``), each admitted separately; with a ``seed``,
+choice ``j`` uses ``seed + j`` so the choices differ but stay reproducible. If the client
+disconnects, the handler is cancelled and every choice is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from megaserve.sampling_params import SamplingParams
+from megaserve.server import openai_protocol as oai
+from megaserve.server.core import Delta, ServerState, ServingCore
+from megaserve.server.errors import ErrorCode, RequestError
+from megaserve.server.metrics import CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_CORE = web.AppKey("core", ServingCore)
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def build_app(core: ServingCore) -> web.Application:
+    """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[_CORE] = core
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", lambda r: _generate(r, chat=False))
+    app.router.add_post("/v1/chat/completions", lambda r: _generate(r, chat=True))
+    return app
+
+
+def _error_response(err: RequestError) -> web.Response:
+    return web.json_response(oai.error_body(err), status=err.code.http_status)
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[_CORE].state
+    status = 200 if state is ServerState.SERVING else 503
+    return web.json_response({"status": state.value}, status=status)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_CORE].metrics.render().encode(),
+                        headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _models(request: web.Request) -> web.Response:
+    core = request.app[_CORE]
+    card: dict[str, Any] = {"id": core.model_name, "object": "model",
+                            "created": int(time.time()), "owned_by": "megaserve"}
+    if core.engine is not None:
+        card["max_model_len"] = core.engine.max_model_len
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    core = request.app[_CORE]
+    try:
+        req = oai.parse_request(oai.decode_body(await request.read()), chat)
+        if req.model is not None and req.model != core.model_name:
+            raise RequestError(ErrorCode.NOT_FOUND, f"model: {req.model!r} is not served "
+                               f"here; available: [{core.model_name!r}]", param="model")
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        with contextlib.ExitStack() as admitted:
+            choices = []
+            prompts = req.prompts if not chat else (None,)
+            for p_index, prompt in enumerate(prompts):
+                for j in range(req.n):
+                    index = p_index * req.n + j
+                    rid = admitted.enter_context(core.admit(f"{base_id}-{index}"))
+                    choices.append(await _prepare(core, req, prompt, index, j, rid))
+            if req.stream:
+                return await _stream(request, core, req, base_id, choices)
+            return await _unary(core, req, base_id, choices)
+    except RequestError as e:
+        if e.code is not ErrorCode.UNAVAILABLE and e.code is not ErrorCode.RESOURCE_EXHAUSTED:
+            logger.info("refused %s: %s", request.path, e.message)
+        return _error_response(e)
+
+
+async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index: int,
+                   j: int, request_id: str) -> _Choice:
+    engine = core.engine
+    sampling = dict(req.sampling)
+    if "seed" in sampling and j:
+        sampling["seed"] = sampling["seed"] + j
+    sampling["logprobs"] = req.top_logprobs
+    field = "messages" if req.chat else "prompt"
+    if req.chat:
+        try:
+            prompt = engine.tokenizer.apply_chat_template(list(req.messages))
+        except (ValueError, KeyError, TypeError) as e:
+            raise RequestError.invalid("messages", f"chat template failed: {e}") from None
+    elif isinstance(prompt, tuple):
+        prompt = list(prompt)
+    try:
+        params = SamplingParams(max_tokens=req.max_tokens or 1, **sampling)
+    except ValueError as e:
+        raise RequestError.from_value_error(e) from None
+    prompt_ids = await core.prepare(prompt, params, field)
+    if req.max_tokens is None:  # chat default: fill the context
+        params = dataclasses.replace(params, max_tokens=engine.max_model_len - len(prompt_ids))
+    return _Choice(index, request_id, prompt_ids, params)
+
+
+async def _pump(core: ServingCore, choice: _Choice, queue: asyncio.Queue) -> None:
+    try:
+        async with contextlib.aclosing(
+                core.stream(choice.request_id, choice.prompt_ids, choice.params)) as deltas:
+            async for delta in deltas:
+                await queue.put((choice.index, delta))
+    except RequestError as e:
+        await queue.put((choice.index, e))
+    except Exception as e:  # an engine failure: the consumer reports it to the client
+        logger.exception("request %s failed", choice.request_id)
+        await queue.put((choice.index, oai.internal_error(f"internal error: {type(e).__name__}: {e}")))
+
+
+async def _run_choices(core: ServingCore, choices: list[_Choice]):
+    """Yields (index, Delta) from all choices as they come; cancels all on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(core, c, queue)) for c in choices]
+    remaining = len(choices)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(choices: list[_Choice], finals: dict[int, Delta], n: int) -> dict[str, int]:
+    prompt = sum(len(c.prompt_ids) for c in choices if c.index % n == 0)
+    completion = sum(len(d.output_ids) for d in finals.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _logprobs(core: ServingCore, req: oai.OpenAIRequest, ids: list[int], lps, offset: int):
+    if req.top_logprobs is None or lps is None:
+        return None
+    token_text = lambda t: core.engine.tokenizer.decode([t])  # noqa: E731
+    if req.chat:
+        return oai.chat_logprobs(ids, lps, token_text)
+    return oai.completion_logprobs(ids, lps, offset, token_text)
+
+
+def _choice_body(core, req, choice: _Choice, ids, text, lps, finish, offset) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": choice.index}
+    if req.chat:
+        body["message"] = {"role": "assistant", "content": text}
+    else:
+        body["text"] = text
+    body["logprobs"] = _logprobs(core, req, ids, lps, offset)
+    body["finish_reason"] = finish
+    if req.return_token_ids:
+        body["token_ids"] = list(ids)
+        body["prompt_token_ids"] = choice.prompt_ids
+    return body
+
+
+async def _unary(core, req, base_id, choices) -> web.Response:
+    finals: dict[int, Delta] = {}
+    try:
+        async for index, delta in _run_choices(core, choices):
+            if delta.finish_reason is not None:
+                finals[index] = delta
+    except RequestError as e:
+        return _error_response(e)
+    bodies = [_choice_body(core, req, c, finals[c.index].output_ids, finals[c.index].output_text,
+                           finals[c.index].output_logprobs, finals[c.index].finish_reason, 0)
+              for c in choices]
+    return web.json_response({
+        "id": base_id, "object": "chat.completion" if req.chat else "text_completion",
+        "created": int(time.time()), "model": core.model_name, "choices": bodies,
+        "usage": _usage(choices, finals, req.n)})
+
+
+async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    head = {"id": base_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": int(time.time()), "model": core.model_name}
+    by_index = {c.index: c for c in choices}
+    offsets = dict.fromkeys(by_index, 0)
+    finals: dict[int, Delta] = {}
+
+    def chunk(body: dict[str, Any]) -> bytes:
+        payload = {**head, "choices": [body]}
+        if req.include_usage:
+            payload["usage"] = None
+        return oai.sse_event(payload)
+
+    if req.chat:
+        for c in choices:
+            await resp.write(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}))
+    try:
+        async for index, d in _run_choices(core, choices):
+            c = by_index[index]
+            body = _choice_body(core, req, c, d.token_ids, d.text, d.logprobs, d.finish_reason,
+                                offsets[index])
+            offsets[index] += len(d.text)
+            if req.chat:
+                body["delta"] = {"content": body.pop("message")["content"]} if d.text else {}
+            if d.finish_reason is not None:
+                finals[index] = d
+            await resp.write(chunk(body))
+        if req.include_usage:
+            await resp.write(oai.sse_event({**head, "choices": [],
+                                            "usage": _usage(choices, finals, req.n)}))
+    except RequestError as e:
+        await resp.write(oai.sse_event(oai.error_body(e)))
+    await resp.write(oai.SSE_DONE)
+    await resp.write_eof()
+    return resp
