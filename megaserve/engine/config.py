@@ -18,6 +18,9 @@ class EngineConfig:
     replica's KV pool (default: enough for ``max_num_seqs`` full-length requests within
     ``kv_cache_bytes``). attention_replicas / expert_workers / microbatches / transport:
     the disaggregated layout (defaults: everything in this process, one micro-batch).
+    cpu_threads: torch intra-op threads of a CPU engine, pinned per process. One thread is
+    the default: the CPU kernels run many small fixed-shape GEMM tiles, which OpenMP
+    thread teams slow down badly on a loaded machine (measured here: 40x on 2 busy cores).
     """
 
     model: str = "builtin:tiny-moe"
@@ -34,10 +37,11 @@ class EngineConfig:
     expert_workers: int = 1
     microbatches: int = 1
     transport: str = "inproc"
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
-                     "attention_replicas", "expert_workers", "microbatches"):
+                     "attention_replicas", "expert_workers", "microbatches", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -48,6 +48,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.device == "cpu":
+            torch.set_num_threads(config.cpu_threads)
         path = resolve_model(config.model)
         self.model_path = Path(path)
         self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None

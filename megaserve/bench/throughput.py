@@ -1,0 +1,85 @@
+"""``megaserve bench throughput``: offline generation throughput of the engine.
+
+Runs N random-token requests through ``LLM.generate`` (ignore_eos, fixed output length)
+after a warm-up, and prints requests/s and generated tokens/s. ``--baseline-layout``
+repeats the run with another placement in the same process for a same-run comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
+
+
+def _run(options: dict, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
+    import torch
+
+    from megaserve import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    with LLM(**options) as llm:
+        vocab = llm.engine.vocab_size
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]}
+                   for _ in range(num_prompts)]
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        if str(options.get("device", "cpu")).startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if str(options.get("device", "cpu")).startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "requests_per_s": num_prompts / elapsed,
+            "tokens_per_s": generated / elapsed, "generated": generated}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megaserve bench throughput", description=__doc__)
+    add_runtime_flags(parser)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline-layout", default=None,
+                        help="R,E,m of a second layout measured in the same run, e.g. 1,1,1")
+    args = parser.parse_args(argv)
+    options = runtime_options(args)
+    runs = [("this layout", options)]
+    if args.baseline_layout:
+        try:
+            r, e, m = (int(x) for x in args.baseline_layout.split(","))
+        except ValueError:
+            print("megaserve bench: --baseline-layout must be R,E,m integers", file=sys.stderr)
+            return 2
+        runs.insert(0, ("baseline", {**options, "attention_replicas": r, "expert_workers": e, "microbatches": m}))
+    print(f"device: {_device_name(args.device)}  model: {args.model}  "
+          f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)")
+    print(f"{'run':<12} {'R':>2} {'E':>2} {'m':>2} {'transport':<9} {'req/s':>8} {'tok/s':>9} {'ratio':>6}")
+    base = None
+    for name, opts in runs:
+        try:
+            result = _run(opts, args.num_prompts, args.input_len, args.output_len, args.seed)
+        except ValueError as e:
+            print(f"megaserve bench: {e}", file=sys.stderr)
+            return 2
+        base = base or result["tokens_per_s"]
+        print(f"{name:<12} {opts['attention_replicas']:>2} {opts['expert_workers']:>2} "
+              f"{opts['microbatches']:>2} {opts['transport']:<9} {result['requests_per_s']:>8.2f} "
+              f"{result['tokens_per_s']:>9.1f} {result['tokens_per_s'] / base:>6.2f}")
+    return 0

@@ -1,0 +1,78 @@
+"""``megaserve generate``: generate text locally or from a running server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags shared by the commands that generate."""
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    """Model and placement flags shared by generate, serve and bench."""
+    parser.add_argument("--model", default="builtin:tiny-moe", help="HF directory or builtin:NAME")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--attention-replicas", type=int, default=1)
+    parser.add_argument("--expert-workers", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--transport", default="inproc")
+
+
+def runtime_options(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments from :func:`add_runtime_flags` flags."""
+    return dict(
+        model=args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
+        microbatches=args.microbatches, transport=args.transport,
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megaserve generate", description=__doc__)
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--server", default=None, help="host:port of a megaserve gRPC server")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive (--server)")
+    add_runtime_flags(parser)
+    add_sampling_flags(parser)
+    args = parser.parse_args(argv)
+    if args.server:
+        from megaserve.server.client import generate_remote
+
+        return generate_remote(args)
+    from megaserve import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+            ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        )
+        with LLM(**runtime_options(args)) as llm:
+            out = llm.generate(args.prompt, params)[0]
+    except ValueError as e:
+        print(f"megaserve generate: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    completion = out.outputs[0]
+    print(completion.text)
+    if args.logprobs is not None:
+        for token, logprobs in zip(completion.token_ids, completion.logprobs or []):
+            print(f"{token}\t{logprobs[token]:.6f}", file=sys.stderr)
+    print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
