@@ -258,7 +258,11 @@ class IncrementalDetokenizer:
     completes; the window slides forward only when its text has no held-back tail.
     ``flush()`` releases what is still held at the end of the stream. For tokenizers whose
     decode concatenates at character boundaries (byte-level BPE), ``text`` after
-    ``flush()`` equals ``tokenizer.decode(generated_ids)``.
+    ``flush()`` equals ``tokenizer.decode(generated_ids)``. With a SentencePiece-style
+    decoder, ``text`` is what the generated ids add to the decoded prompt (with its leading
+    space). Known limit: the ``ByteFallback`` decoder turns a run of byte tokens that is not
+    valid UTF-8 into one U+FFFD per byte, even for bytes already emitted as valid text; such
+    garbage streams can then differ from the full decode (never for valid UTF-8 output).
     """
 
     # Prompt tokens kept as context for the first generated token (vLLM uses 5 + 1).

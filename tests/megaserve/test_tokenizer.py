@@ -15,7 +15,6 @@ from megaserve.models.builtin import resolve_model
 from megaserve.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
-SAMPLES = ["Hello, world!", "héllo wörld ünïcode", "emoji 😀🎉 and CJK 漢字", "", "  spaces\n\ttabs  ", "x" * 300]
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +149,6 @@ def test_chat_template_errors_are_value_errors(tiny_dir, tmp_path):
 
 
 # -- IncrementalDetokenizer: byte-level BPE ---------------------------------------------------
-
-
-def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool = True) -> tuple[list[str], list[str], str]:
-    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
-    deltas = [detok.add(i) for i in ids]
-    texts = [detok.text]
-    return deltas, texts, detok.flush()
 
 
 def test_emoji_split_over_byte_tokens_is_held_back(tok):
