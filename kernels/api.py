@@ -7,6 +7,7 @@ A backend module implements every name below with the same signature.
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -26,6 +27,8 @@ def _backend(t: torch.Tensor) -> ModuleType:
     if module is not None:
         return module
     name = _BACKENDS.get(kind)
+    if kind == "cuda" and os.environ.get("MEGASERVE_KERNELS") == "reference":
+        name = "kernels.torch_ref"  # cuBLAS/SDPA baseline: NOT batch-invariant
     if name is None:
         raise RuntimeError(
             f"no kernel backend for device type {kind!r}; supported: {sorted(_BACKENDS)}"
