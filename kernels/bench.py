@@ -1,0 +1,123 @@
+"""``megaserve bench kernels``: our batch-invariant kernels vs cuBLAS / SDPA, same run.
+
+Prints (with the device name) the matmul table of issue 3 — (K, N) × M, our linear vs
+``torch.mm`` — with the geometric mean of the speed ratio, then paged-attention decode
+and prefill vs torch SDPA (flash backend). Times are medians of CUDA-event timings
+(``triton.testing.do_bench``) on random data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+SHAPES_KN = [(4096, 14336), (14336, 4096), (7168, 2048), (2048, 7168), (4096, 4096)]
+MS = [1, 8, 32, 128, 512, 2048, 8192]
+
+
+def _time_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]]) -> list[dict]:
+    """Rows of {K, N, M, ours_us, cublas_us, ratio, tflops}; ratio = cublas / ours."""
+    import torch
+
+    from kernels.triton_impl.matmul import linear
+
+    rows = []
+    for k, n in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            w_t = w.t()
+            ours = _time_ms(lambda: linear(x, w))
+            ref = _time_ms(lambda: torch.mm(x, w_t))
+            rows.append(dict(K=k, N=n, M=m, ours_us=ours * 1e3, cublas_us=ref * 1e3,
+                             ratio=ref / ours, tflops=2 * m * n * k / ours / 1e9))
+    return rows
+
+
+def _paged_inputs(num_seqs: int, ctx: int, new: int, hq: int, hkv: int, dh: int, dtype):
+    import torch
+
+    block_size = 16
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    kc = torch.randn(num_blocks, block_size, hkv, dh, device="cuda", dtype=dtype)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(num_blocks, device="cuda").int().view(num_seqs, blocks_per_seq)
+    q = torch.randn(num_seqs * new, hq, dh, device="cuda", dtype=dtype)
+    ctx_lens = torch.full((num_seqs,), ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(0, num_seqs * new + 1, new, device="cuda", dtype=torch.int32)
+    # The same K/V, contiguous per sequence, for SDPA: [S, Hkv, L, Dh]
+    k_dense = kc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    v_dense = vc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    return q, kc, vc, table, ctx_lens, qsl, k_dense, v_dense
+
+
+def bench_attention(dtype) -> list[dict]:
+    """Decode (1 new token) and prefill (causal) vs SDPA's flash backend, same data."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.triton_impl.attention import paged_attention
+
+    hq, hkv, dh = 32, 8, 128
+    cases = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("prefill", 4, 4096, 4096)]
+    rows = []
+    for name, seqs, ctx, new in cases:
+        q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh, dtype)
+        scale = dh**-0.5
+        ours = _time_ms(lambda: paged_attention(q, kc, vc, table, lens, qsl, scale))
+        qd = q.view(seqs, new, hq, dh).transpose(1, 2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = _time_ms(lambda: F.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True))
+        causal_pairs = new * ctx - new * (new - 1) / 2
+        rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}", ours_us=ours * 1e3,
+                         sdpa_us=ref * 1e3, ratio=ref / ours,
+                         tflops=4 * seqs * hq * dh * causal_pairs / ours / 1e9))
+    return rows
+
+
+def _print_tables(device: str, mm: list[dict], attn: list[dict]) -> None:
+    print(f"device: {device}")
+    print(f"{'K':>6} {'N':>6} {'M':>5} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} {'TFLOP/s':>8}")
+    for r in mm:
+        print(f"{r['K']:>6} {r['N']:>6} {r['M']:>5} {r['ours_us']:>9.1f} {r['cublas_us']:>9.1f} "
+              f"{r['ratio']:>6.2f} {r['tflops']:>8.1f}")
+    if mm:
+        geo = math.exp(sum(math.log(r["ratio"]) for r in mm) / len(mm))
+        small = [r["ratio"] for r in mm if r["M"] <= 64]
+        print(f"matmul geomean ratio (cuBLAS time / ours): {geo:.3f}; "
+              f"min at M<=64: {min(small) if small else float('nan'):.3f}")
+    for r in attn:
+        print(f"attention {r['case']:<32} ours {r['ours_us']:>8.1f} us  SDPA-flash "
+              f"{r['sdpa_us']:>8.1f} us  ratio {r['ratio']:.2f}  ({r['tflops']:.0f} TFLOP/s)")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``megaserve bench kernels``; returns an exit code."""
+    parser = argparse.ArgumentParser(prog="megaserve bench kernels", description=__doc__)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--m", type=int, nargs="*", default=MS, help="row counts M")
+    parser.add_argument("--skip-attention", action="store_true")
+    args = parser.parse_args(argv)
+    if any(m < 1 for m in args.m):
+        print("megaserve bench kernels: --m values must be >= 1", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("megaserve bench kernels: needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    mm = bench_matmul(dtype, args.m, SHAPES_KN)
+    attn = [] if args.skip_attention else bench_attention(dtype)
+    _print_tables(torch.cuda.get_device_name(), mm, attn)
+    return 0
