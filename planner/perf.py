@@ -20,8 +20,6 @@ from planner.catalog import GpuSpec
 from planner.model_spec import ModelSpec
 from planner.profile import Profile
 
-ArrayLike = "np.ndarray | float"
-
 
 @dataclass(frozen=True)
 class Workload:

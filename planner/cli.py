@@ -1,0 +1,142 @@
+"""``megaserve plan``: plan a deployment; ``megaserve plan calibrate``: fit a profile.
+
+Every bad or infeasible input ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import numpy as np
+
+from planner.errors import PlanError
+
+EXIT_USAGE = 2
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="megaserve plan",
+        description="Plan a disaggregated MoE deployment (attention and experts on different GPU types) "
+        "over a GPU inventory. 'megaserve plan calibrate --help' fits efficiency factors.",
+    )
+    p.add_argument("--model", required=True, help="built-in name (e.g. mixtral-8x22b) or path to config.json")
+    p.add_argument("--cluster", required=True, help="cluster YAML: inventory and GPU overrides (examples/cluster.yaml)")
+    p.add_argument("--tpot-ms", type=float, default=150.0, help="time-per-output-token SLO (default 150)")
+    p.add_argument("--ttft-ms", type=float, default=None, help="time-to-first-token SLO (default: none)")
+    p.add_argument("--input-len", type=int, default=2048, help="prompt tokens per request (default 2048)")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request (default 256)")
+    p.add_argument("--objective", choices=("throughput", "cost"), default="throughput",
+                   help="maximise tokens/s, or tokens per unit cost (min cost with --target-rate)")
+    p.add_argument("--target-rate", type=float, default=None, help="tokens/s to reach at minimum cost")
+    p.add_argument("--expert-skew", type=float, default=1.0, help="busiest expert worker load / mean (>= 1)")
+    p.add_argument("--reserve", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.1)")
+    p.add_argument("--max-microbatches", type=int, default=8, help="N_m: largest m tried (default 8)")
+    p.add_argument("--max-batch", type=int, default=1024, help="largest batch per attention replica")
+    p.add_argument("--profile", default=None, help="efficiency profile YAML (from 'megaserve plan calibrate')")
+    p.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit in seconds (default 1)")
+    p.add_argument("--top", type=int, default=10, help="rows of the deployment-unit table (default 10)")
+    p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
+    p.add_argument("--json", action="store_true", help="print the plan and the table as JSON")
+    p.add_argument("--explain", type=int, nargs="?", const=0, default=None, metavar="RANK",
+                   help="show the arithmetic of the plan's first unit, or of table row RANK")
+    return p
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaserve plan calibrate",
+                                description="Fit efficiency factors from measurements (format: docs/planner.md).")
+    p.add_argument("--from", dest="bench", required=True, help="measurements JSON")
+    p.add_argument("--gpu", default=None, help="catalog GPU name (default: the file's 'gpu')")
+    p.add_argument("--cluster", default=None, help="cluster YAML with custom GPUs (optional)")
+    p.add_argument("--profile", default=None, help="existing profile to update (optional)")
+    p.add_argument("-o", "--output", required=True, help="profile YAML to write")
+    return p
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage or help
+        return int(e.code or 0)
+
+
+def _calibrate(argv: list[str]) -> int:
+    args = _parse(_calibrate_parser(), argv)
+    if isinstance(args, int):
+        return args
+    from planner import calibrate, catalog, profile
+
+    gpus = catalog.load_cluster(args.cluster).gpus if args.cluster else catalog.DEFAULT_GPUS
+    prof = profile.load_profile(args.profile) if args.profile else profile.Profile()
+    prof = calibrate.calibrate(args.bench, gpus, prof, args.gpu)
+    profile.save_profile(prof, args.output)
+    print(f"wrote {args.output}: {json.dumps(prof.to_dict()['gpus'])}")
+    return 0
+
+
+def _plan(argv: list[str]) -> int:
+    args = _parse(_parser(), argv)
+    if isinstance(args, int):
+        return args
+    from planner import ilp, plan_file, report, search
+    from planner.catalog import load_cluster
+    from planner.model_spec import load_model
+    from planner.perf import Workload
+    from planner.profile import Profile, load_profile
+
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    prof = load_profile(args.profile) if args.profile else Profile()
+    try:
+        work = Workload(input_len=args.input_len, output_len=args.output_len, tpot_ms=args.tpot_ms,
+                        ttft_ms=args.ttft_ms, expert_skew=args.expert_skew, reserve_frac=args.reserve,
+                        max_batch_per_replica=args.max_batch, max_microbatches=args.max_microbatches)
+    except ValueError as e:
+        raise PlanError(f"bad workload: {e}") from None
+    atoms = search.find_atoms(model, work, cluster, prof)
+    counts = np.array([e.count for e in cluster.available()])
+    sel = ilp.solve(atoms, counts, args.objective, args.target_rate, args.time_limit)
+    plan = plan_file.plan_dict(args.model, model, work, args.objective, atoms, sel)
+    ranked = report.rank(atoms, args.objective)[: max(args.top, 1)]
+    if args.output:
+        plan_file.write_plan(plan, args.output)
+    if args.json:
+        print(json.dumps({"plan": plan, "top": [report.table_row(model, atoms, i) for i in ranked]}, indent=1))
+    else:
+        print(report.summary(model, work, cluster, atoms, sel, args.objective))
+        print()
+        print(report.table(model, atoms, ranked, args.objective))
+    if args.explain is not None:
+        from planner.explain import explain
+
+        if args.explain > len(ranked):
+            raise PlanError(f"--explain {args.explain}: the table has only {len(ranked)} rows")
+        i = sel.atom_ids[0] if args.explain == 0 else ranked[args.explain - 1]
+        print()
+        print(explain(model, work, cluster, prof, atoms, int(i)))
+    if args.output:
+        print(f"\nwrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``megaserve plan``; returns the exit code (2 for bad input)."""
+    try:
+        if argv and argv[0] == "calibrate":
+            return _calibrate(argv[1:])
+        return _plan(argv)
+    except PlanError as e:
+        print(f"megaserve plan: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"megaserve plan: error: {e.strerror}: {e.filename}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""``megaserve plan --explain``: one deployment unit's arithmetic, step by step."""
+
+from __future__ import annotations
+
+from planner import perf
+from planner.catalog import Cluster
+from planner.model_spec import ModelSpec
+from planner.profile import Profile
+from planner.search import Atoms
+
+
+def _fmt_bytes(x: float) -> str:
+    return f"{x / 1e9:.2f} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
+
+
+def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, atoms: Atoms,
+            i: int) -> str:
+    """Multi-line text recomputing atom i's times, pipeline regime and memory."""
+    r = atoms.row(i)
+    ga, ge = cluster.gpus[r["attn_gpu"]], cluster.gpus[r["expert_gpu"]]
+    hw_a, hw_e = perf.Hw([ga], profile), perf.Hw([ge], profile)
+    tp_a, n_a, tp_e, n_e, m, b = (r[k] for k in ("tp_a", "n_a", "tp_e", "n_e", "m", "b"))
+    ea = profile.for_gpu(ga.name)
+    shard = min(tp_a, model.kv_heads)
+    kv_tokens = b * work.ctx_avg
+    w_bytes = model.attn_params_per_layer * model.weight_bytes / tp_a
+    kv_bytes = kv_tokens * model.kv_elems_per_token_layer * model.kv_bytes / shard
+    a_flops = (2 * b * model.attn_params_per_layer + kv_tokens * model.attn_flops_per_ctx_token) / tp_a
+    e_w = int(perf.experts_per_worker(model, n_e))
+    tokens = n_a * b
+    active = e_w * (1 - (1 - model.top_k / model.num_experts) ** tokens)
+    assign = min(tokens * model.top_k * e_w / model.num_experts * work.expert_skew,
+                 tokens * min(model.top_k, e_w))
+    e_mem = active * model.expert_bytes / tp_e / float(hw_e.hbm)
+    e_cmp = 2 * assign * model.expert_params / tp_e / float(hw_e.flops)
+    step = perf.decode_step(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, m, b)
+    t_f, rt = float(step.t_f), float(step.round_trip)
+    m_min = 2 * (1 + float(step.t_c) / t_f)
+    mem_w = model.attn_side_bytes / tp_a
+    mem_kv = m * b * work.ctx_max * model.kv_bytes_per_token / shard
+    us = 1e6
+    lines = [
+        f"unit: attention {ga.name} tp={tp_a} x {n_a} replicas | experts {ge.name} tp={tp_e} x {n_e} workers "
+        f"({e_w} experts each) | m={m}, b={b} per micro-batch, batch {m * b} per replica",
+        f"model {model.name}: {model.num_moe_layers} MoE + {model.num_dense_layers} dense layers, "
+        f"E={model.num_experts}, top-{model.top_k}, H={model.hidden}",
+        "",
+        "attention, one micro-batch, one layer (roofline: max(bytes / BW, FLOPs / peak)):",
+        f"  weights {_fmt_bytes(w_bytes)} + KV {b} seq x {work.ctx_avg:g} tok = {_fmt_bytes(kv_bytes)} "
+        f"over {ga.hbm_tbps} TB/s x {ea.hbm_eff} -> {(w_bytes + kv_bytes) / float(hw_a.hbm) * us:.1f} us",
+        f"  {a_flops / 1e9:.2f} GFLOP over {ga.bf16_tflops} TFLOP/s x {ea.flops_eff} -> "
+        f"{a_flops / float(hw_a.flops) * us:.1f} us; with TP all-reduce: T_a = {float(step.t_a) * us:.1f} us",
+        f"experts, busiest worker, one layer: {tokens} tokens x top-{model.top_k} -> {assign:.0f} expert rows"
+        f" (skew {work.expert_skew:g}), {active:.2f} of {e_w} experts active",
+        f"  weights {_fmt_bytes(active * model.expert_bytes / tp_e)} -> {e_mem * us:.1f} us; "
+        f"{2 * assign * model.expert_params / tp_e / 1e9:.2f} GFLOP -> {e_cmp * us:.1f} us "
+        f"({'compute' if e_cmp > e_mem else 'memory'}-bound); T_e = {float(step.t_e) * us:.1f} us",
+        f"communication, one way: T_c = {float(step.t_c) * us:.1f} us "
+        f"(alpha {ea.net_alpha_us:g} us + bytes / (NIC {ga.net_gbps:g}|{ge.net_gbps:g} GB/s x eff x size utilisation))",
+        "",
+        f"ping-pong: T_f = max(T_a, T_e) = {t_f * us:.1f} us, round trip T_a + T_e + 2 T_c = {rt * us:.1f} us",
+        f"  full pipeline needs m >= 2(1 + T_c/T_f) = {m_min:.2f}: m = {m} -> "
+        f"{'full (experts or attention never wait on the round trip)' if bool(step.full) else 'NOT full (round trip binds)'}",
+        f"  T_total = round_trip + max(T_f, round_trip/m) (m L - 1) + m (dense layers + LM head)",
+        f"          = {rt * 1e3:.3f} + {max(t_f, rt / m) * 1e3:.4f} x {m * model.num_moe_layers - 1} + "
+        f"{m} x {float(step.t_extra) * 1e3:.3f} = {float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
+        f"  throughput = n_a m b / T_total = {n_a} x {m} x {b} / {float(step.t_total):.4f} s = "
+        f"{r['throughput']:.0f} tok/s",
+        "",
+        f"memory per attention GPU ({ga.memory_gb:g} GB, reserve {work.reserve_frac:.0%}): weights "
+        f"{_fmt_bytes(mem_w)} + KV {m * b} seq x {work.ctx_max} tok = {_fmt_bytes(mem_kv)} -> "
+        f"{(mem_w + mem_kv) / 1e9:.1f} GB of {ga.memory_gb * (1 - work.reserve_frac):.1f} GB usable",
+        f"memory per expert GPU ({ge.memory_gb:g} GB): {e_w} experts x {model.num_moe_layers} layers / tp {tp_e} = "
+        f"{r['mem_e'] / 1e9:.1f} GB of {ge.memory_gb * (1 - work.reserve_frac):.1f} GB usable",
+        f"bottleneck: {r['bottleneck']}",
+    ]
+    return "\n".join(lines)
