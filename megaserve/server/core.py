@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from megaserve.outputs import Logprobs
+from megaserve.outputs import Logprobs, RequestOutput
 from megaserve.sampling_params import SamplingParams
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.metrics import ServerMetrics
@@ -65,6 +65,16 @@ class Delta:
     output_logprobs: Logprobs | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+
+
+@dataclass
+class _Progress:
+    """What a request's stream has sent so far."""
+
+    arrival: float
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    last_token_at: float | None = None
 
 
 class ServingCore:
@@ -153,10 +163,16 @@ class ServingCore:
                         f"vocabulary [0, {vocab})")
         try:
             if isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS:
-                return await asyncio.to_thread(engine.validate, prompt, params)
-            return engine.validate(prompt, params)
+                prompt_ids = await asyncio.to_thread(engine.validate, prompt, params)
+            else:
+                prompt_ids = engine.validate(prompt, params)
         except ValueError as e:
             raise RequestError.from_value_error(e, field_name) from None
+        if len(prompt_ids) + params.max_tokens > engine.max_model_len:
+            raise RequestError.invalid(
+                "max_tokens", f"{params.max_tokens} plus the prompt's {len(prompt_ids)} tokens "
+                f"exceeds max_model_len={engine.max_model_len}")
+        return prompt_ids
 
     # -- generation --------------------------------------------------------------------
     async def stream(self, request_id: str, prompt_ids: list[int],
@@ -167,43 +183,18 @@ class ServingCore:
         deadline, client gone, ``aclose()``), the request is aborted in the engine.
         Use with ``contextlib.aclosing`` so that happens promptly.
         """
-        arrival = self._in_flight.get(request_id, time.monotonic())
-        prev_ids: list[int] = []
-        prev_text = ""
-        last_token_at: float | None = None
+        progress = _Progress(arrival=self._in_flight.get(request_id, time.monotonic()))
         finished = False
         try:
-            async for out in self.engine.generate(request_id, prompt_ids, params):
-                comp = out.outputs[0]
-                new_ids = comp.token_ids[len(prev_ids):]
-                now = time.monotonic()
-                if new_ids:
-                    if last_token_at is None:
-                        self.metrics.ttft.observe(now - arrival, self.metrics.labels)
-                    else:
-                        gap = (now - last_token_at) / len(new_ids)
-                        for _ in new_ids:
-                            self.metrics.itl.observe(gap, self.metrics.labels)
-                    last_token_at = now
-                delta = Delta(
-                    token_ids=list(new_ids), text=comp.text[len(prev_text):],
-                    logprobs=comp.logprobs[len(prev_ids):] if comp.logprobs is not None else None)
-                prev_ids, prev_text = list(comp.token_ids), comp.text
-                if out.finished:
-                    finished = True
-                    reason = comp.finish_reason or "stop"
-                    self.metrics.e2e.observe(now - arrival, self.metrics.labels)
-                    self.metrics.finished(reason)
-                    delta.finish_reason = reason
-                    delta.output_ids = list(comp.token_ids)
-                    delta.output_text = comp.text
-                    delta.output_logprobs = comp.logprobs
-                    delta.prompt_tokens = len(out.prompt_token_ids)
-                    delta.cached_tokens = out.num_cached_tokens
-                if delta.token_ids or delta.text or delta.finish_reason:
-                    yield delta
-                if finished:
-                    return
+            async with contextlib.aclosing(
+                    self.engine.generate(request_id, prompt_ids, params)) as outputs:
+                async for out in outputs:
+                    delta = self._advance(progress, out)
+                    finished = delta.finish_reason is not None
+                    if delta.token_ids or delta.text or finished:
+                        yield delta
+                    if finished:
+                        return
         except ValueError as e:
             finished = True  # refused before it ran: nothing to abort
             raise RequestError.from_value_error(e) from None
@@ -212,6 +203,37 @@ class ServingCore:
                 # Cancelled, deadline passed, client gone or an engine failure: free the
                 # request's KV blocks. Shielded: we may be inside a cancelled task.
                 await asyncio.shield(self._abort_quietly(request_id))
+
+    def _advance(self, progress: _Progress, out: RequestOutput) -> Delta:
+        """The Delta between ``progress`` and the cumulative ``out``; records latencies."""
+        comp = out.outputs[0]
+        new_ids = comp.token_ids[len(progress.token_ids):]
+        now = time.monotonic()
+        if new_ids:
+            if progress.last_token_at is None:
+                self.metrics.ttft.observe(now - progress.arrival, self.metrics.labels)
+            else:
+                gap = (now - progress.last_token_at) / len(new_ids)
+                for _ in new_ids:
+                    self.metrics.itl.observe(gap, self.metrics.labels)
+            progress.last_token_at = now
+        new_logprobs = None
+        if comp.logprobs is not None:
+            new_logprobs = comp.logprobs[len(progress.token_ids):]
+        delta = Delta(token_ids=list(new_ids), text=comp.text[len(progress.text):],
+                      logprobs=new_logprobs)
+        progress.token_ids, progress.text = list(comp.token_ids), comp.text
+        if out.finished:
+            reason = comp.finish_reason or "stop"
+            self.metrics.e2e.observe(now - progress.arrival, self.metrics.labels)
+            self.metrics.finished(reason)
+            delta.finish_reason = reason
+            delta.output_ids = list(comp.token_ids)
+            delta.output_text = comp.text
+            delta.output_logprobs = comp.logprobs
+            delta.prompt_tokens = len(out.prompt_token_ids)
+            delta.cached_tokens = out.num_cached_tokens
+        return delta
 
     async def _abort_quietly(self, request_id: str) -> None:
         try:

@@ -115,7 +115,8 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
     try:
-        params = SamplingParams(max_tokens=req.max_tokens or 1, **sampling)
+        params = SamplingParams(
+            max_tokens=1 if req.max_tokens is None else req.max_tokens, **sampling)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
     prompt_ids = await core.prepare(prompt, params, field)
@@ -230,7 +231,8 @@ async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
                                 offsets[index])
             offsets[index] += len(d.text)
             if req.chat:
-                body["delta"] = {"content": body.pop("message")["content"]} if d.text else {}
+                content = body.pop("message")["content"]
+                body["delta"] = {"content": content} if content else {}
             if d.finish_reason is not None:
                 finals[index] = d
             await resp.write(chunk(body))
