@@ -77,7 +77,7 @@ class Atoms:
         return out
 
 
-def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster) -> dict[str, np.ndarray]:
+def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster, homogeneous: bool) -> dict[str, np.ndarray]:
     """All (pair, tp_a, tp_e, n_e, n_a, m) within node sizes and inventory, as flat columns."""
     entries = cluster.available()
     counts = np.array([e.count for e in entries])
@@ -85,6 +85,8 @@ def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster) -> dict[str, 
     cols = []
     for ia, ea in enumerate(entries):
         for ie, ee in enumerate(entries):
+            if homogeneous and ie != ia:
+                continue
             tpa = [t for t in TP_CHOICES if t <= ea.gpus_per_node]
             tpe = [t for t in TP_CHOICES if t <= ee.gpus_per_node]
             g = np.meshgrid(tpa, tpe, n_e_opts, NA_GRID, np.arange(1, work.max_microbatches + 1), indexing="ij")
@@ -115,14 +117,17 @@ def _binary_search_b(model, work, hw_a, hw_e, g, b_cap) -> np.ndarray:
 
 
 def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile = Profile(),
-               prune: bool = True) -> Atoms:
+               prune: bool = True, homogeneous: bool = False) -> Atoms:
     """All non-dominated plan atoms for the inventory. Raises InfeasibleError naming why
-    none exists (empty inventory, model does not fit, SLO unreachable)."""
+    none exists (empty inventory, model does not fit, SLO unreachable).
+
+    homogeneous: only pairs with the same GPU type on both sides (a baseline).
+    """
     entries = cluster.available()
     if not entries:
         raise InfeasibleError("empty inventory: the cluster file lists no GPUs with count > 0")
     gpus: Sequence[GpuSpec] = [cluster.gpus[e.gpu] for e in entries]
-    g = _grid(model, work, cluster)
+    g = _grid(model, work, cluster, homogeneous)
     if len(g["ga"]) == 0:
         raise InfeasibleError("inventory too small: no unit of one attention replica and expert workers fits")
     hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
@@ -185,16 +190,18 @@ def prune_dominated(atoms: Atoms) -> Atoms:
     if len(atoms) == 0:
         return atoms
     order = np.lexsort((atoms.tpot, -atoms.throughput))  # best first
-    usage, tput = atoms.usage[order], atoms.throughput[order]
+    # 1. among atoms with identical usage, keep the best (np.unique keeps first occurrences)
+    _, first = np.unique(atoms.usage[order], axis=0, return_index=True)
+    order = order[np.sort(first)]
+    # 2. every kept atom has throughput >= the current one: dominated if one uses <= GPUs
+    usage = atoms.usage[order]
     kept: list[int] = []
     kept_usage = np.empty((0, usage.shape[1]), dtype=usage.dtype)
     for i in range(len(order)):
-        # every kept atom has throughput >= this one: dominated if one also uses <= GPUs
         if len(kept) and np.any(np.all(kept_usage <= usage[i], axis=1)):
             continue
         kept.append(i)
         kept_usage = np.vstack([kept_usage, usage[i]])
-    del tput
     return atoms.take(order[np.array(kept, dtype=np.int64)])
 
 
