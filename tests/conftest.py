@@ -1,8 +1,20 @@
-"""Shared pytest configuration: GPU tests are skipped where no CUDA device exists."""
+"""Shared pytest configuration.
+
+* GPU tests (``@pytest.mark.gpu``) are skipped where no CUDA device exists.
+* ``MEGASERVE_CACHE`` points at one temporary directory for the whole session (inherited
+  by server and worker subprocesses), so the built-in model is generated once per run and
+  never into the user's home.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+if "MEGASERVE_CACHE" not in os.environ:
+    os.environ["MEGASERVE_CACHE"] = tempfile.mkdtemp(prefix="megaserve-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):
