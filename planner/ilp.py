@@ -15,6 +15,7 @@ than the node, so any multiset of them with total <= nodes * gpus_per_node packs
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,7 @@ def solve(atoms: Atoms, counts: np.ndarray, objective: str = "throughput", targe
     ub = np.min(np.where(atoms.usage > 0, counts // np.maximum(atoms.usage, 1), np.iinfo(np.int64).max), axis=1)
     sense = pulp.LpMaximize if objective == "throughput" else pulp.LpMinimize
     prob = pulp.LpProblem("megaserve_plan", sense)
-    x = [pulp.LpVariable(f"x{i}", lowBound=0, upBound=int(ub[i]), cat="Integer") for i in range(n)]
+    x = [_variable(prob, f"x{i}", int(ub[i])) for i in range(n)]
     value = atoms.throughput if objective == "throughput" else atoms.cost
     prob += pulp.lpSum(float(value[i]) * x[i] for i in range(n))
     for t in range(len(atoms.types)):
@@ -73,8 +74,7 @@ def solve(atoms: Atoms, counts: np.ndarray, objective: str = "throughput", targe
             prob += pulp.lpSum(int(atoms.usage[i, t]) * x[i] for i in users) <= int(counts[t]), f"inv_{t}"
     if target_rate is not None:
         prob += pulp.lpSum(float(atoms.throughput[i]) * x[i] for i in range(n)) >= float(target_rate), "rate"
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    prob.solve(solver)
+    prob.solve(_cbc(timeLimit=time_limit_s))
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible" or (status != "Optimal" and prob.sol_status != pulp.LpSolutionIntegerFeasible):
         if target_rate is not None:
@@ -92,11 +92,24 @@ def solve(atoms: Atoms, counts: np.ndarray, objective: str = "throughput", targe
     return _selection(atoms, sol, "optimal" if optimal else "time limit", gap, "CBC")
 
 
+def _variable(prob: pulp.LpProblem, name: str, upper: int):
+    if hasattr(prob, "add_variable"):  # PuLP >= 3.3
+        return prob.add_variable(name, lowBound=0, upBound=upper, cat="Integer")
+    return pulp.LpVariable(name, lowBound=0, upBound=upper, cat="Integer")
+
+
+def _cbc(**options):
+    """PuLP's bundled CBC (works offline). PuLP 3.3 deprecates the class name, not the solver."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, **options)
+
+
 def _lp_bound(prob: pulp.LpProblem, x: list) -> float | None:
     """Objective of the LP relaxation: a bound for the optimality gap of a timed-out ILP."""
     for v in x:
         v.cat = pulp.LpContinuous
-    prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    prob.solve(_cbc())
     return pulp.value(prob.objective) if prob.status == pulp.LpStatusOptimal else None
 
 
