@@ -109,7 +109,12 @@ class Endpoint(ABC):
         return self._cq.get_nowait()
 
     def poll_many(self, count: int, timeout: float | None = None) -> list[Completion]:
-        """``count`` completions (any sources, any order) within one overall ``timeout``."""
+        """``count`` completions (any sources, any order) within one overall ``timeout``.
+
+        NOTE: nothing is released until all ``count`` arrived, so ``count`` must not exceed
+        what the senders can have in flight (``slots_per_peer`` each) — e.g. one frame per
+        peer per (layer, micro-batch) — or it ends in CommTimeoutError.
+        """
         deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
         return [self.poll(max(0.0, deadline - time.monotonic())) for _ in range(count)]
 
