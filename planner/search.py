@@ -146,7 +146,7 @@ def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile:
     if not ok.any():
         raise InfeasibleError(
             f"TPOT SLO unreachable: {work.tpot_ms:g} ms requested, the fastest unit needs "
-            f"{t1.min() * 1e3:.1f} ms per token even at batch 1; raise --tpot-ms or add faster GPUs"
+            f"{t1.min() * 1e3:.3g} ms per token even at batch 1; raise --tpot-ms or add faster GPUs"
         )
     g, b_cap, b_mem = {k: v[ok] for k, v in g.items()}, b_cap[ok], b_mem[ok]
     hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
@@ -206,17 +206,19 @@ def prune_dominated(atoms: Atoms) -> Atoms:
 
 
 def _fit_message(model, work, gpus, cluster, experts_fit: bool) -> str:
-    biggest = max(gpus, key=lambda x: x.memory_gb)
-    usable = biggest.memory_gb * (1 - work.reserve_frac)
+    usable = [g.memory_gb * (1 - work.reserve_frac) for g in gpus]
+    held = sum(e.count * u for e, u in zip(cluster.available(), usable))
+    weights = (model.attn_side_bytes + model.expert_side_bytes) / 1e9
+    names = ", ".join(f"{e.count} x {e.gpu}" for e in cluster.available())
+    if held < weights:
+        return (f"inventory too small: {model.name} needs {weights:.0f} GB of weights, the inventory ({names}) "
+                f"holds {held:.0f} GB usable; add GPUs")
     if not experts_fit:
-        need = model.expert_side_bytes / 1e9
-        return (
-            f"model fits nowhere: {model.name}'s experts need {need:.0f} GB; no split over at most "
-            f"{model.num_experts} workers x 8 GPUs of the inventory ({', '.join(x.name for x in gpus)}) "
-            f"fits in {usable:.0f} GB usable per GPU; add GPUs or larger GPUs"
-        )
+        return (f"model fits nowhere: {model.name}'s experts ({model.expert_side_bytes / 1e9:.0f} GB) fit no split "
+                f"over <= {model.num_experts} workers of tp <= 8 within the inventory ({names}); add GPUs")
+    best = max(usable)
     return (
-        f"model fits nowhere: attention-side weights ({model.attn_side_bytes / 1e9:.1f} GB) plus the KV "
-        f"of one {work.ctx_max}-token sequence exceed the usable memory of every attention choice "
-        f"(largest GPU {biggest.name}, {usable:.0f} GB usable); shorten --input-len/--output-len or add GPUs"
+        f"model fits nowhere: attention-side weights ({model.attn_side_bytes / 1e9:.1f} GB / tp) plus the KV of "
+        f"one {work.ctx_max}-token sequence exceed every attention GPU's usable memory (at most {best:.0f} GB); "
+        "shorten --input-len/--output-len or add larger GPUs"
     )
