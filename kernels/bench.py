@@ -16,14 +16,23 @@ SHAPES_KN = [(4096, 14336), (14336, 4096), (7168, 2048), (2048, 7168), (4096, 40
 MS = [1, 8, 32, 128, 512, 2048, 8192]
 
 
-def _time_ms(fn) -> float:
+def _time_ms(fn, graph: bool = True) -> float:
+    """Median ms of ``fn``: replays of a CUDA graph of it (no host launch cost, as in a
+    graph-captured decode step) or, with ``graph=False``, eager calls."""
+    import torch
     import triton.testing
 
+    fn()  # compile and allocate outside any capture
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]]) -> list[dict]:
-    """Rows of {K, N, M, ours_us, cublas_us, ratio, tflops}; ratio = cublas / ours."""
+def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]], config_fn=None,
+                 eager: bool = True) -> list[dict]:
+    """Rows of {K, N, M, ours_us, cublas_us, ratio, tflops, eager_us}; ratio = cublas / ours
+    (graph replays for both). ``config_fn(n, k, dtype)`` overrides the tiling (tuning)."""
     import torch
 
     from kernels.triton_impl.matmul import linear
@@ -34,10 +43,13 @@ def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]]) -> list[di
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             w_t = w.t()
-            ours = _time_ms(lambda: linear(x, w))
+            cfg = config_fn(n, k, dtype) if config_fn else None
+            ours = _time_ms(lambda: linear(x, w, config=cfg))
             ref = _time_ms(lambda: torch.mm(x, w_t))
+            eager_ms = _time_ms(lambda: linear(x, w, config=cfg), graph=False) if eager else 0.0
             rows.append(dict(K=k, N=n, M=m, ours_us=ours * 1e3, cublas_us=ref * 1e3,
-                             ratio=ref / ours, tflops=2 * m * n * k / ours / 1e9))
+                             ratio=ref / ours, tflops=2 * m * n * k / ours / 1e9,
+                             eager_us=eager_ms * 1e3))
     return rows
 
 
@@ -87,10 +99,12 @@ def bench_attention(dtype) -> list[dict]:
 
 def _print_tables(device: str, mm: list[dict], attn: list[dict]) -> None:
     print(f"device: {device}")
-    print(f"{'K':>6} {'N':>6} {'M':>5} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} {'TFLOP/s':>8}")
+    print("times: median of CUDA-graph replays (both sides); 'eager' = ours without a graph")
+    print(f"{'K':>6} {'N':>6} {'M':>5} {'ours us':>9} {'cuBLAS us':>9} {'ratio':>6} "
+          f"{'TFLOP/s':>8} {'eager us':>9}")
     for r in mm:
         print(f"{r['K']:>6} {r['N']:>6} {r['M']:>5} {r['ours_us']:>9.1f} {r['cublas_us']:>9.1f} "
-              f"{r['ratio']:>6.2f} {r['tflops']:>8.1f}")
+              f"{r['ratio']:>6.2f} {r['tflops']:>8.1f} {r['eager_us']:>9.1f}")
     if mm:
         geo = math.exp(sum(math.log(r["ratio"]) for r in mm) / len(mm))
         small = [r["ratio"] for r in mm if r["M"] <= 64]

@@ -49,6 +49,7 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    flat: int = 1  # fold-loop shape (0 nested, 1/2 flat); never changes the arithmetic
 
     def __post_init__(self) -> None:
         if self.split_len % self.block_k:
@@ -114,14 +115,34 @@ def _store_out(total, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm,
 def _linear_fold_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm,
                         SPLIT_LEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr):
     off_m, off_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    total = _split_part(a_desc, b_desc, off_m, off_n, 0, SPLIT_LEN,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
-    for k_lo in range(SPLIT_LEN, K, SPLIT_LEN):
-        part = _split_part(a_desc, b_desc, off_m, off_n, k_lo, k_lo + SPLIT_LEN,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
-        total = total + part
+    if FLAT == 0:
+        # One pipelined loop per split (the pipeline drains at every split boundary).
+        total = _split_part(a_desc, b_desc, off_m, off_n, 0, SPLIT_LEN,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
+        for k_lo in range(SPLIT_LEN, K, SPLIT_LEN):
+            part = _split_part(a_desc, b_desc, off_m, off_n, k_lo, k_lo + SPLIT_LEN,
+                               BLOCK_M, BLOCK_N, BLOCK_K)
+            total = total + part
+    else:
+        # One flat pipelined loop; the part restarts at each split and is folded at its
+        # end. Same arithmetic as above: total = part_0, then total + part_s.
+        STEPS: tl.constexpr = SPLIT_LEN // BLOCK_K
+        num_steps = tl.cdiv(K, BLOCK_K)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, num_steps):
+            a = a_desc.load([off_m, step * BLOCK_K])
+            b = b_desc.load([off_n, step * BLOCK_K])
+            if FLAT == 1:
+                part = tl.dot(a, b.T, tl.where(step % STEPS == 0, 0.0, part))
+            else:
+                part = tl.dot(a, b.T, part)
+            if (step % STEPS == STEPS - 1) | (step == num_steps - 1):
+                total = tl.where(step < STEPS, part, total + part)
+                if FLAT == 2:
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     _store_out(total, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
@@ -172,19 +193,29 @@ def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     return buf
 
 
-def use_split_mode(m: int, n: int, cfg: MatmulConfig, num_sms: int = 132) -> bool:
-    """Launch choice only (results are identical): split when fold would underfill the GPU."""
+def use_split_mode(m: int, n: int, k: int, cfg: MatmulConfig, num_sms: int = 132) -> bool:
+    """Launch choice only (both modes give identical bits): a rough time estimate of each.
+
+    fold: waves of output tiles, each walking all of K. split: waves of (tile, split)
+    programs plus the fp32 parts written and read back (2 * S * M * N * 4 bytes).
+    """
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    return tiles < num_sms
+    splits = triton.cdiv(k, cfg.split_len)
+    step_us = 2 * cfg.block_m * cfg.block_n * cfg.block_k / 5.0e6  # ~5 TFLOP/s per SM
+    fold_us = triton.cdiv(tiles, num_sms) * triton.cdiv(k, cfg.block_k) * step_us
+    split_us = (triton.cdiv(tiles * splits, num_sms) * (cfg.split_len // cfg.block_k) * step_us
+                + 2 * splits * m * n * 4 / 2.5e6)
+    return split_us < fold_us
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           *, mode: str | None = None) -> torch.Tensor:
+           *, mode: str | None = None, config: MatmulConfig | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, fp32 accumulation, bitwise row-invariant.
 
     x: `[M, K]` bf16/fp16 (any leading-dim stride, unit last stride); weight: `[N, K]`
     same dtype; bias: `[N]` or None. Returns `[M, N]` in x.dtype. ``mode`` ('fold' or
-    'split') forces a launch mode, for tests; both give identical bits.
+    'split') forces a launch mode and ``config`` a tiling, for tests and tuning; the
+    launch mode never changes the bits.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not match")
@@ -192,7 +223,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config_for(n, k, x.dtype)
+    cfg = config or config_for(n, k, x.dtype)
     # TMA needs a unit last stride, 16-byte aligned rows and base address.
     if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
         x = x.contiguous()
@@ -207,13 +238,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     num_splits = triton.cdiv(k, cfg.split_len)
     if mode is None:
-        mode = "split" if num_splits > 1 and use_split_mode(m, n, cfg) else "fold"
+        mode = "split" if num_splits > 1 and use_split_mode(m, n, k, cfg) else "fold"
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if mode == "fold":
         _linear_fold_kernel[(tiles,)](a_desc, b_desc, out, bias_arg, m, n, k, out.stride(0),
-                                      SPLIT_LEN=cfg.split_len, **common)
+                                      SPLIT_LEN=cfg.split_len, FLAT=cfg.flat, **common)
     elif mode == "split":
         ws = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
         counters = _tile_counters(x.device, tiles)

@@ -7,6 +7,7 @@ for the tensor-core paths: the interpreter mis-reads bfloat16 through TMA descri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,13 +25,17 @@ def _rel_err(out, ref) -> float:
 
 
 def check_linear(torch, ti) -> None:
-    for m, n, k in [(37, 48, 512), (3, 64, 320)]:
+    for m, n, k in [(37, 48, 512), (3, 64, 320), (20, 32, 1000)]:
         x = torch.randn(m, k, dtype=torch.float16)
         w = torch.randn(n, k, dtype=torch.float16)
         b = torch.randn(n, dtype=torch.float16)
         fold = ti.linear(x, w, b, mode="fold")
         split = ti.linear(x, w, b, mode="split")
         assert torch.equal(fold, split), "fold and split modes differ"
+        base = ti.matmul.config_for(n, k, x.dtype)
+        for flat in (0, 2):  # loop shapes of the fold kernel: same arithmetic
+            cfg = dataclasses.replace(base, flat=flat)
+            assert torch.equal(ti.linear(x, w, b, mode="fold", config=cfg), fold), flat
         ref = x.double() @ w.double().T + b.double()
         assert _rel_err(fold, ref) < 1e-2, _rel_err(fold, ref)
         for r in (0, m // 2, m - 1):
