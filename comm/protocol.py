@@ -210,6 +210,24 @@ class Completion:
         arr = np.frombuffer(self.data, dtype=dtype)
         return arr if shape is None else arr.reshape(shape)
 
+    def tensor(self, dtype: Any = None, shape: Sequence[int] | None = None) -> Any:
+        """Zero-copy torch view of the payload (CUDA for cuda_ipc, CPU otherwise).
+
+        dtype: reinterpret the bytes (e.g. ``torch.bfloat16``); shape: reshape after that.
+        Valid until release.
+        """
+        import torch
+
+        if isinstance(self.data, torch.Tensor):
+            t = self.data
+        elif self.nbytes == 0:
+            t = torch.empty(0, dtype=torch.uint8)
+        else:
+            t = torch.frombuffer(self.data, dtype=torch.uint8)
+        if dtype is not None:
+            t = t.view(dtype)
+        return t if shape is None else t.reshape(shape)
+
 
 class _Lost:
     __slots__ = ("peer", "detail")

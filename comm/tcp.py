@@ -249,7 +249,7 @@ class TcpEndpoint(Endpoint):
         self._tune(sock)
         sock.settimeout(self.config.connect_timeout_s)
         try:
-            body = Hello(self.rank, self.world_size, self.provider, extra=self._hello_extra()).pack()
+            body = Hello(self.rank, self.world_size, self.provider, extra=self._hello_extra(dst)).pack()
             _send_all(sock, [pack_header(Kind.HELLO, 0, len(body)), body])
             kind, _, nbytes = self._read_frame(sock)
             if kind != Kind.WELCOME:
@@ -272,7 +272,7 @@ class TcpEndpoint(Endpoint):
         self._pools[dst] = peer.pool
         self._spawn(self._credit_loop, f"credit{dst}", peer)
 
-    def _hello_extra(self) -> bytes:
+    def _hello_extra(self, dst: int) -> bytes:
         return b""
 
     def _attach(self, welcome: Hello) -> Any:
