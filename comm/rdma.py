@@ -30,7 +30,8 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from comm.errors import CommError, PeerLostError, ProtocolError
@@ -79,32 +80,41 @@ def bytes_to_gid(raw: bytes) -> str:
 
 @dataclass
 class SignalPolicy:
-    """Selective signalling: signal one WR in ``every``; never let unsignalled WRs fill the SQ.
+    """Selective signalling: signal one WR in ``every``; never overflow the send queue.
 
-    ``on_post()`` says whether the WR about to be posted must be signalled; ``must_drain()``
-    says the caller must first reap a send completion (SQ entries of unsignalled WRs are
-    freed only by a later signalled one).
+    SQ entries of unsignalled WRs are freed only when a later signalled WR completes, so the
+    policy tracks, per signalled WR, how many entries its completion frees. ``must_drain()``
+    says the caller must reap a send completion (``on_signalled_completion``) before
+    posting; ``on_post()`` says whether the WR about to be posted is signalled. With
+    ``every < sq_depth`` a full queue always holds a signalled WR to reap.
     """
 
     every: int
     sq_depth: int
     posted: int = 0
-    outstanding: int = 0  # WRs posted since the last reaped signalled completion
+    outstanding: int = 0  # SQ entries in use
+    tail: int = 0  # unsignalled WRs posted since the last signalled one
+    batches: deque = field(default_factory=deque)  # entries freed by each signalled WR in flight
 
     def __post_init__(self) -> None:
         if not 1 <= self.every < self.sq_depth:
             raise ValueError(f"signal every={self.every} must be in 1..sq_depth-1 ({self.sq_depth - 1})")
 
     def must_drain(self) -> bool:
-        return self.outstanding + 1 >= self.sq_depth
+        return self.outstanding >= self.sq_depth
 
     def on_post(self) -> bool:
         self.posted += 1
         self.outstanding += 1
-        return self.posted % self.every == 0 or self.outstanding + 1 >= self.sq_depth
+        self.tail += 1
+        if self.posted % self.every:
+            return False
+        self.batches.append(self.tail)
+        self.tail = 0
+        return True
 
     def on_signalled_completion(self) -> None:
-        self.outstanding = 0
+        self.outstanding -= self.batches.popleft()
 
 
 # -- the endpoint ----------------------------------------------------------------------
