@@ -1,0 +1,260 @@
+"""``megaserve bench comm``: M→N exchange latency and throughput, ours vs a two-sided baseline.
+
+One *step* is what a dispatch is: each of M senders writes one message of S bytes to each
+of N receivers; each receiver counts its M messages, releases them and answers every sender
+with a 0-byte ack; the step ends when a sender has all N acks. Reported: p50 / p99 step
+time over the senders' steps and throughput = M·N·S / p50. The baseline (NCCL on GPUs,
+gloo on CPU) runs the same steps with ``torch.distributed`` isend/irecv, in the same
+processes, right after ours.
+
+Every rank is its own process (spawn); on GPUs rank r uses ``cuda:(r % num_gpus)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+EXIT_USAGE = 2
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"2K"`` → 2048, ``"8M"`` → 8 MiB, ``"100"`` → 100; ValueError otherwise."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = _UNITS.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _UNITS else text
+    if not number.isdigit() or int(number) * mult < 1:
+        raise ValueError(f"size {text!r} is not like 2K, 64K, 8M or a byte count")
+    return int(number) * mult
+
+
+def parse_pattern(text: str) -> tuple[int, int]:
+    """``"2x3"`` → (2 senders, 3 receivers)."""
+    m, sep, n = text.lower().partition("x")
+    if not sep or not m.isdigit() or not n.isdigit() or int(m) < 1 or int(n) < 1:
+        raise ValueError(f"pattern {text!r} is not MxN (e.g. 1x2)")
+    return int(m), int(n)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, mult in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
+# -- worker process --------------------------------------------------------------------
+def _steps_ours(ep: Any, spec: dict, senders: list[int], receivers: list[int], make: Any) -> dict:
+    times: dict[int, list[float]] = {}
+    for size in spec["sizes"]:
+        payload = make(size)
+        ack = make(0)
+        samples = []
+        for it in range(spec["warmup"] + spec["iters"]):
+            if ep.rank in senders:
+                t0 = time.perf_counter()
+                for dst in receivers:
+                    ep.send(dst, payload, layer=it % 4096, microbatch=0)
+                for c in ep.poll_many(len(receivers)):
+                    ep.release(c)
+                if it >= spec["warmup"]:
+                    samples.append(time.perf_counter() - t0)
+            else:
+                for c in ep.poll_many(len(senders)):
+                    ep.release(c)
+                for src in senders:
+                    ep.send(src, ack, layer=it % 4096, microbatch=0)
+        times[size] = samples
+    return times
+
+
+def _steps_baseline(dist: Any, torch: Any, spec: dict, rank: int, senders: list[int],
+                    receivers: list[int], device: Any) -> dict:
+    times: dict[int, list[float]] = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for size in spec["sizes"]:
+        buf = torch.ones(size, dtype=torch.uint8, device=device)
+        inbox = [torch.empty(size, dtype=torch.uint8, device=device) for _ in senders]
+        acks = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in range(max(len(senders), len(receivers)))]
+        samples = []
+        for it in range(spec["warmup"] + spec["iters"]):
+            if rank in senders:
+                t0 = time.perf_counter()
+                ops = [dist.P2POp(dist.isend, buf, r) for r in receivers]
+                ops += [dist.P2POp(dist.irecv, acks[i], r) for i, r in enumerate(receivers)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+                sync()
+                if it >= spec["warmup"]:
+                    samples.append(time.perf_counter() - t0)
+            else:
+                ops = [dist.P2POp(dist.irecv, inbox[i], s) for i, s in enumerate(senders)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+                ops = [dist.P2POp(dist.isend, acks[i], s) for i, s in enumerate(senders)]
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+                sync()
+        times[size] = samples
+    return times
+
+
+def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results: Any) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from comm import ChannelConfig, create_endpoint, exchange
+
+        m, n = spec["m"], spec["n"]
+        world = m + n
+        senders, receivers = list(range(m)), list(range(m, world))
+        options: dict[str, Any] = {}
+        if spec["gpu"]:
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            options["device"] = device
+
+            def make(size: int) -> Any:
+                return torch.ones(size, dtype=torch.uint8, device=device)
+        else:
+            device = torch.device("cpu")
+
+            def make(size: int) -> Any:
+                return bytes(size)
+
+        cfg = ChannelConfig(slot_bytes=max(spec["sizes"]), slots_per_peer=2, timeout_s=120)
+        ep = create_endpoint(spec["transport"], rank, world, cfg, **options)
+        ep.connect(exchange(rdv_address, rank, world, ep.address, timeout_s=120),
+                   send_to=receivers if rank in senders else senders)
+        ours = _steps_ours(ep, spec, senders, receivers, make)
+        ep.close()
+        dist.init_process_group(spec["baseline_backend"], init_method=f"tcp://{dist_address}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        base = _steps_baseline(dist, torch, spec, rank, senders, receivers, device)
+        dist.destroy_process_group()
+        results.put({"rank": rank, "ok": True, "ours": ours, "base": base})
+    except Exception:  # noqa: BLE001 - reported by the parent
+        results.put({"rank": rank, "ok": False, "error": traceback.format_exc()})
+
+
+# -- driver ----------------------------------------------------------------------------
+def _free_address() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def run_pattern(spec: dict, timeout_s: float = 280.0) -> dict[str, dict[int, list[float]]]:
+    """Run one MxN pattern in M+N spawned processes; return {"ours"/"base": {size: secs}}."""
+    from comm.rendezvous import RendezvousServer
+
+    world = spec["m"] + spec["n"]
+    ctx = mp.get_context("spawn")
+    rdv = RendezvousServer(world, timeout_s=timeout_s)
+    results = ctx.Queue()
+    dist_address = _free_address()  # rank 0's torch.distributed store
+    procs = [ctx.Process(target=_worker, args=(r, spec, rdv.address, dist_address, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[str, dict[int, list[float]]] = {"ours": {}, "base": {}}
+    try:
+        for _ in range(world):
+            r = results.get(timeout=timeout_s)
+            if not r["ok"]:
+                raise RuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
+            if r["rank"] < spec["m"]:
+                for key in ("ours", "base"):
+                    for size, samples in r[key].items():
+                        out[key].setdefault(size, []).extend(samples)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        rdv.close()
+    return out
+
+
+def device_name(gpu: bool) -> str:
+    if gpu:
+        import torch
+
+        count = torch.cuda.device_count()
+        return f"{torch.cuda.get_device_name(0)} x{count}"
+    return f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _row(pattern: str, size: int, name: str, m: int, n: int, samples: list[float]) -> str:
+    p50 = statistics.median(samples)
+    p99 = sorted(samples)[min(len(samples) - 1, int(round(0.99 * (len(samples) - 1))))]
+    gbps = m * n * size / p50 / 1e9
+    return f"{pattern:<8}{_fmt_size(size):>9}  {name:<10}{p50 * 1e6:>11.1f}{p99 * 1e6:>11.1f}{gbps:>10.3f}"
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``megaserve bench comm``; returns an exit code."""
+    parser = argparse.ArgumentParser(prog="megaserve bench comm", description=__doc__.split("\n")[0])
+    parser.add_argument("--transport", choices=["tcp", "cuda_ipc", "rdma"], default=None,
+                        help="ours (default: cuda_ipc with 2+ GPUs, else tcp)")
+    parser.add_argument("--patterns", default=None, help="comma list of MxN (default: fit the devices)")
+    parser.add_argument("--sizes", default="2K,64K,1M,8M", help="message sizes, e.g. 2K,64K,1M,8M")
+    parser.add_argument("--iters", type=int, default=20, help="timed steps per size")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per size")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else EXIT_USAGE
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        transport = args.transport or ("cuda_ipc" if gpus >= 2 else "tcp")
+        gpu = transport == "cuda_ipc"
+        if gpu and gpus < 2:
+            raise ValueError("cuda_ipc needs 2+ GPUs here; use --transport tcp")
+        sizes = sorted({parse_size(s) for s in args.sizes.split(",")})
+        if args.patterns:
+            patterns = [parse_pattern(p) for p in args.patterns.split(",")]
+        elif gpu:
+            patterns = [(1, n) for n in range(1, gpus)] + ([(2, gpus - 2)] if gpus >= 4 else [])
+        else:
+            patterns = [(1, 1), (1, 2), (2, 2)]
+        if gpu and any(m + n > gpus for m, n in patterns):
+            raise ValueError(f"NCCL needs one GPU per rank: M+N must be <= {gpus}")
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    except ValueError as e:
+        print(f"megaserve bench comm: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    baseline = "nccl" if gpu else "gloo"
+    print(f"comm benchmark — device: {device_name(gpu)}; ours: {transport}; baseline: {baseline} "
+          f"send/recv (torch.distributed); {args.iters} steps/size after {args.warmup} warm-up")
+    print(f"{'pattern':<8}{'size':>9}  {'transport':<10}{'p50 us':>11}{'p99 us':>11}{'GB/s':>10}")
+    for m, n in patterns:
+        spec = {"m": m, "n": n, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
+                "transport": transport, "baseline_backend": baseline, "gpu": gpu}
+        try:
+            out = run_pattern(spec)
+        except (RuntimeError, OSError) as e:
+            print(f"megaserve bench comm: pattern {m}x{n} failed: {e}", file=sys.stderr)
+            return 1
+        for size in sizes:
+            for key, name in (("ours", transport), ("base", baseline)):
+                print(_row(f"{m}x{n}", size, name, m, n, out[key][size]), flush=True)
+    return 0
