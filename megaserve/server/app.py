@@ -28,30 +28,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """What ``megaserve serve`` runs. ``engine_kwargs`` go to AsyncLLMEngine unchanged."""
+    """What ``megaserve serve`` runs.
 
-    model: str = "builtin:tiny-moe"
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_num_seqs: int = 64
-    max_model_len: int = 2048
-    seed: int = 0
+    ``engine`` holds the AsyncLLMEngine / EngineConfig keyword arguments (model, dtype,
+    device, max_num_seqs, max_model_len, seed, placement, ...), passed on unchanged; the
+    other fields are the server's own.
+    """
+
+    engine: dict[str, Any] = field(default_factory=lambda: {"model": "builtin:tiny-moe"})
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     http_port: int = 8000
     max_waiting: int = 256
     grace_period: float = 30.0
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_waiting", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.engine.get("model"), str):
+            raise ValueError(f"engine['model'] must be a model name or path, got {self.engine}")
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) \
+                or self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
         for name in ("grpc_port", "http_port"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 < value < 65536:
@@ -61,14 +57,19 @@ class ServeConfig:
         if not self.grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period!r}")
 
+    @property
+    def model(self) -> str:
+        return self.engine["model"]
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine.get("max_num_seqs", 64))
+
 
 def _default_engine_factory(config: ServeConfig) -> Any:
     from megaserve.engine.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine(
-        model=config.model, dtype=config.dtype, device=config.device,
-        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        seed=config.seed, **config.engine_kwargs)
+    return AsyncLLMEngine(**config.engine)
 
 
 async def serve(config: ServeConfig,
@@ -83,7 +84,8 @@ async def serve(config: ServeConfig,
 
     core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
     grpc_server, health = build_grpc_server(
-        GenerationService(core, config.dtype, config.device),
+        GenerationService(core, str(config.engine.get("dtype", "auto")),
+                          str(config.engine.get("device", "cpu"))),
         f"{_grpc_host(config.host)}:{config.grpc_port}")
     await set_health(health, serving=False)
     await grpc_server.start()

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import sys
 
+from megaserve.engine.config import EngineConfig
+from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 from megaserve.server.app import ServeConfig, serve
 
 EXIT_USAGE = 2
@@ -18,15 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megaserve serve",
         description="Serve a MoE model over gRPC (megaserve.v1.Generation) and "
                     "OpenAI-compatible HTTP from one process.")
-    p.add_argument("--model", default=d.model,
-                   help="HF checkpoint directory or built-in name (default: %(default)s)")
-    p.add_argument("--dtype", default=d.dtype, help="float32, bfloat16, float16 or auto")
-    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help="requests in the running batch (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="prompt + generated tokens per request (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
+    add_runtime_flags(p)  # --model --dtype --device --max-model-len --max-num-seqs, placement
+    p.add_argument("--seed", type=int, default=0,
                    help="engine seed for requests without one (default: %(default)s)")
     p.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port)
@@ -49,12 +44,12 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the message
         return int(e.code or 0)
+    engine = {**runtime_options(args), "seed": args.seed}
     try:
-        config = ServeConfig(
-            model=args.model, dtype=args.dtype, device=args.device,
-            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed,
-            host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-            max_waiting=args.max_waiting, grace_period=args.grace_period)
+        EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
+        config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
+                             http_port=args.http_port, max_waiting=args.max_waiting,
+                             grace_period=args.grace_period)
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return EXIT_USAGE

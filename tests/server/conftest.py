@@ -135,7 +135,7 @@ def model_cache(tmp_path_factory) -> str:
 def server(model_cache, tmp_path_factory) -> ServerProcess:
     """One default server shared by the gRPC and HTTP test modules."""
     srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", model_cache,
-                        "--max-num-seqs", "64", "--max-model-len", "2048")
+                        "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len", "2048")
     try:
         srv.wait_ready()
         yield srv

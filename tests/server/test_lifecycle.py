@@ -25,7 +25,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def small_server(model_cache, tmp_path_factory):
     """2 running + 1 waiting at most, 3 s grace. Yielded before it is ready."""
     srv = ServerProcess(tmp_path_factory.mktemp("small") / "server.log", model_cache,
-                        "--max-num-seqs", "2", "--max-waiting", "1",
+                        "--dtype", "float32", "--max-num-seqs", "2", "--max-waiting", "1",
                         "--grace-period", str(GRACE))
     try:
         yield srv
@@ -107,7 +107,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
                 if r.WhichOneof("response") == "complete":
                     results[name] = r.complete
 
-    short = build_request("short", stream=True, max_tokens=120, ignore_eos=True, temperature=0.0)
+    short = build_request("short", stream=True, max_tokens=40, ignore_eos=True, temperature=0.0)
     threads = [threading.Thread(target=consume, args=("short", short)),
                threading.Thread(target=consume, args=("long", long_request("long")))]
     for t in threads:
@@ -127,7 +127,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     assert small_server.proc.wait(GRACE + 15) == 0
     elapsed = time.monotonic() - sent
     assert results["short"].finish_reason == "length"
-    assert len(results["short"].output_ids) == 120
+    assert len(results["short"].output_ids) == 40
     assert results["long"].finish_reason == "abort"
     assert 0 < len(results["long"].output_ids) < 1900
     assert GRACE - 0.5 < elapsed < GRACE + 10, elapsed
@@ -141,6 +141,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     (["--grpc-port", "9000", "--http-port", "9000"], "must differ"),
     (["--grace-period", "-1"], "grace_period"),
     (["--max-waiting", "x"], "invalid int value"),
+    (["--transport", "carrier-pigeon"], "transport"),
 ])
 def test_serve_cli_refuses_bad_flags(argv, message, capsys):
     assert serve_main(argv) == 2
