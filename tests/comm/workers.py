@@ -140,3 +140,43 @@ def victim_scenario(rank, rdv, cfg, ready, results) -> None:
         _report(results, rank, ok=True, outcome=outcome, peer=peer, elapsed=elapsed, pid=os.getpid())
     except Exception:  # noqa: BLE001
         results.put({"rank": rank, "ok": False, "error": traceback.format_exc()})
+
+
+def gpu_pair(rank, provider, backend, rdv, results) -> None:
+    """Two ranks exchange tensors both ways over ``provider`` (cuda_ipc or nccl/gloo).
+
+    Each message i is a deterministic bf16 tensor of a varying shape; the receiver checks it
+    bitwise and that it arrived on its own device (GPU providers)."""
+    try:
+        import torch
+
+        gpu = backend != "gloo"
+        device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        cfg = ChannelConfig(slot_bytes=1 << 20, slots_per_peer=2, timeout_s=60)
+        options = {"device": device} if provider == "cuda_ipc" else {"backend": backend, "device": device}
+        ep = create_endpoint(provider, rank, 2, cfg, **options)
+        ep.connect(exchange(rdv, rank, 2, ep.address, timeout_s=60))
+        peer = 1 - rank
+
+        def expected(src: int, i: int):
+            g = torch.Generator().manual_seed(1000 * src + i)
+            return torch.randn(1 + 37 * i, 64, generator=g).to(torch.bfloat16)
+
+        bad, devices = 0, set()
+        for i in range(6):
+            order = (0, 1) if rank == 0 else (1, 0)
+            for role in order:
+                if role == 0:  # send
+                    ep.send(peer, expected(rank, i).to(device), layer=i, microbatch=rank)
+                else:
+                    c = ep.poll(src=peer) if provider == "nccl" else ep.poll()
+                    got = c.tensor(torch.bfloat16, (-1, 64))
+                    devices.add(str(got.device))
+                    bad += c.layer != i or not torch.equal(got.cpu(), expected(peer, i))
+                    ep.release(c)
+        ep.close()
+        results.put({"rank": rank, "ok": True, "bad": bad, "devices": sorted(devices)})
+    except Exception:  # noqa: BLE001
+        results.put({"rank": rank, "ok": False, "error": traceback.format_exc()})
