@@ -12,6 +12,7 @@ class ErrorCode(enum.Enum):
     NOT_FOUND = ("NOT_FOUND", 404)
     ALREADY_EXISTS = ("ALREADY_EXISTS", 409)
     RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429)
+    TOO_LARGE = ("RESOURCE_EXHAUSTED", 413)  # a message / body over the transport limit
     UNAVAILABLE = ("UNAVAILABLE", 503)
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 504)
     INTERNAL = ("INTERNAL", 500)
@@ -32,6 +33,7 @@ class ErrorCode(enum.Enum):
             ErrorCode.NOT_FOUND: "not_found_error",
             ErrorCode.ALREADY_EXISTS: "invalid_request_error",
             ErrorCode.RESOURCE_EXHAUSTED: "rate_limit_error",
+            ErrorCode.TOO_LARGE: "invalid_request_error",
             ErrorCode.UNAVAILABLE: "service_unavailable",
             ErrorCode.DEADLINE_EXCEEDED: "timeout",
             ErrorCode.INTERNAL: "internal_error",

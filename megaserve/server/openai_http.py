@@ -77,7 +77,12 @@ async def _models(request: web.Request) -> web.Response:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[_CORE]
     try:
-        req = oai.parse_request(oai.decode_body(await request.read()), chat)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(ErrorCode.TOO_LARGE, f"body: larger than the limit of "
+                               f"{MAX_BODY_BYTES} bytes", param="body") from None
+        req = oai.parse_request(oai.decode_body(raw), chat)
         if req.model is not None and req.model != core.model_name:
             raise RequestError(ErrorCode.NOT_FOUND, f"model: {req.model!r} is not served "
                                f"here; available: [{core.model_name!r}]", param="model")

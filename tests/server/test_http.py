@@ -165,6 +165,12 @@ def test_bad_input_gets_an_error_naming_the_field(server, case):
     assert reply["error"]["param"] == field
 
 
+def test_body_over_16_mib_is_413(server):
+    status, reply = http_post(server.url + "/v1/completions",
+                              json.dumps({"prompt": "c" * (17 << 20)}).encode())
+    assert status == 413 and reply["error"]["param"] == "body"
+
+
 def test_bad_chat_messages(server):
     status, reply = http_post(server.url + "/v1/chat/completions", {"messages": []})
     assert status == 400 and reply["error"]["param"] == "messages"
