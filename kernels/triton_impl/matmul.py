@@ -49,7 +49,7 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
-    flat: int = 1  # fold-loop shape (0 nested, 1/2 flat); never changes the arithmetic
+    flat: int = 2  # fold-loop shape (0 nested, 1/2 flat); never changes the arithmetic
 
     def __post_init__(self) -> None:
         if self.split_len % self.block_k:
