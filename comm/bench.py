@@ -204,7 +204,7 @@ def _row(pattern: str, size: int, name: str, m: int, n: int, samples: list[float
     p50 = statistics.median(samples)
     p99 = sorted(samples)[min(len(samples) - 1, int(round(0.99 * (len(samples) - 1))))]
     gbps = m * n * size / p50 / 1e9
-    return f"{pattern:<8}{_fmt_size(size):>9}  {name:<10}{p50 * 1e6:>11.1f}{p99 * 1e6:>11.1f}{gbps:>10.3f}"
+    return f"{pattern:<8}{_fmt_size(size):>9}  {name:<10}{p50 * 1e6:>11.1f}{p99 * 1e6:>11.1f}{gbps:>10.4g}"
 
 
 def main(argv: list[str]) -> int:
