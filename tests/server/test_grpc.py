@@ -250,3 +250,12 @@ def test_generate_remote_client(server, llm, capsys):
     args.stream, args.temperature = False, -2.0
     assert generate_remote(args) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_loadtest_tool_runs_and_matches_its_offline_baseline(server, capsys):
+    from megaserve.server.loadtest import main as loadtest
+
+    assert loadtest(["--server", server.grpc_address, "--clients", "4", "--prompt-len", "5",
+                     "--max-tokens", "4", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "server, gRPC streams" in out and "bitwise equal to the baseline: True" in out
