@@ -142,6 +142,7 @@ def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results:
         ep.close()
         dist.init_process_group(spec["baseline_backend"], init_method=f"tcp://{dist_address}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
+        dist.barrier()  # every rank joins the communicator before the first P2P batch
         base = _steps_baseline(dist, torch, spec, rank, senders, receivers, device)
         dist.destroy_process_group()
         results.put({"rank": rank, "ok": True, "ours": ours, "base": base})
