@@ -58,8 +58,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--dtype", default="float32", help="the server's dtype, for the baseline")
-    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--repeat", type=int, default=3, help="runs of each; the median is shown")
     args = p.parse_args(argv)
     if min(args.clients, args.prompt_len, args.max_tokens, args.repeat) < 1:
@@ -82,8 +80,9 @@ def main(argv: list[str]) -> int:
                   key=lambda run: run[1])
     results, wall = runs[len(runs) // 2]  # the median run by wall time
 
-    with LLM(model=info.model_name, dtype=args.dtype, device=info.device,
-             max_num_seqs=args.clients, max_model_len=args.max_model_len) as llm:
+    # The baseline uses the server's settings, as GetModelInfo reports them.
+    with LLM(model=info.model_name, dtype=info.dtype, device=info.device,
+             max_num_seqs=args.clients, max_model_len=info.max_model_len) as llm:
         base_walls = []
         for _ in range(args.repeat):
             start = time.perf_counter()
