@@ -54,6 +54,8 @@ def mixed_cases(n: int) -> list[tuple[str | list[int], dict]]:
                    {"temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "seed": 7 * i}][i % 4])
         if i % 3 == 0:
             kw["logprobs"] = 2
+        if i % 7 == 3:
+            kw["stop"] = ["e", "a"]
         cases.append((prompt, kw))
     return cases
 
@@ -130,9 +132,12 @@ def test_64_concurrent_streams_equal_each_request_alone(server, llm):
             return await asyncio.gather(*(one(stub_, i, p, kw) for i, (p, kw) in enumerate(cases)))
 
     results = asyncio.run(all_at_once())
+    reasons = set()
     for (prompt, kw), (chunks, complete) in zip(cases, results):
         assert complete is not None
         assert_same(chunks, complete, reference(llm, prompt, kw), kw)
+        reasons.add(complete.finish_reason)
+    assert "length" in reasons
     assert_idle(server)
 
 
@@ -195,6 +200,18 @@ def test_abort_rpc_ends_the_stream_with_abort(stub, server):
     t.join(30)
     assert result["last"].complete.finish_reason == "abort"
     assert not stub["Abort"](pb.AbortRequest(request_id="abort-me"), timeout=5).found
+    assert_idle(server)
+
+
+def test_duplicate_request_id_in_flight_is_already_exists(stub, server):
+    call = stub["Generate"](build_request("dup", stream=True, request_id="dup", max_tokens=1900,
+                                          ignore_eos=True), timeout=60)
+    next(call)
+    with pytest.raises(grpc.RpcError) as e:
+        run_stream(stub, build_request("dup again", request_id="dup"))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert e.value.details().startswith("request_id: ")
+    call.cancel()
     assert_idle(server)
 
 

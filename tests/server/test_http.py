@@ -105,6 +105,23 @@ def test_n_and_several_prompts_with_seed(server, llm):
     assert got[0] != got[1]  # seed + j: the choices differ
 
 
+def test_streamed_n_choices_and_stop_strings(server, llm):
+    kw = {"max_tokens": 30, "temperature": 1.0, "stop": ["e"]}
+    events = sse(server, "/v1/completions", {"prompt": "Once upon a time", "n": 3, "seed": 9,
+                                             "stream": True, **kw})
+    assert events[-1] == "[DONE]"
+    texts, reasons = {0: "", 1: "", 2: ""}, {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            reasons[choice["index"]] = choice["finish_reason"]
+    for j in range(3):
+        expected = ref(llm, "Once upon a time", seed=9 + j, **kw).outputs[0]
+        assert (texts[j], reasons[j]) == (expected.text, expected.finish_reason)
+    assert "stop" in reasons.values()
+
+
 def test_models_health_and_metrics_names(server):
     status, body = http_get(server.url + "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "builtin:tiny-moe"
