@@ -76,6 +76,16 @@ def _steps_ours(ep: Any, spec: dict, senders: list[int], receivers: list[int], m
     return times
 
 
+def _p2p(dist: Any, ops: list[tuple[Any, Any, int]]) -> None:
+    """Run isend/irecv ops to completion: one op plainly, several as one NCCL group."""
+    if len(ops) == 1:
+        fn, tensor, peer = ops[0]
+        fn(tensor, peer).wait()
+        return
+    for req in dist.batch_isend_irecv([dist.P2POp(fn, tensor, peer) for fn, tensor, peer in ops]):
+        req.wait()
+
+
 def _steps_baseline(dist: Any, torch: Any, spec: dict, rank: int, senders: list[int],
                     receivers: list[int], device: Any) -> dict:
     times: dict[int, list[float]] = {}
@@ -88,20 +98,15 @@ def _steps_baseline(dist: Any, torch: Any, spec: dict, rank: int, senders: list[
         for it in range(spec["warmup"] + spec["iters"]):
             if rank in senders:
                 t0 = time.perf_counter()
-                ops = [dist.P2POp(dist.isend, buf, r) for r in receivers]
-                ops += [dist.P2POp(dist.irecv, acks[i], r) for i, r in enumerate(receivers)]
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+                # same grouping on both sides: payload batch, then ack batch
+                _p2p(dist, [(dist.isend, buf, r) for r in receivers])
+                _p2p(dist, [(dist.irecv, acks[i], r) for i, r in enumerate(receivers)])
                 sync()
                 if it >= spec["warmup"]:
                     samples.append(time.perf_counter() - t0)
             else:
-                ops = [dist.P2POp(dist.irecv, inbox[i], s) for i, s in enumerate(senders)]
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-                ops = [dist.P2POp(dist.isend, acks[i], s) for i, s in enumerate(senders)]
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
+                _p2p(dist, [(dist.irecv, inbox[i], s) for i, s in enumerate(senders)])
+                _p2p(dist, [(dist.isend, acks[i], s) for i, s in enumerate(senders)])
                 sync()
         times[size] = samples
     return times
@@ -141,7 +146,8 @@ def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results:
         ours = _steps_ours(ep, spec, senders, receivers, make)
         ep.close()
         dist.init_process_group(spec["baseline_backend"], init_method=f"tcp://{dist_address}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
+                                world_size=world, timeout=datetime.timedelta(seconds=120),
+                                device_id=device if spec["gpu"] else None)
         dist.barrier()  # every rank joins the communicator before the first P2P batch
         base = _steps_baseline(dist, torch, spec, rank, senders, receivers, device)
         dist.destroy_process_group()
