@@ -105,24 +105,14 @@ class ServingCore:
 
         Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS).
         """
-        try:
-            if self.state is not ServerState.SERVING:
-                what = "loading the model" if self.state is ServerState.LOADING else "shutting down"
-                raise RequestError(ErrorCode.UNAVAILABLE, f"server is {what}; retry later")
-            if len(self._in_flight) >= self.max_num_seqs + self.max_waiting:
-                raise RequestError(
-                    ErrorCode.RESOURCE_EXHAUSTED,
-                    f"too many requests: {len(self._in_flight)} in flight, the limit is "
-                    f"max_num_seqs + max_waiting = {self.max_num_seqs + self.max_waiting}; "
-                    "retry later")
-            request_id = request_id or uuid.uuid4().hex
-            if request_id in self._in_flight:
-                raise RequestError(ErrorCode.ALREADY_EXISTS,
-                                   f"request_id: {request_id!r} is already in flight",
-                                   param="request_id")
-        except RequestError as e:
-            self.metrics.rejected(e.code.grpc_name)
-            raise
+        if self.state is not ServerState.SERVING or \
+                len(self._in_flight) >= self.max_num_seqs + self.max_waiting:
+            self._refuse()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"request_id: {request_id!r} is already in flight",
+                               param="request_id")
         self._in_flight[request_id] = time.monotonic()
         self._idle.clear()
         try:
@@ -131,6 +121,20 @@ class ServingCore:
             del self._in_flight[request_id]
             if not self._in_flight:
                 self._idle.set()
+
+    def _refuse(self) -> None:
+        """Raises (and counts) UNAVAILABLE or RESOURCE_EXHAUSTED."""
+        if self.state is not ServerState.SERVING:
+            what = "loading the model" if self.state is ServerState.LOADING else "shutting down"
+            error = RequestError(ErrorCode.UNAVAILABLE, f"server is {what}; retry later")
+        else:
+            limit = self.max_num_seqs + self.max_waiting
+            error = RequestError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"too many requests: {len(self._in_flight)} in flight, the limit is "
+                f"max_num_seqs + max_waiting = {limit}; retry later")
+        self.metrics.rejected(error.code.grpc_name)
+        raise error
 
     # -- validation --------------------------------------------------------------------
     async def prepare(self, prompt: str | list[int], params: SamplingParams,
