@@ -15,8 +15,9 @@ Mapping (per ordered pair sender s → receiver r, one RC QP on each side):
   ``slots_per_peer`` receive WRs per QP up front, and a sender never has more writes in
   flight than credits, so the receive queue never runs dry: ``rnr_retry`` is 0 (an RNR is
   a protocol bug and fails loudly instead of being retried).
-* GPU memory: a dmabuf MR when pyverbs has ``DmaBufMR`` and the caller passes a dmabuf fd;
-  otherwise pinned host staging (this module's default).
+* memory: pinned host staging only (pyverbs-allocated MRs; the receiver copies the slot
+  out with ``mr.read``). NOT implemented yet: dmabuf MRs (``pyverbs.mr.DmaBufMR``) for GPU
+  buffers, which would remove both host copies.
 
 pyverbs renamed its enum module (``pyverbs.enums`` constants → ``pyverbs.libibverbs_enums``
 IntEnum classes); :func:`verbs_enum` resolves either. Nothing here was run against a real
