@@ -5,9 +5,10 @@ Timeline::
     bind gRPC and HTTP ──▶ health NOT_SERVING, requests get UNAVAILABLE / 503
     load the engine in a worker thread (seconds) ──▶ health SERVING
     SIGTERM / SIGINT ──▶ health NOT_SERVING, listeners closed (no new connections or RPCs)
-        ──▶ in-flight requests finish, for at most grace_period seconds
+        ──▶ in-flight requests finish, for at most grace_period - reserve seconds
         ──▶ the rest are aborted (their streams end with finish_reason "abort")
-        ──▶ servers stopped, engine shut down, exit 0
+        ──▶ servers stopped, engine shut down, exit 0, all within grace_period
+            (reserve = min(1 s, grace_period / 4))
 """
 
 from __future__ import annotations
@@ -128,11 +129,14 @@ async def serve(config: ServeConfig,
     core.state = ServerState.DRAINING
     await set_health(health, serving=False)
     await site.stop()
-    # grpc refuses new RPCs at once; in-flight ones get the grace period plus time to
-    # flush the final message of the streams the drain aborts.
-    grpc_stopped = asyncio.create_task(grpc_server.stop(config.grace_period + 5.0))
+    # The whole shutdown fits in the grace period (an orchestrator kills us after it):
+    # in-flight work gets all of it but a reserve for aborting what is left and flushing
+    # those streams' final messages. grpc refuses new RPCs at once and cancels whatever
+    # is still open at the end of the grace period.
+    reserve = min(1.0, 0.25 * config.grace_period)
+    grpc_stopped = asyncio.create_task(grpc_server.stop(config.grace_period))
     if core.engine is not None:
-        aborted = await core.drain(config.grace_period)
+        aborted = await core.drain(config.grace_period - reserve, flush_timeout=reserve / 2)
         if aborted:
             logger.warning("megaserve: aborted %d request(s) at the end of the grace period",
                            aborted)

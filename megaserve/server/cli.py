@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed beyond --max-num-seqs before refusing with "
                         "RESOURCE_EXHAUSTED / HTTP 429 (default: %(default)s)")
     p.add_argument("--grace-period", type=float, default=d.grace_period,
-                   help="seconds in-flight requests get to finish after SIGTERM before "
-                        "they are aborted (default: %(default)s)")
+                   help="seconds from SIGTERM to exit: in-flight requests get all of it "
+                        "but min(1 s, a quarter) to finish, then the rest are aborted "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p

@@ -254,9 +254,10 @@ class ServingCore:
         return True
 
     # -- shutdown ----------------------------------------------------------------------
-    async def drain(self, grace_period: float) -> int:
+    async def drain(self, grace_period: float, flush_timeout: float = 1.0) -> int:
         """Stops admitting, waits up to ``grace_period`` s for in-flight requests, then
-        aborts what is left (their streams end with finish_reason "abort").
+        aborts what is left (their streams end with finish_reason "abort") and waits up to
+        ``flush_timeout`` s for those streams to end.
 
         Returns the number of requests that had to be aborted.
         """
@@ -272,5 +273,5 @@ class ServingCore:
             with contextlib.suppress(Exception):
                 await self.engine.abort(request_id)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=5.0)
+            await asyncio.wait_for(self._idle.wait(), timeout=flush_timeout)
         return len(left)
