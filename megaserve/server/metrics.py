@@ -55,14 +55,9 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
-    """A monotonically increasing value per label set. The name should end in ``_total``.
-
-    With ``callback`` the value is read at scrape time from a source that already counts
-    (for example the engine's token totals) under the fixed ``labels``.
-    """
-
-    kind = "counter"
+class _ValueMetric(_Metric):
+    """One value per label set, either stored or read from ``callback`` at scrape time
+    (under the fixed ``labels``)."""
 
     def __init__(self, name: str, help_: str, callback: Callable[[], float] | None = None,
                  labels: dict[str, str] | None = None) -> None:
@@ -70,12 +65,6 @@ class Counter(_Metric):
         self._callback = callback
         self._fixed_labels = _labels(labels)
         self._values: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1.0, labels: dict[str, str] | None = None) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: a counter cannot decrease (got {amount})")
-        key = _labels(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
 
     def value(self, labels: dict[str, str] | None = None) -> float:
         return self._values.get(_labels(labels), 0.0)
@@ -87,26 +76,29 @@ class Counter(_Metric):
         return [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in values.items()]
 
 
-class Gauge(_Metric):
-    """A value that goes up and down; either ``set`` or read from ``callback`` at scrape."""
+class Counter(_ValueMetric):
+    """A monotonically increasing value per label set. The name should end in ``_total``.
+
+    With a callback the value comes from a source that already counts (for example the
+    engine's token totals).
+    """
+
+    kind = "counter"
+
+    def inc(self, amount: float = 1.0, labels: dict[str, str] | None = None) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter cannot decrease (got {amount})")
+        key = _labels(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+
+class Gauge(_ValueMetric):
+    """A value that goes up and down: ``set``, or read from a callback at scrape time."""
 
     kind = "gauge"
 
-    def __init__(self, name: str, help_: str, callback: Callable[[], float] | None = None,
-                 labels: dict[str, str] | None = None) -> None:
-        super().__init__(name, help_)
-        self._callback = callback
-        self._fixed_labels = _labels(labels)
-        self._values: dict[Labels, float] = {}
-
     def set(self, value: float, labels: dict[str, str] | None = None) -> None:
         self._values[_labels(labels)] = float(value)
-
-    def render(self) -> list[str]:
-        values = dict(self._values)
-        if self._callback is not None:
-            values[self._fixed_labels] = float(self._callback())
-        return [f"{self.name}{_fmt_labels(k)} {_fmt_value(v)}" for k, v in values.items()]
 
 
 class Histogram(_Metric):

@@ -45,9 +45,17 @@ def build_app(core: ServingCore) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
-    app.router.add_post("/v1/completions", lambda r: _generate(r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: _generate(r, chat=True))
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
     return app
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
 
 
 def _error_response(err: RequestError) -> web.Response:
