@@ -122,7 +122,9 @@ async def serve(config: ServeConfig,
             await set_health(health, serving=True)
             logger.info("megaserve: serving %s (max_model_len=%d)", config.model,
                         core.engine.max_model_len)
+    failure_watch = asyncio.create_task(_watch_failure(core, health))
     await stop.wait()
+    failure_watch.cancel()
 
     # Drain: refuse new work first, then give in-flight work the grace period.
     logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
@@ -149,6 +151,14 @@ async def serve(config: ServeConfig,
         load.cancel()
     logger.info("megaserve: stopped")
     return exit_code
+
+
+async def _watch_failure(core: ServingCore, health: Any) -> None:
+    """Health NOT_SERVING once the engine has failed, so an orchestrator replaces us."""
+    from megaserve.server.grpc_service import set_health
+
+    await core.failed.wait()
+    await set_health(health, serving=False)
 
 
 def _grpc_host(host: str) -> str:

@@ -45,6 +45,7 @@ class ServerState(enum.Enum):
     LOADING = "LOADING"
     SERVING = "SERVING"
     DRAINING = "DRAINING"
+    FAILED = "FAILED"  # the engine died: refuse everything, health NOT_SERVING
     STOPPED = "STOPPED"
 
 
@@ -90,6 +91,7 @@ class ServingCore:
         self._in_flight: dict[str, float] = {}  # request id → arrival time (monotonic)
         self._idle = asyncio.Event()
         self._idle.set()
+        self.failed = asyncio.Event()  # set once by mark_failed
         self.metrics = ServerMetrics(
             model_name, lambda: self.engine.stats() if self.engine else None,
             lambda: len(self._in_flight))
@@ -122,11 +124,20 @@ class ServingCore:
             if not self._in_flight:
                 self._idle.set()
 
+    def mark_failed(self, reason: str) -> None:
+        """The engine cannot serve any more: refuse new requests and wake ``failed``."""
+        if self.state is not ServerState.FAILED:
+            logger.error("megaserve: engine failed, refusing requests: %s", reason)
+            self.state = ServerState.FAILED
+            self.failed.set()
+
     def _refuse(self) -> None:
         """Raises (and counts) UNAVAILABLE or RESOURCE_EXHAUSTED."""
         if self.state is not ServerState.SERVING:
-            what = "loading the model" if self.state is ServerState.LOADING else "shutting down"
-            error = RequestError(ErrorCode.UNAVAILABLE, f"server is {what}; retry later")
+            what = {ServerState.LOADING: "loading the model; retry later",
+                    ServerState.FAILED: "unusable: its engine failed (see the server log); "
+                                        "restart it"}.get(self.state, "shutting down")
+            error = RequestError(ErrorCode.UNAVAILABLE, f"server is {what}")
         else:
             limit = self.max_num_seqs + self.max_waiting
             error = RequestError(
@@ -202,6 +213,12 @@ class ServingCore:
         except ValueError as e:
             finished = True  # refused before it ran: nothing to abort
             raise RequestError.from_value_error(e) from None
+        except Exception as e:
+            from megaserve.engine.async_engine import EngineDeadError  # loaded by now
+
+            if isinstance(e, EngineDeadError):  # the engine thread is gone for good
+                self.mark_failed(str(e))
+            raise
         finally:
             if not finished:
                 # Cancelled, deadline passed, client gone or an engine failure: free the
