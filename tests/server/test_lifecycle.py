@@ -130,9 +130,21 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     assert len(results["short"].output_ids) == 40
     assert results["long"].finish_reason == "abort"
     assert 0 < len(results["long"].output_ids) < 1900
-    assert GRACE - 1.5 < elapsed < GRACE + 0.5, elapsed  # exits within the grace period
     log = small_server.log()
-    assert "aborted 1 request" in log and "stopped" in log and "Traceback" not in log
+    assert "aborted 1 request" in log and "Traceback" not in log
+    # The server's own shutdown fits in the grace period; the interpreter's exit after it
+    # (torch teardown) adds a little more, up to about a second on a loaded 2-core box.
+    shutdown = _log_time(log, "shutting down")
+    assert 0 < _log_time(log, "megaserve: stopped") - shutdown < GRACE
+    assert GRACE - 1.5 < elapsed < GRACE + 2.0, elapsed
+
+
+def _log_time(log: str, marker: str) -> float:
+    """Seconds since midnight of the first log line containing ``marker``."""
+    line = next(line for line in log.splitlines() if marker in line)
+    hms = line.split()[1]  # "2026-01-01 12:34:56,789 INFO ..."
+    h, m, rest = hms.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(rest.replace(",", "."))
 
 
 @pytest.mark.parametrize("argv, message", [
