@@ -17,7 +17,7 @@ from megaserve.engine.scheduler import Scheduler, SchedulerConfig
 from megaserve.engine.sequence import Sequence
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
-from megaserve.models.forward import LocalExperts
+from megaserve.models.forward import ExpertClient, LocalExperts
 from megaserve.models.loader import load_model
 from megaserve.outputs import RequestOutput
 from megaserve.sampling_params import SamplingParams
@@ -46,7 +46,8 @@ class LLMEngine:
     corrupt checkpoint or an unsupported architecture, naming the field or file.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, experts: ExpertClient | None = None) -> None:
+        """``experts``: where routed tokens go (default: all experts in this process)."""
         self.config = config
         if config.device == "cpu":
             torch.set_num_threads(config.cpu_threads)
@@ -55,7 +56,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
         model_max = ModelConfig.from_dir(path).max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
-        model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len)
+        model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len,
+                           expert_ids=[] if experts is not None else None)
         self.model_config = model.config
         self.model_name = config.model
         self.vocab_size = model.config.vocab_size
@@ -70,7 +72,8 @@ class LLMEngine:
             model.config.head_dim, model.attention.dtype, model.attention.device,
         )
         self.runner = ModelRunner(
-            model.attention, LocalExperts(model.experts), kv, config.block_size, config.microbatches
+            model.attention, experts or LocalExperts(model.experts), kv, config.block_size,
+            config.microbatches,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.outputs = OutputProcessor(
@@ -101,38 +104,25 @@ class LLMEngine:
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids; ``ValueError`` starting with the offending field."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer.json; pass prompt_token_ids")
-            if not prompt:
-                raise ValueError("prompt: empty prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-                )
-        if not ids:
-            raise ValueError("prompt: empty prompt")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        return ids
+        return validate_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Queue a request; raises ``ValueError`` for bad input or a duplicate id."""
+    def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, seed: int | None = None
+    ) -> None:
+        """Queue a request; raises ``ValueError`` for bad input or a duplicate id.
+
+        ``seed``: the sampling seed to use when ``params.seed`` is None (a front-end that
+        spreads requests over replicas derives it, so it never depends on the replica);
+        by default the engine derives one from its own seed and the arrival order.
+        """
         if request_id in self._seqs:
             raise ValueError(f"request_id: {request_id!r} is already running")
         ids = self.validate(prompt, params)
         arrival = next(self._arrivals)
-        seed = params.seed if params.seed is not None else self._derived_seed(arrival)
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = seed if seed is not None else derive_seed(self.config.seed, arrival)
         seq = Sequence(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
@@ -145,10 +135,6 @@ class LLMEngine:
             seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
-
-    def _derived_seed(self, arrival: int) -> int:
-        """A seed for an unseeded request: fixed by the engine seed and arrival order."""
-        return (self.config.seed * 0x9E3779B97F4A7C15 + arrival * 0xBF58476D1CE4E5B9) % (1 << 63)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request with reason "abort" and free its blocks; None if unknown."""
@@ -205,6 +191,52 @@ class LLMEngine:
         """Release resources (worker processes, once disaggregated)."""
 
 
-def make_engine(config: EngineConfig) -> LLMEngine:
-    """The engine for a config: everything in this process, or disaggregated workers."""
+def derive_seed(engine_seed: int, arrival: int) -> int:
+    """The seed of an unseeded request: fixed by the engine seed and arrival order."""
+    return (engine_seed * 0x9E3779B97F4A7C15 + arrival * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
+def make_engine(config: EngineConfig):
+    """The engine for a config: everything in this process (the defaults), or a
+    front-end over attention and expert workers (any of R, E, m, transport changed)."""
+    disaggregated = (config.attention_replicas, config.expert_workers, config.transport) != (1, 1, "inproc")
+    if disaggregated:
+        from megaserve.runtime.cluster import DisaggregatedEngine
+
+        return DisaggregatedEngine(config)
     return LLMEngine(config)
+
+
+def validate_prompt(
+    prompt: Prompt,
+    params: SamplingParams,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    max_model_len: int,
+) -> list[int]:
+    """Check a request; returns the prompt's token ids.
+
+    Raises ``ValueError`` whose message starts with the offending field.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer.json; pass prompt_token_ids")
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    else:
+        raise ValueError(f"prompt: expected text or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("prompt: empty prompt")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens leave no room to generate within max_model_len={max_model_len}"
+        )
+    return ids

@@ -1,0 +1,256 @@
+"""DisaggregatedEngine: the front-end over R attention replicas and E expert workers.
+
+It has the synchronous engine's interface (validate / add_request / abort_request / step /
+has_unfinished_requests / stats / shutdown), so ``LLM`` and ``AsyncLLMEngine`` use it
+unchanged. Requests go to the replica with the least outstanding work; each replica
+steps on its own and streams its outputs back, so a long prefill on one replica never
+holds the others. Unseeded requests get their seed here, from the arrival order, so the
+replica that serves a request cannot change its output.
+
+With ``transport="inproc"`` workers are threads of this process; otherwise each worker is
+a spawned process on this host. Shutdown stops them and kills stragglers; a worker whose
+parent dies exits by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from comm import ChannelConfig, RendezvousServer
+from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from megaserve.engine.engine import EngineStats, Prompt, derive_seed
+from megaserve.models.builtin import resolve_model
+from megaserve.models.config import ModelConfig
+from megaserve.models.loader import resolve_dtype
+from megaserve.outputs import RequestOutput
+from megaserve.runtime.frames import frame_bytes
+from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.workers import WorkerSpec, run_worker
+from megaserve.sampling_params import SamplingParams
+from megaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
+SUPPORTED_TRANSPORTS = ("inproc", "tcp")
+
+
+def _process_context():
+    """Worker processes fork from a server that has already imported torch and the
+    runtime (forkserver): each starts in a fraction of a second, and never inherits the
+    front-end's threads or locks (which a plain fork would)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["megaserve.runtime.workers", "megaserve.engine.engine"])
+    return ctx
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or disappeared; the engine cannot continue."""
+
+
+class DisaggregatedEngine:
+    """Front-end engine; see the module docstring. Raises ``ValueError`` for bad config."""
+
+    def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None) -> None:
+        if config.transport not in SUPPORTED_TRANSPORTS:
+            raise ValueError(
+                f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}; "
+                f"{config.transport!r} is available in comm/ but not wired into workers yet"
+            )
+        path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.placement = placement or ExpertPlacement.even(self.model_config.num_experts, config.expert_workers)
+        self.max_model_len = config.max_model_len or min(
+            self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.config = replace(config, model=str(path), max_model_len=self.max_model_len)
+        self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+        self.model_name = config.model
+        self.vocab_size = self.model_config.vocab_size
+        self._arrivals = itertools.count()
+        self._owner: dict[str, int] = {}  # request id → replica
+        self._load = [0] * config.attention_replicas  # outstanding token work per replica
+        self._work: dict[str, int] = {}
+        self._stats: list[EngineStats | None] = [None] * config.attention_replicas
+        self.expert_stats: dict[int, object] = {}
+        self._closed = False
+        self._start_workers()
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _channel(self) -> ChannelConfig:
+        cfg = self.model_config
+        itemsize = resolve_dtype(self.config.dtype, cfg).itemsize
+        tokens = self.config.max_num_batched_tokens
+        size = frame_bytes(tokens, tokens * cfg.top_k, cfg.hidden_size, itemsize)
+        return ChannelConfig(slot_bytes=size, slots_per_peer=self.config.microbatches + 1,
+                             timeout_s=120.0, connect_timeout_s=STARTUP_TIMEOUT_S)
+
+    def _start_workers(self) -> None:
+        num_replicas, num_experts = self.config.attention_replicas, self.placement.num_workers
+        world = num_replicas + num_experts
+        self._rendezvous = RendezvousServer(world)
+        use_processes = self.config.transport != "inproc"
+        ctx = _process_context()
+        self._outbox = ctx.Queue() if use_processes else queue.Queue()
+        self._inboxes = []
+        self._workers = []
+        channel = self._channel()
+        for rank in range(world):
+            role, index = ("attention", rank) if rank < num_replicas else ("expert", rank - num_replicas)
+            spec = WorkerSpec(role, index, rank, world, self._rendezvous.address, self.config.transport,
+                              channel, self.config, self.placement, num_replicas, os.getpid())
+            inbox = ctx.Queue() if use_processes else queue.Queue()
+            if use_processes:
+                worker = ctx.Process(target=run_worker, args=(spec, inbox, self._outbox),
+                                     name=f"megaserve-{role}-{index}", daemon=True)
+            else:
+                worker = threading.Thread(target=run_worker, args=(spec, inbox, self._outbox),
+                                          name=f"megaserve-{role}-{index}", daemon=True)
+            worker.start()
+            self._inboxes.append(inbox)
+            self._workers.append(worker)
+        ready = 0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        try:
+            while ready < world:
+                message = self._next_message(max(0.1, deadline - time.monotonic()))
+                if message is None:
+                    raise WorkerError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
+                if message[0] == "ready":
+                    ready += 1
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); kills processes that do not exit in time."""
+        if self._closed:
+            return
+        self._closed = True
+        for inbox in self._inboxes:
+            inbox.put(("stop",))
+        deadline = time.monotonic() + STOP_GRACE_S
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in self._workers:
+            if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
+                logger.warning("killing %s after %.0fs", worker.name, STOP_GRACE_S)
+                worker.kill()
+                worker.join(5)
+        self._drain_stats()
+        self._rendezvous.close()
+
+    def _drain_stats(self) -> None:
+        while True:
+            try:
+                message = self._outbox.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return
+            if message[0] == "stats":
+                self.expert_stats[message[2]] = message[3]
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+    # -- requests ---------------------------------------------------------------------
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        from megaserve.engine.engine import validate_prompt
+
+        return validate_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    seed: int | None = None) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        ids = self.validate(prompt, params)
+        arrival = next(self._arrivals)
+        if seed is None:
+            seed = derive_seed(self.config.seed, arrival)
+        replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        work = len(ids) + params.max_tokens
+        self._owner[request_id] = replica
+        self._work[request_id] = work
+        self._load[replica] += work
+        self._inboxes[replica].put(("add", request_id, ids, params, seed))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ask the owning replica to abort; its "abort" output arrives through step()."""
+        replica = self._owner.get(request_id)
+        if replica is not None:
+            self._inboxes[replica].put(("abort", request_id))
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    def step(self, timeout: float = 0.05) -> list[RequestOutput]:
+        """Outputs that replicas produced since the last call (waits up to ``timeout``
+        for the first). Raises :class:`WorkerError` if a worker failed."""
+        outputs: list[RequestOutput] = []
+        message = self._next_message(timeout)
+        while message is not None:
+            if message[0] == "outputs":
+                _, replica, outs, stats = message
+                self._stats[replica] = stats
+                outputs += outs
+                for out in outs:
+                    if out.finished:
+                        self._forget(out.request_id)
+            message = self._next_message(0)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        replica = self._owner.pop(request_id, None)
+        if replica is not None:
+            self._load[replica] -= self._work.pop(request_id)
+
+    def _next_message(self, timeout: float):
+        try:
+            message = self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+        except queue.Empty:
+            self._check_alive()
+            return None
+        if message[0] == "error":
+            _, role, index, detail = message
+            raise WorkerError(f"{role} worker {index} failed: {detail}")
+        if message[0] == "stats":
+            self.expert_stats[message[2]] = message[3]
+        return message
+
+    def _check_alive(self) -> None:
+        dead = [w.name for w in self._workers if not w.is_alive()]
+        if dead and not self._closed:
+            # A worker that failed reported why just before exiting: surface that first.
+            try:
+                message = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                message = None
+            if message is not None and message[0] == "error":
+                _, role, index, detail = message
+                raise WorkerError(f"{role} worker {index} failed: {detail}")
+            raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
+
+    def stats(self) -> EngineStats:
+        known = [s for s in self._stats if s is not None]
+        return EngineStats(
+            num_running=sum(s.num_running for s in known),
+            num_waiting=sum(s.num_waiting for s in known),
+            num_kv_blocks=sum(s.num_kv_blocks for s in known),
+            num_free_kv_blocks=sum(s.num_free_kv_blocks for s in known),
+            prompt_tokens_total=sum(s.prompt_tokens_total for s in known),
+            generation_tokens_total=sum(s.generation_tokens_total for s in known),
+            num_preemptions=sum(s.num_preemptions for s in known),
+        )

@@ -1,0 +1,105 @@
+"""ExpertWorker: serves the experts it holds to every attention replica.
+
+Aggregation is per layer: the worker blocks for a dispatch frame, then gathers every
+frame that arrives within ``aggregation_wait_s`` (from any replica, any micro-batch), and
+runs one grouped expert pass per layer over all their rows. It never waits for a
+particular replica, so idle replicas stall nobody, and an idle worker sleeps in ``poll``.
+Batch-invariant kernels make each row's result independent of the grouping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from comm import CommTimeoutError, Completion, Endpoint
+from megaserve.models.expert_part import ExpertPart
+from megaserve.runtime.frames import TAG_COMBINE, TAG_DISPATCH, decode_dispatch, encode_combine
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.2
+
+
+@dataclass
+class ExpertWorkerStats:
+    frames: int = 0
+    passes: int = 0  # grouped expert passes (one per layer per aggregated batch)
+    gemms: int = 0  # (layer, expert) GEMMs
+    rows: int = 0  # (token, expert) rows computed
+
+    @property
+    def rows_per_gemm(self) -> float:
+        return self.rows / self.gemms if self.gemms else 0.0
+
+
+@dataclass
+class _Frame:
+    src: int
+    layer: int
+    microbatch: int
+    rows: torch.Tensor  # [n, D]
+    pairs: torch.Tensor  # [p, 2] (row, global expert id)
+
+
+class ExpertWorker:
+    def __init__(self, experts: ExpertPart, endpoint: Endpoint, device: torch.device,
+                 aggregation_wait_s: float = 0.0005) -> None:
+        self.experts = experts
+        self.endpoint = endpoint
+        self.device = device
+        self.aggregation_wait_s = aggregation_wait_s
+        self.stats = ExpertWorkerStats()
+
+    def serve(self, should_stop: Callable[[], bool]) -> None:
+        """Serve frames until ``should_stop()``; comm errors (a lost peer) propagate."""
+        while not should_stop():
+            try:
+                first = self.endpoint.poll(timeout=IDLE_POLL_S)
+            except CommTimeoutError:
+                continue
+            frames = [self._take(first)]
+            deadline = time.monotonic() + self.aggregation_wait_s
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    frames.append(self._take(self.endpoint.poll(timeout=remaining)))
+                except CommTimeoutError:
+                    break
+            self._process(frames)
+
+    def _take(self, completion: Completion) -> _Frame:
+        try:
+            if completion.tag != TAG_DISPATCH:
+                raise RuntimeError(f"expert worker got a frame with tag {completion.tag}")
+            rows, pairs = decode_dispatch(completion.data)
+            return _Frame(completion.src, completion.layer, completion.microbatch, rows, pairs)
+        finally:
+            self.endpoint.release(completion)
+
+    def _process(self, frames: list[_Frame]) -> None:
+        by_layer: dict[int, list[_Frame]] = defaultdict(list)
+        for f in frames:
+            by_layer[f.layer].append(f)
+        self.stats.frames += len(frames)
+        for layer, group in by_layer.items():
+            # One pass over the rows of every frame of this layer: rows of frame j are
+            # offset by the rows of the frames before it.
+            offsets = torch.tensor([0] + [f.rows.shape[0] for f in group]).cumsum(0)
+            rows = torch.cat([f.rows for f in group]).to(self.device)  # [N, D]
+            row_index = torch.cat([f.pairs[:, 0] + offsets[j] for j, f in enumerate(group)])
+            expert_ids = torch.cat([f.pairs[:, 1] for f in group]).to(self.device)
+            out = self.experts.forward(layer, rows[row_index.to(self.device)], expert_ids)  # [P, D]
+            self.stats.passes += 1
+            self.stats.gemms += int(torch.unique(expert_ids).numel())
+            self.stats.rows += int(expert_ids.numel())
+            start = 0
+            for f in group:
+                count = f.pairs.shape[0]
+                self.endpoint.send(f.src, encode_combine(out[start:start + count]),
+                                   layer=layer, microbatch=f.microbatch, tag=TAG_COMBINE)
+                start += count

@@ -1,0 +1,151 @@
+"""Worker entry points: one function runs an attention or an expert worker, as a thread
+(``inproc``) or as a spawned process (``tcp``).
+
+Messages, both ways plain picklable tuples:
+
+    front-end → attention worker:  ("add", request_id, token_ids, params, seed)
+                                    ("abort", request_id)   ("stop",)
+    front-end → expert worker:      ("stop",)
+    any worker → front-end:         ("ready", role, index)
+                                    ("outputs", index, [RequestOutput...], EngineStats)
+                                    ("stats", role, index, stats)   (on the way out)
+                                    ("error", role, index, message)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+
+from comm import ChannelConfig, Endpoint, create_endpoint, exchange
+from megaserve.engine.config import EngineConfig
+from megaserve.runtime.placement import ExpertPlacement
+
+logger = logging.getLogger(__name__)
+
+# How long an idle attention worker blocks on its inbox before checking its parent.
+IDLE_WAIT_S = 0.2
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    role: str  # "attention" | "expert"
+    index: int  # replica index, or expert worker index
+    rank: int  # comm rank: attention replicas first, then expert workers
+    world_size: int
+    rendezvous: str  # host:port of the front-end's rendezvous server
+    transport: str
+    channel: ChannelConfig
+    engine: EngineConfig  # the front-end's config (model path resolved)
+    placement: ExpertPlacement
+    num_replicas: int
+    parent_pid: int
+
+    @property
+    def expert_ranks(self) -> list[int]:
+        return [self.num_replicas + w for w in range(self.placement.num_workers)]
+
+
+def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
+    """Entry point of a worker thread or process; reports failures to ``outbox``."""
+    endpoint = None
+    try:
+        if spec.engine.device == "cpu":
+            torch.set_num_threads(spec.engine.cpu_threads)
+        endpoint = _connect(spec)
+        if spec.role == "attention":
+            _serve_attention(spec, endpoint, inbox, outbox)
+        else:
+            _serve_experts(spec, endpoint, inbox, outbox)
+    except BaseException as e:  # noqa: BLE001 - forwarded to the front-end
+        logger.exception("%s worker %d failed", spec.role, spec.index)
+        outbox.put(("error", spec.role, spec.index,
+                    f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+
+
+def _connect(spec: WorkerSpec) -> Endpoint:
+    options = {"fabric": f"megaserve-{spec.parent_pid}-{spec.rendezvous}"} if spec.transport == "inproc" else {}
+    endpoint = create_endpoint(spec.transport, spec.rank, spec.world_size, spec.channel, **options)
+    addresses = exchange(spec.rendezvous, spec.rank, spec.world_size, endpoint.address)
+    if spec.role == "attention":
+        endpoint.connect(addresses, send_to=spec.expert_ranks)
+    else:
+        endpoint.connect(addresses, send_to=list(range(spec.num_replicas)))
+    return endpoint
+
+
+def _parent_gone(spec: WorkerSpec) -> bool:
+    """True once the front-end process has died (worker processes then exit by themselves)."""
+    if spec.transport == "inproc":
+        return False
+    try:
+        os.kill(spec.parent_pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
+    from megaserve.engine.engine import LLMEngine
+    from megaserve.runtime.remote_experts import RemoteExperts
+
+    config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc")
+    engine = LLMEngine(config, experts=RemoteExperts(endpoint, spec.placement, spec.expert_ranks))
+    outbox.put(("ready", spec.role, spec.index))
+    while True:
+        busy = engine.has_unfinished_requests()
+        try:
+            message = inbox.get_nowait() if busy else inbox.get(timeout=IDLE_WAIT_S)
+        except queue.Empty:
+            message = None
+        if message is not None:
+            if message[0] == "stop":
+                return
+            if message[0] == "add":
+                _, request_id, token_ids, params, seed = message
+                engine.add_request(request_id, token_ids, params, seed=seed)
+            elif message[0] == "abort":
+                out = engine.abort_request(message[1])
+                if out is not None:
+                    outbox.put(("outputs", spec.index, [out], engine.stats()))
+            continue  # drain every queued command before stepping
+        if _parent_gone(spec):
+            return
+        if busy:
+            outputs = engine.step()
+            if outputs:
+                outbox.put(("outputs", spec.index, outputs, engine.stats()))
+
+
+def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
+    from megaserve.models.builtin import resolve_model
+    from megaserve.models.loader import load_model
+    from megaserve.runtime.expert_worker import ExpertWorker
+
+    model = load_model(
+        resolve_model(spec.engine.model), spec.engine.dtype, spec.engine.device,
+        attention=False, expert_ids=list(spec.placement.workers[spec.index]),
+    )
+    worker = ExpertWorker(model.experts, endpoint, torch.device(spec.engine.device))
+    outbox.put(("ready", spec.role, spec.index))
+    stop = False
+
+    def should_stop() -> bool:
+        nonlocal stop
+        try:
+            while not stop:
+                stop = inbox.get_nowait()[0] == "stop"
+        except queue.Empty:
+            pass
+        return stop or _parent_gone(spec)
+
+    worker.serve(should_stop)
+    outbox.put(("stats", spec.role, spec.index, worker.stats))
