@@ -1,7 +1,7 @@
 """The ``megaserve.v1.Generation`` service on grpc.aio, plus health and reflection.
 
 Health: overall (``""``) and readiness (``megaserve.v1.Generation``) are NOT_SERVING until
-the model is loaded and again from the start of a drain.
+the model is loaded, from the start of a drain, and once the engine has failed.
 
 The handlers are registered by hand (not with the generated ``add_*_to_server``) so that
 GenerateRequest goes through ``grpc_protocol.deserialize_generate``: malformed requests get
