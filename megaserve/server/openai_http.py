@@ -203,9 +203,10 @@ def _choice_body(core, req, choice: _Choice, ids, text, lps, finish, offset) -> 
 async def _unary(core, req, base_id, choices) -> web.Response:
     finals: dict[int, Delta] = {}
     try:
-        async for index, delta in _run_choices(core, choices):
-            if delta.finish_reason is not None:
-                finals[index] = delta
+        async with contextlib.aclosing(_run_choices(core, choices)) as results:
+            async for index, delta in results:
+                if delta.finish_reason is not None:
+                    finals[index] = delta
     except RequestError as e:
         return _error_response(e)
     bodies = [_choice_body(core, req, c, finals[c.index].output_ids, finals[c.index].output_text,
@@ -238,17 +239,17 @@ async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
             await resp.write(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
     try:
-        async for index, d in _run_choices(core, choices):
-            c = by_index[index]
-            body = _choice_body(core, req, c, d.token_ids, d.text, d.logprobs, d.finish_reason,
-                                offsets[index])
-            offsets[index] += len(d.text)
-            if req.chat:
-                content = body.pop("message")["content"]
-                body["delta"] = {"content": content} if content else {}
-            if d.finish_reason is not None:
-                finals[index] = d
-            await resp.write(chunk(body))
+        async with contextlib.aclosing(_run_choices(core, choices)) as results:
+            async for index, d in results:
+                body = _choice_body(core, req, by_index[index], d.token_ids, d.text,
+                                    d.logprobs, d.finish_reason, offsets[index])
+                offsets[index] += len(d.text)
+                if req.chat:
+                    content = body.pop("message")["content"]
+                    body["delta"] = {"content": content} if content else {}
+                if d.finish_reason is not None:
+                    finals[index] = d
+                await resp.write(chunk(body))
         if req.include_usage:
             await resp.write(oai.sse_event({**head, "choices": [],
                                             "usage": _usage(choices, finals, req.n)}))
