@@ -1,0 +1,142 @@
+"""Disaggregated runtime: placement invariance (bitwise), failures, shutdown, routing."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+
+import pytest
+
+from megaserve import LLM, SamplingParams
+from megaserve.engine.config import EngineConfig
+from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
+from megaserve.runtime.placement import ExpertPlacement
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
+PARAMS = [
+    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=1),  # seed derived
+    SamplingParams(max_tokens=6, temperature=0.8, seed=9, top_k=20, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+]
+
+
+def _signature(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def single_worker():
+    with LLM(dtype="float32") as llm:
+        return _signature(llm.generate(PROMPTS, PARAMS))
+
+
+LAYOUTS = list(itertools.product(["inproc", "tcp"], [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]))
+
+
+@pytest.mark.parametrize("transport, replicas, experts, microbatches", LAYOUTS,
+                         ids=[f"{t}-R{r}-E{e}-m{m}" for t, r, e, m in LAYOUTS])
+def test_outputs_equal_single_worker_bitwise(single_worker, transport, replicas, experts, microbatches):
+    with LLM(dtype="float32", attention_replicas=replicas, expert_workers=experts,
+             microbatches=microbatches, transport=transport) as llm:
+        got = _signature(llm.generate(PROMPTS, PARAMS))
+    assert got == single_worker
+
+
+def _worker_pids(engine: DisaggregatedEngine, role: str) -> list[int]:
+    return [w.pid for w in engine._workers if w.name.startswith(f"megaserve-{role}")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_killed_expert_worker_raises_typed_error_without_hanging():
+    engine = DisaggregatedEngine(EngineConfig(dtype="float32", attention_replicas=2, expert_workers=2,
+                                              transport="tcp"))
+    pids = _worker_pids(engine, "attention") + _worker_pids(engine, "expert")
+    try:
+        for i in range(4):
+            engine.add_request(f"r{i}", [1, 2, 3, i], SamplingParams(max_tokens=10_000, ignore_eos=True))
+        engine.step(timeout=2.0)
+        os.kill(_worker_pids(engine, "expert")[0], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError):
+            while time.monotonic() - start < 60:
+                engine.step(timeout=0.5)
+        assert time.monotonic() - start < 30
+    finally:
+        engine.shutdown()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "worker processes outlived shutdown"
+
+
+def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process():
+    llm = LLM(dtype="float32", attention_replicas=2, expert_workers=2, transport="tcp")
+    pids = _worker_pids(llm.engine, "attention") + _worker_pids(llm.engine, "expert")
+
+    def cpu_seconds(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    llm.generate(PROMPTS[:2], PARAMS[:2])
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(2.0)
+    used = sum(cpu_seconds(p) for p in pids) - before
+    llm.shutdown()
+    assert used < 0.5, f"4 idle workers used {used:.2f} CPU-seconds in 2 s"
+    assert not any(_alive(p) for p in pids)
+
+
+def test_requests_spread_over_replicas_by_outstanding_work():
+    engine = DisaggregatedEngine(EngineConfig(dtype="float32", attention_replicas=3, expert_workers=1))
+    try:
+        engine.add_request("big", [1] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
+        for i in range(4):
+            engine.add_request(f"s{i}", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
+        owners = dict(engine._owner)
+        assert owners["s0"] != owners["big"] and owners["s1"] != owners["big"]
+        assert owners["s2"] != owners["big"] and len(set(owners.values())) == 3
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine._load == [0, 0, 0]
+        assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_expert_gemms_aggregate_replicas():
+    with LLM(dtype="float32", attention_replicas=3, expert_workers=1, transport="inproc") as llm:
+        llm.generate(PROMPTS * 4, PARAMS * 4)
+        engine = llm.engine
+    stats = engine.expert_stats[0]
+    assert stats.rows_per_gemm > 1 and stats.frames >= stats.passes
+
+
+def test_placement_validation_and_uneven_split():
+    p = ExpertPlacement.even(8, 3)
+    assert p.workers == ((0, 1, 2), (3, 4, 5), (6, 7))
+    assert p.owner_table().tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="held by no worker"):
+        ExpertPlacement(4, ((0, 1), (2,)))
+    with pytest.raises(ValueError, match="expert_workers"):
+        ExpertPlacement.even(8, 9)
+    with pytest.raises(ValueError, match="expert_workers"):
+        LLM(dtype="float32", expert_workers=9)
+    with pytest.raises(ValueError, match="transport"):
+        LLM(dtype="float32", expert_workers=2, transport="rdma")
