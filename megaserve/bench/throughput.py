@@ -1,8 +1,10 @@
 """``megaserve bench throughput``: offline generation throughput of the engine.
 
 Runs N random-token requests through ``LLM.generate`` (ignore_eos, fixed output length)
-after a warm-up, and prints requests/s and generated tokens/s. ``--baseline-layout``
-repeats the run with another placement in the same process for a same-run comparison.
+after a warm-up, and prints requests/s, generated tokens/s and, on GPUs, tokens/s per GPU
+(the ratio column compares that, or tokens/s on CPU). ``--baseline-layout R,E,m`` first
+measures another placement (transport inproc when R = E = 1) in the same run.
+``--model random:<preset>:<layers>`` benchmarks random weights of a real model's shape.
 """
 
 from __future__ import annotations
@@ -13,6 +15,18 @@ import sys
 import time
 
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
+
+
+def _num_gpus(options: dict) -> int:
+    """GPUs a layout occupies: workers are spread round-robin over the visible GPUs."""
+    device = str(options.get("device", "cpu"))
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    workers = options["attention_replicas"] + options["expert_workers"]
+    single = (options["attention_replicas"], options["expert_workers"], options["transport"]) == (1, 1, "inproc")
+    return 1 if single or device != "cuda" else min(workers, torch.cuda.device_count())
 
 
 def _run(options: dict, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
@@ -60,6 +74,14 @@ def main(argv: list[str]) -> int:
                         help="R,E,m of a second layout measured in the same run, e.g. 1,1,1")
     args = parser.parse_args(argv)
     options = runtime_options(args)
+    if args.model.startswith("random:"):
+        from megaserve.bench.random_model import resolve_random_model
+
+        try:
+            options["model"] = str(resolve_random_model(args.model))
+        except ValueError as e:
+            print(f"megaserve bench: {e}", file=sys.stderr)
+            return 2
     runs = [("this layout", options)]
     if args.baseline_layout:
         try:
@@ -67,10 +89,14 @@ def main(argv: list[str]) -> int:
         except ValueError:
             print("megaserve bench: --baseline-layout must be R,E,m integers", file=sys.stderr)
             return 2
-        runs.insert(0, ("baseline", {**options, "attention_replicas": r, "expert_workers": e, "microbatches": m}))
+        baseline = {**options, "attention_replicas": r, "expert_workers": e, "microbatches": m}
+        if (r, e) == (1, 1):
+            baseline["transport"] = "inproc"
+        runs.insert(0, ("baseline", baseline))
     print(f"device: {_device_name(args.device)}  model: {args.model}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)")
-    print(f"{'run':<12} {'R':>2} {'E':>2} {'m':>2} {'transport':<9} {'req/s':>8} {'tok/s':>9} {'ratio':>6}")
+    print(f"{'run':<12} {'R':>2} {'E':>2} {'m':>2} {'transport':<9} {'GPUs':>4} {'req/s':>8} "
+          f"{'tok/s':>9} {'tok/s/GPU':>9} {'ratio':>6}")
     base = None
     for name, opts in runs:
         try:
@@ -78,8 +104,10 @@ def main(argv: list[str]) -> int:
         except ValueError as e:
             print(f"megaserve bench: {e}", file=sys.stderr)
             return 2
-        base = base or result["tokens_per_s"]
+        gpus = _num_gpus(opts)
+        per_unit = result["tokens_per_s"] / max(1, gpus)
+        base = base or per_unit
         print(f"{name:<12} {opts['attention_replicas']:>2} {opts['expert_workers']:>2} "
-              f"{opts['microbatches']:>2} {opts['transport']:<9} {result['requests_per_s']:>8.2f} "
-              f"{result['tokens_per_s']:>9.1f} {result['tokens_per_s'] / base:>6.2f}")
+              f"{opts['microbatches']:>2} {opts['transport']:<9} {gpus:>4} {result['requests_per_s']:>8.2f} "
+              f"{result['tokens_per_s']:>9.1f} {per_unit:>9.1f} {per_unit / base:>6.2f}")
     return 0

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-SUPPORTED_TRANSPORTS = ("inproc", "tcp")
+SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc")
 
 
 def _process_context():
@@ -51,6 +51,16 @@ def _process_context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["megaserve.runtime.workers", "megaserve.engine.engine"])
     return ctx
+
+
+def _worker_device(device: str, rank: int) -> str:
+    """A worker's device: ``cuda`` spreads workers round-robin over the visible GPUs
+    (attention replicas first, then expert workers); ``cuda:N`` and ``cpu`` are shared."""
+    if device != "cuda":
+        return device
+    import torch
+
+    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
 
 
 class WorkerError(RuntimeError):
@@ -107,7 +117,8 @@ class DisaggregatedEngine:
         for rank in range(world):
             role, index = ("attention", rank) if rank < num_replicas else ("expert", rank - num_replicas)
             spec = WorkerSpec(role, index, rank, world, self._rendezvous.address, self.config.transport,
-                              channel, self.config, self.placement, num_replicas, os.getpid())
+                              channel, self.config, self.placement, num_replicas, os.getpid(),
+                              _worker_device(self.config.device, rank))
             inbox = ctx.Queue() if use_processes else queue.Queue()
             if use_processes:
                 worker = ctx.Process(target=run_worker, args=(spec, inbox, self._outbox),

@@ -55,6 +55,7 @@ class ExpertWorker:
         self.device = device
         self.aggregation_wait_s = aggregation_wait_s
         self.stats = ExpertWorkerStats()
+        self._host = endpoint.provider != "cuda_ipc"
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         """Serve frames until ``should_stop()``; comm errors (a lost peer) propagate."""
@@ -100,6 +101,6 @@ class ExpertWorker:
             start = 0
             for f in group:
                 count = f.pairs.shape[0]
-                self.endpoint.send(f.src, encode_combine(out[start:start + count]),
+                self.endpoint.send(f.src, encode_combine(out[start:start + count], self._host),
                                    layer=layer, microbatch=f.microbatch, tag=TAG_COMBINE)
                 start += count

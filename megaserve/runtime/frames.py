@@ -9,15 +9,14 @@ in pair order::
 
     header = (num_rows, num_pairs, hidden, dtype code) as 4 little-endian uint32
 
-Frames are read straight from the receiver's slot (no intermediate copy); tensors
-returned by ``decode_*`` are copies, so the slot can be released right away.
+Frames are read straight from the receiver's slot, a host buffer or (cuda_ipc) GPU
+memory; tensors returned by ``decode_*`` are copies, so the slot can be released at once.
 """
 
 from __future__ import annotations
 
 import struct
 
-import numpy as np
 import torch
 
 _HEADER = struct.Struct("<4I")
@@ -28,43 +27,64 @@ TAG_DISPATCH = 0
 TAG_COMBINE = 1
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A CPU uint8 view of a tensor's bytes (copied to the host if needed)."""
-    return t.detach().contiguous().cpu().view(torch.uint8).reshape(-1)
+def _as_bytes(t: torch.Tensor, host: bool) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes, copied to the host when ``host``."""
+    t = t.detach().contiguous()
+    if host:
+        t = t.cpu()
+    return t.view(torch.uint8).reshape(-1)
 
 
-def encode_dispatch(rows: torch.Tensor, pairs: torch.Tensor) -> list:
-    """rows: `[n, D]`; pairs: `[p, 2]` int32 (row index, global expert id)."""
-    header = _HEADER.pack(rows.shape[0], pairs.shape[0], rows.shape[1], _DTYPES.index(rows.dtype))
-    return [header, _as_bytes(rows), _as_bytes(pairs.to(torch.int32))]
+def encode_dispatch(rows: torch.Tensor, pairs: torch.Tensor, host: bool = True) -> list:
+    """rows: `[n, D]`; pairs: `[p, 2]` (row index, global expert id). ``host=False`` keeps
+    the parts on the GPU (for the cuda_ipc provider)."""
+    header = _header(rows.shape[0], pairs.shape[0], rows.shape[1], rows.dtype)
+    return [header, _as_bytes(rows, host), _as_bytes(pairs.to(torch.int32), host)]
 
 
-def encode_combine(out: torch.Tensor) -> list:
+def encode_combine(out: torch.Tensor, host: bool = True) -> list:
     """out: `[p, D]`, one row per pair of the dispatch frame it answers."""
-    header = _HEADER.pack(0, out.shape[0], out.shape[1], _DTYPES.index(out.dtype))
-    return [header, _as_bytes(out)]
+    return [_header(0, out.shape[0], out.shape[1], out.dtype), _as_bytes(out, host)]
 
 
-def _read(data, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+def _header(num_rows: int, num_pairs: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    packed = _HEADER.pack(num_rows, num_pairs, hidden, _DTYPES.index(dtype))
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+
+def _as_u8(data) -> torch.Tensor:
+    """The slot's bytes as a uint8 tensor: a CUDA tensor (cuda_ipc) or a host buffer view."""
+    if isinstance(data, torch.Tensor):
+        return data
+    return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack_header(u8: torch.Tensor) -> tuple[int, int, int, torch.dtype]:
+    num_rows, num_pairs, hidden, code = _HEADER.unpack(bytes(u8[: _HEADER.size].cpu().numpy()))
+    return num_rows, num_pairs, hidden, _DTYPES[code]
+
+
+def _read(u8: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``count`` values of ``dtype`` at byte ``offset``."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = np.frombuffer(data, dtype=np.uint8, count=count * itemsize, offset=offset)
-    return torch.from_numpy(raw.copy()).view(dtype)
+    return u8[offset: offset + count * itemsize].clone().view(dtype)
 
 
 def decode_dispatch(data) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (rows `[n, D]`, pairs `[p, 2]` int64), both copies."""
-    num_rows, num_pairs, hidden, code = _HEADER.unpack_from(data, 0)
-    dtype = _DTYPES[code]
-    rows = _read(data, _HEADER.size, num_rows * hidden, dtype).view(num_rows, hidden)
+    """→ (rows `[n, D]`, pairs `[p, 2]` int64), copies on the slot's device."""
+    u8 = _as_u8(data)
+    num_rows, num_pairs, hidden, dtype = _unpack_header(u8)
+    rows = _read(u8, _HEADER.size, num_rows * hidden, dtype).view(num_rows, hidden)
     offset = _HEADER.size + rows.numel() * rows.element_size()
-    pairs = _read(data, offset, num_pairs * 2, torch.int32).view(num_pairs, 2).long()
+    pairs = _read(u8, offset, num_pairs * 2, torch.int32).view(num_pairs, 2).long()
     return rows, pairs
 
 
 def decode_combine(data) -> torch.Tensor:
-    """→ out `[p, D]` (a copy)."""
-    _, num_pairs, hidden, code = _HEADER.unpack_from(data, 0)
-    return _read(data, _HEADER.size, num_pairs * hidden, _DTYPES[code]).view(num_pairs, hidden)
+    """→ out `[p, D]` (a copy on the slot's device)."""
+    u8 = _as_u8(data)
+    _, num_pairs, hidden, dtype = _unpack_header(u8)
+    return _read(u8, _HEADER.size, num_pairs * hidden, dtype).view(num_pairs, hidden)
 
 
 def frame_bytes(num_rows: int, num_pairs: int, hidden: int, itemsize: int) -> int:

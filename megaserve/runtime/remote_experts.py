@@ -39,6 +39,8 @@ class RemoteExperts:
         self.expert_ranks = expert_ranks
         self._owner = placement.owner_table()  # [E] worker index
         self._early: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, mb, src) → out
+        # Host providers move bytes; cuda_ipc copies GPU memory peer to peer.
+        self._host = endpoint.provider != "cuda_ipc"
 
     def dispatch(self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor) -> _Dispatch:
         num_tokens, top_k = topk_ids.shape
@@ -50,7 +52,7 @@ class RemoteExperts:
                 continue
             unique_tokens, row_of_pair = torch.unique_consecutive(tokens, return_inverse=True)
             pairs = torch.stack([row_of_pair, topk_ids[tokens, ranks]], dim=1)  # [P, 2]
-            self.endpoint.send(rank, encode_dispatch(x[unique_tokens], pairs),
+            self.endpoint.send(rank, encode_dispatch(x[unique_tokens], pairs, self._host),
                                layer=layer, microbatch=microbatch, tag=TAG_DISPATCH)
             routes[rank] = (tokens, ranks)
         return _Dispatch(layer, microbatch, (num_tokens, top_k, x.shape[1]), x.dtype, x.device, routes)

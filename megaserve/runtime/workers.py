@@ -45,6 +45,7 @@ class WorkerSpec:
     placement: ExpertPlacement
     num_replicas: int
     parent_pid: int
+    device: str  # this worker's device, e.g. "cpu" or "cuda:1"
 
     @property
     def expert_ranks(self) -> list[int]:
@@ -55,8 +56,10 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
     """Entry point of a worker thread or process; reports failures to ``outbox``."""
     endpoint = None
     try:
-        if spec.engine.device == "cpu":
+        if spec.device == "cpu":
             torch.set_num_threads(spec.engine.cpu_threads)
+        else:
+            torch.cuda.set_device(torch.device(spec.device))
         endpoint = _connect(spec)
         if spec.role == "attention":
             _serve_attention(spec, endpoint, inbox, outbox)
@@ -72,7 +75,11 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
 
 
 def _connect(spec: WorkerSpec) -> Endpoint:
-    options = {"fabric": f"megaserve-{spec.parent_pid}-{spec.rendezvous}"} if spec.transport == "inproc" else {}
+    options: dict = {}
+    if spec.transport == "inproc":
+        options["fabric"] = f"megaserve-{spec.parent_pid}-{spec.rendezvous}"
+    elif spec.transport == "cuda_ipc":
+        options["device"] = spec.device
     endpoint = create_endpoint(spec.transport, spec.rank, spec.world_size, spec.channel, **options)
     addresses = exchange(spec.rendezvous, spec.rank, spec.world_size, endpoint.address)
     if spec.role == "attention":
@@ -97,7 +104,8 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
     from megaserve.engine.engine import LLMEngine
     from megaserve.runtime.remote_experts import RemoteExperts
 
-    config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc")
+    config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc",
+                     device=spec.device)
     engine = LLMEngine(config, experts=RemoteExperts(endpoint, spec.placement, spec.expert_ranks))
     outbox.put(("ready", spec.role, spec.index))
     while True:
@@ -131,10 +139,10 @@ def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
     from megaserve.runtime.expert_worker import ExpertWorker
 
     model = load_model(
-        resolve_model(spec.engine.model), spec.engine.dtype, spec.engine.device,
+        resolve_model(spec.engine.model), spec.engine.dtype, spec.device,
         attention=False, expert_ids=list(spec.placement.workers[spec.index]),
     )
-    worker = ExpertWorker(model.experts, endpoint, torch.device(spec.engine.device))
+    worker = ExpertWorker(model.experts, endpoint, torch.device(spec.device))
     outbox.put(("ready", spec.role, spec.index))
     stop = False
 
