@@ -58,6 +58,10 @@ def main(argv: list[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(config))
+    except ModuleNotFoundError as e:  # an incomplete install, e.g. no grpcio-health-checking
+        print(f"megaserve serve: missing Python package for module {e.name!r}; install "
+              "megaserve's dependencies (pip install -e .)", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"megaserve serve: cannot listen: {e}", file=sys.stderr)
         return 1
