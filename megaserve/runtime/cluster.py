@@ -89,6 +89,7 @@ class DisaggregatedEngine:
         self._owner: dict[str, int] = {}  # request id → replica
         self._load = [0] * config.attention_replicas  # outstanding token work per replica
         self._work: dict[str, int] = {}
+        self._prompts: dict[str, str | None] = {}  # text prompts (replicas only see ids)
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
         self.expert_stats: dict[int, object] = {}
         self._closed = False
@@ -194,6 +195,7 @@ class DisaggregatedEngine:
         work = len(ids) + params.max_tokens
         self._owner[request_id] = replica
         self._work[request_id] = work
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self._load[replica] += work
         self._inboxes[replica].put(("add", request_id, ids, params, seed))
 
@@ -218,6 +220,7 @@ class DisaggregatedEngine:
                 self._stats[replica] = stats
                 outputs += outs
                 for out in outs:
+                    out.prompt = self._prompts.get(out.request_id)
                     if out.finished:
                         self._forget(out.request_id)
             message = self._next_message(0)
@@ -227,6 +230,7 @@ class DisaggregatedEngine:
         replica = self._owner.pop(request_id, None)
         if replica is not None:
             self._load[replica] -= self._work.pop(request_id)
+            self._prompts.pop(request_id, None)
 
     def _next_message(self, timeout: float):
         try:
