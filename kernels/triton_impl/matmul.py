@@ -17,7 +17,14 @@ instructions) and differ only in where the parts live:
   into ``total`` in registers;
 * **split** (few rows, where one program per tile would leave most SMs idle): one program
   per (tile, split) stores its part (fp32) to a workspace; the last program to finish a
-  tile (an atomic counter) loads the S parts and folds them in the same ascending order.
+  tile (an atomic counter) loads the S parts and folds them in the same ascending order;
+* **swap** (decode, M <= 64): split mode with the MMA operands swapped (weight rows are
+  the MMA's M side, the few tokens its N side, padded to 16 instead of 128).
+
+Swap mode relies on one hardware fact, checked bitwise on the device by the GPU tests: a
+tensor-core k16 step rounds each output element the same way whatever the instruction's
+M/N tile shape and operand roles (the products are exact in fp32; only their sum with
+the accumulator is rounded, per element).
 
 Choosing the mode from M is allowed because it does not change a single rounding step;
 the tile shape, split length and fold order never depend on M.
@@ -50,6 +57,11 @@ class MatmulConfig:
     num_stages: int
     group_m: int = 8
     flat: int = 2  # fold-loop shape (0 nested, 1/2 flat); never changes the arithmetic
+    # Swap mode (M <= swap_max_m): weight rows per program, warps, pipeline depth.
+    swap_max_m: int = 64
+    swap_block_f: int = 128
+    swap_warps: int = 4
+    swap_stages: int = 4
 
     def __post_init__(self) -> None:
         if self.split_len % self.block_k:
@@ -177,6 +189,46 @@ def _linear_split_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, 
         tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
 
 
+@triton.jit
+def _linear_swap_kernel(w_desc, x_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N, K, stride_cm,
+                        NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_F: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split mode with the operands swapped, for M <= BLOCK_T (decode): the weight tile
+    `[BLOCK_F, BLOCK_K]` is the MMA's A operand and the few token rows its B operand, so
+    no MMA rows are wasted on padding. Per output element it performs the same chain of
+    k16 products per split and the same ascending fold as the other modes (see NOTE)."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    off_n = tile * BLOCK_F
+    k_lo = split * SPLIT_LEN
+    part = tl.zeros((BLOCK_F, BLOCK_T), dtype=tl.float32)
+    for kk in range(k_lo, tl.minimum(k_lo + SPLIT_LEN, K), BLOCK_K):
+        w = w_desc.load([off_n, kk])
+        x = x_desc.load([0, kk])
+        part = tl.dot(w, x.T, part)  # [BLOCK_F, BLOCK_T] fp32
+    feats = off_n + tl.arange(0, BLOCK_F)
+    toks = tl.arange(0, BLOCK_T)
+    mask = (feats[:, None] < N) & (toks[None, :] < M)
+    # ws: [NUM_SPLITS, N, M] float32, feature-major so that the MMA layout's neighbouring
+    # token columns land in neighbouring addresses.
+    offs = feats[:, None] * M + toks[None, :]
+    tl.store(ws_ptr + split * M * N + offs, part, mask=mask)
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        # Unrolled, so every part's load can be in flight before the ascending-order adds.
+        total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, NUM_SPLITS):
+            total = total + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0,
+                                    cache_modifier=".cg")
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + feats, mask=feats < N, other=0.0).to(tl.float32)
+            total = total + bias[:, None]
+        tl.store(c_ptr + toks[None, :] * stride_cm + feats[:, None],
+                 total.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -214,8 +266,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     x: `[M, K]` bf16/fp16 (any leading-dim stride, unit last stride); weight: `[N, K]`
     same dtype; bias: `[N]` or None. Returns `[M, N]` in x.dtype. ``mode`` ('fold' or
-    'split') forces a launch mode and ``config`` a tiling, for tests and tuning; the
-    launch mode never changes the bits.
+    'split' or 'swap') forces a launch mode and ``config`` a tiling, for tests and tuning;
+    the launch mode never changes the bits (checked bitwise on an H200 by
+    tests/kernels/test_triton_gpu.py).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not match")
@@ -232,13 +285,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
-    b_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     bias_arg = bias if bias is not None else out
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     num_splits = triton.cdiv(k, cfg.split_len)
     if mode is None:
-        mode = "split" if num_splits > 1 and use_split_mode(m, n, k, cfg) else "fold"
+        if m <= cfg.swap_max_m:
+            mode = "swap"
+        else:
+            mode = "split" if num_splits > 1 and use_split_mode(m, n, k, cfg) else "fold"
+    if mode == "swap":
+        if m > cfg.swap_max_m:
+            raise ValueError(f"linear: swap mode takes at most {cfg.swap_max_m} rows, got {m}")
+        block_t = max(16, triton.next_power_of_2(m))
+        x_desc = TensorDescriptor.from_tensor(x, [block_t, cfg.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [cfg.swap_block_f, cfg.block_k])
+        tiles_f = triton.cdiv(n, cfg.swap_block_f)
+        ws = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, tiles_f)
+        _linear_swap_kernel[(tiles_f, num_splits)](
+            w_desc, x_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
+            NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, HAS_BIAS=bias is not None,
+            BLOCK_F=cfg.swap_block_f, BLOCK_T=block_t, BLOCK_K=cfg.block_k,
+            num_warps=cfg.swap_warps, num_stages=cfg.swap_stages)
+        return out
+    a_desc = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -32,6 +32,8 @@ def check_linear(torch, ti) -> None:
         fold = ti.linear(x, w, b, mode="fold")
         split = ti.linear(x, w, b, mode="split")
         assert torch.equal(fold, split), "fold and split modes differ"
+        swap = ti.linear(x, w, b, mode="swap")  # m <= 64: weight rows on the MMA's M side
+        assert torch.equal(fold, swap), "fold and swap modes differ"
         base = ti.matmul.config_for(n, k, x.dtype)
         for flat in (0, 2):  # loop shapes of the fold kernel: same arithmetic
             cfg = dataclasses.replace(base, flat=flat)
