@@ -97,6 +97,88 @@ def bench_attention(dtype) -> list[dict]:
     return rows
 
 
+# Qwen3-30B-A3B per-layer shape (hidden 2048, 32 q / 4 kv heads of 128, 128 experts,
+# top-8, expert intermediate 768, vocab 151936); only the layer count is cut.
+ENGINE_MODEL = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
+)
+
+
+def write_engine_checkpoint(path: str, num_layers: int) -> None:
+    """A random bf16 HF checkpoint of :data:`ENGINE_MODEL`'s shape with ``num_layers``
+    layers in ``path`` (config.json + model.safetensors; no tokenizer: token-id prompts)."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = dict(ENGINE_MODEL, num_hidden_layers=num_layers)
+    d, v, dh = cfg["hidden_size"], cfg["vocab_size"], cfg["head_dim"]
+    hq, hkv, e, i = (cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                     cfg["num_experts"], cfg["moe_intermediate_size"])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        t = torch.randn(*shape, device="cuda", dtype=torch.float32, generator=gen) * std
+        return t.to(torch.bfloat16).cpu()
+
+    tensors = {"model.embed_tokens.weight": rand(v, d), "lm_head.weight": rand(v, d),
+               "model.norm.weight": torch.ones(d, dtype=torch.bfloat16)}
+    for layer in range(num_layers):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        tensors.update({
+            p + "input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+            a + "q_proj.weight": rand(hq * dh, d), a + "k_proj.weight": rand(hkv * dh, d),
+            a + "v_proj.weight": rand(hkv * dh, d), a + "o_proj.weight": rand(d, hq * dh),
+            a + "q_norm.weight": torch.ones(dh, dtype=torch.bfloat16),
+            a + "k_norm.weight": torch.ones(dh, dtype=torch.bfloat16),
+            p + "mlp.gate.weight": rand(e, d),
+        })
+        for x in range(e):
+            m = f"{p}mlp.experts.{x}."
+            tensors.update({m + "gate_proj.weight": rand(i, d), m + "up_proj.weight": rand(i, d),
+                            m + "down_proj.weight": rand(d, i)})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def bench_engine(path: str, num_prompts: int, input_len: int, output_len: int,
+                 repeats: int = 2) -> list[dict]:
+    """Generated tokens/s of ``megaserve bench throughput`` on CUDA bf16 with our kernels
+    and with ``MEGASERVE_KERNELS=reference`` (cuBLAS/SDPA), one child process each (the
+    backend is chosen once per process), alternating, ``repeats`` times each (the first
+    processes also fill Triton's compile cache). Runs the CLI as a program: kernels never
+    imports megaserve."""
+    import os
+    import subprocess
+
+    rows = []
+    for backend in ("triton", "reference") * repeats:
+        env = dict(os.environ)
+        env.pop("MEGASERVE_KERNELS", None)
+        if backend == "reference":
+            env["MEGASERVE_KERNELS"] = "reference"
+        cmd = [sys.executable, "-m", "megaserve.cli", "bench", "throughput", "--model", path,
+               "--device", "cuda", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
+               "--max-num-seqs", str(num_prompts), "--input-len", str(input_len),
+               "--output-len", str(output_len)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("this layout")), None)
+        if proc.returncode or line is None:
+            raise RuntimeError(f"engine bench ({backend}) failed: {proc.stderr[-2000:]}")
+        rows.append(dict(backend=backend, tokens_per_s=float(line.split()[-2])))
+    return rows
+
+
 def _print_tables(device: str, mm: list[dict], attn: list[dict]) -> None:
     print(f"device: {device}")
     print("times: median of CUDA-graph replays (both sides); 'eager' = ours without a graph")
@@ -121,9 +203,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--m", type=int, nargs="*", default=MS, help="row counts M")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--skip-matmul", action="store_true")
+    parser.add_argument("--engine-layers", type=int, default=0,
+                        help="also time the engine (ours vs cuBLAS/SDPA) on a random "
+                             "Qwen3-30B-A3B-shaped checkpoint of this many layers (0 = off)")
+    parser.add_argument("--engine-prompts", type=int, default=64)
+    parser.add_argument("--engine-input-len", type=int, default=128)
+    parser.add_argument("--engine-output-len", type=int, default=128)
     args = parser.parse_args(argv)
     if any(m < 1 for m in args.m):
         print("megaserve bench kernels: --m values must be >= 1", file=sys.stderr)
+        return 2
+    if args.engine_layers < 0 or min(args.engine_prompts, args.engine_input_len,
+                                     args.engine_output_len) < 1:
+        print("megaserve bench kernels: --engine-* values must be positive", file=sys.stderr)
         return 2
     import torch
 
@@ -131,7 +224,20 @@ def main(argv: list[str]) -> int:
         print("megaserve bench kernels: needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    mm = bench_matmul(dtype, args.m, SHAPES_KN)
+    mm = [] if args.skip_matmul else bench_matmul(dtype, args.m, SHAPES_KN)
     attn = [] if args.skip_attention else bench_attention(dtype)
     _print_tables(torch.cuda.get_device_name(), mm, attn)
+    if args.engine_layers:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="megaserve-engine-bench-") as path:
+            write_engine_checkpoint(path, args.engine_layers)
+            engine = bench_engine(path, args.engine_prompts, args.engine_input_len,
+                                  args.engine_output_len)
+        print(f"engine ({args.engine_layers} Qwen3-30B-A3B-shaped layers, bf16, "
+              f"{args.engine_prompts} prompts x {args.engine_input_len} in / "
+              f"{args.engine_output_len} out, greedy), generated tok/s per run:")
+        for ours, ref in zip(engine[::2], engine[1::2]):
+            print(f"  ours {ours['tokens_per_s']:.1f}  cuBLAS/SDPA {ref['tokens_per_s']:.1f}  "
+                  f"ratio {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}")
     return 0
