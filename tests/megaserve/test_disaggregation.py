@@ -140,3 +140,33 @@ def test_placement_validation_and_uneven_split():
         LLM(dtype="float32", expert_workers=9)
     with pytest.raises(ValueError, match="transport"):
         LLM(dtype="float32", expert_workers=2, transport="rdma")
+
+
+FRONT_END = """
+import sys, time
+from megaserve import LLM
+if __name__ == "__main__":
+    llm = LLM(dtype="float32", attention_replicas=2, expert_workers=2, transport="tcp")
+    print(" ".join(str(w.pid) for w in llm.engine._workers), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_front_end_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "front_end.py"
+    script.write_text(FRONT_END)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "orphaned worker processes"
+    finally:
+        proc.kill()
