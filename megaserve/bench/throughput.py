@@ -51,8 +51,17 @@ def _run(options: dict, num_prompts: int, input_len: int, output_len: int, seed:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Disaggregated layouts: how large expert GEMMs got (warm-up and timed run together).
+    expert_stats = list(getattr(llm.engine, "expert_stats", {}).values())
+    gemms = sum(s.gemms for s in expert_stats)
+    rows_per_gemm = sum(s.rows for s in expert_stats) / gemms if gemms else None
     return {"seconds": elapsed, "requests_per_s": num_prompts / elapsed,
-            "tokens_per_s": generated / elapsed, "generated": generated}
+            "tokens_per_s": generated / elapsed, "generated": generated,
+            "rows_per_gemm": rows_per_gemm}
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _device_name(device: str) -> str:
@@ -98,7 +107,7 @@ def main(argv: list[str]) -> int:
     print(f"device: {_device_name(args.device)}  model: {args.model}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)")
     print(f"{'run':<12} {'R':>2} {'E':>2} {'m':>2} {'transport':<9} {'GPUs':>4} {'req/s':>8} "
-          f"{'tok/s':>9} {'tok/s/GPU':>9} {'ratio':>6}")
+          f"{'tok/s':>9} {'tok/s/GPU':>9} {'ratio':>6} {'rows/GEMM':>9}")
     base = None
     for name, opts in runs:
         try:
@@ -111,5 +120,6 @@ def main(argv: list[str]) -> int:
         base = base or per_unit
         print(f"{name:<12} {opts['attention_replicas']:>2} {opts['expert_workers']:>2} "
               f"{opts['microbatches']:>2} {opts['transport']:<9} {gpus:>4} {result['requests_per_s']:>8.2f} "
-              f"{result['tokens_per_s']:>9.1f} {per_unit:>9.1f} {per_unit / base:>6.2f}")
+              f"{result['tokens_per_s']:>9.1f} {per_unit:>9.1f} {per_unit / base:>6.2f} "
+              f"{_fmt(result['rows_per_gemm']):>9}")
     return 0
