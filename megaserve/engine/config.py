@@ -38,6 +38,9 @@ class EngineConfig:
     microbatches: int = 1
     transport: str = "inproc"
     cpu_threads: int = 1
+    # How long an expert worker keeps gathering frames after the first one, to batch
+    # tokens of several replicas into one GEMM (latency traded for GEMM size).
+    expert_aggregation_wait_ms: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
@@ -49,6 +52,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 1):
                 raise ValueError(f"{name} must be an integer > 1, got {value!r}")
+        if not isinstance(self.expert_aggregation_wait_ms, (int, float)) or self.expert_aggregation_wait_ms < 0:
+            raise ValueError(
+                f"expert_aggregation_wait_ms must be >= 0, got {self.expert_aggregation_wait_ms!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.transport not in TRANSPORTS:

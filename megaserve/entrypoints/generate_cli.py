@@ -32,6 +32,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--transport", default="inproc")
+    parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
+                        help="expert workers gather frames this long to batch replicas together")
 
 
 def runtime_options(args: argparse.Namespace) -> dict:
@@ -41,6 +43,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
+        expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
     )
 
 
