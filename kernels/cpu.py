@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.api import KV_SPLIT_SIZE
+from kernels.filters import filter_row
 
 ROW_TILE = 16
 # Query rows per attention step: bounds the `[rows, Hq, KV_SPLIT_SIZE, Dh]` temporaries.
@@ -243,24 +244,6 @@ def counter_uniform(
     return (bits.double() + 0.5) / 4294967296.0
 
 
-def _filter(lp: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens of one row `[V]` that top-k / top-p / min-p exclude."""
-    sorted_lp, order = torch.sort(lp, descending=True, stable=True)
-    keep_sorted = torch.ones_like(sorted_lp, dtype=torch.bool)
-    if top_k > 0:
-        keep_sorted[top_k:] = False
-    if top_p < 1.0:
-        probs = torch.exp(sorted_lp).masked_fill(~keep_sorted, 0.0)
-        probs = probs / probs.sum()
-        mass_before = torch.cumsum(probs, dim=0) - probs
-        keep_sorted &= mass_before < top_p
-    if min_p > 0.0:
-        keep_sorted &= sorted_lp >= sorted_lp[0] + torch.log(torch.tensor(min_p))
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return lp.masked_fill(~keep, float("-inf"))
-
-
 def sample(
     logprobs: torch.Tensor,
     temperatures: torch.Tensor,
@@ -274,7 +257,7 @@ def sample(
     # Rows are processed one at a time so that no op sees the batch (sort, cumsum).
     for row in (temperatures > 0).nonzero().squeeze(1).tolist():
         tempered = log_softmax(logprobs[row : row + 1] / temperatures[row])[0]
-        filtered = _filter(
+        filtered = filter_row(
             tempered, int(top_ks[row]), float(top_ps[row]), float(min_ps[row])
         ).double()
         u = counter_uniform(seeds[row : row + 1], positions[row : row + 1], logprobs.shape[1])[0]

@@ -9,12 +9,11 @@ the contract only requires that they be a pure function of (seed, position, inde
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.filters import filter_row
 from kernels.triton_impl.rowwise import log_softmax
 
 
@@ -51,28 +50,6 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     return out
 
 
-def _filter_row(lp: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (-inf) the tokens of one row `[V]` excluded by top-k, then top-p, then min-p.
-
-    Only single-row ops: a stable sort is exact, and the cumulative sum sees one row, so
-    nothing here depends on the batch.
-    """
-    sorted_lp, order = torch.sort(lp, descending=True, stable=True)
-    keep_sorted = torch.ones_like(sorted_lp, dtype=torch.bool)
-    if top_k > 0:
-        keep_sorted[top_k:] = False
-    if top_p < 1.0:
-        probs = torch.exp(sorted_lp).masked_fill(~keep_sorted, 0.0)
-        probs = probs / probs.sum()
-        mass_before = torch.cumsum(probs, dim=0) - probs
-        keep_sorted &= mass_before < top_p
-    if min_p > 0.0:
-        keep_sorted &= sorted_lp >= sorted_lp[0] + math.log(min_p)
-    keep = torch.empty_like(keep_sorted)
-    keep[order] = keep_sorted
-    return lp.masked_fill(~keep, float("-inf"))
-
-
 def sample(logprobs: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
            top_ps: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
            positions: torch.Tensor) -> torch.Tensor:
@@ -90,7 +67,7 @@ def sample(logprobs: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Ten
         if temp <= 0:
             continue
         tempered = log_softmax(logprobs[row : row + 1] / temp)[0]
-        filtered = _filter_row(tempered, int(top_k_list[row]), top_p, min_p).double()
+        filtered = filter_row(tempered, int(top_k_list[row]), top_p, min_p).double()
         u = counter_uniform(seeds[row : row + 1], positions[row : row + 1], vocab)[0]
         tokens[row] = torch.argmax(filtered - torch.log(-torch.log(u)))
     return tokens
