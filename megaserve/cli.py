@@ -15,7 +15,6 @@ COMMANDS = {
     "generate": ("megaserve.entrypoints.generate_cli:main", "generate text (local model or --server)"),
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("planner.cli:main", "plan a deployment over heterogeneous GPUs"),
-    "deploy": ("deploy.cli:main", "launch a plan locally, on Ray or emit KubeRay manifests"),
     "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner"])),
 }
 
