@@ -129,7 +129,14 @@ class ModelRunner:
             offset += s.num_new_tokens
         return rows, owner
 
-    def _sample(self, scheduled, row_owner, logprobs, results) -> None:
+    def _sample(
+        self,
+        scheduled: list[ScheduledSeq],
+        row_owner: list[tuple[int, int]],
+        logprobs: torch.Tensor,
+        results: list[SeqResult],
+    ) -> None:
+        """Sample the next token of every sequence that completed its tokens this step."""
         picks = [
             (r, i) for r, (i, p) in enumerate(row_owner)
             if scheduled[i].samples and p == scheduled[i].seq.num_tokens - 1
@@ -157,7 +164,14 @@ class ModelRunner:
             if seq.params.logprobs is not None:
                 results[i].logprobs = _top_logprobs(logprobs[r], seq.params.logprobs, token)
 
-    def _prompt_logprobs(self, scheduled, row_owner, logprobs, results) -> None:
+    def _prompt_logprobs(
+        self,
+        scheduled: list[ScheduledSeq],
+        row_owner: list[tuple[int, int]],
+        logprobs: torch.Tensor,
+        results: list[SeqResult],
+    ) -> None:
+        """Record the logprobs of each prompt token whose preceding row ran this step."""
         for r, (i, p) in enumerate(row_owner):
             seq = scheduled[i].seq
             if p + 1 < seq.num_prompt_tokens and seq.wants_prompt_logprobs():
