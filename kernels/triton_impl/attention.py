@@ -25,6 +25,10 @@ import triton.language as tl
 from kernels.api import KV_SPLIT_SIZE
 
 _ROWS_PER_PROGRAM = 64  # BLOCK_M: fixed, independent of the batch
+# Split mode below this many serial programs (about two per SM of an H100/H200), while
+# its fp32 parts fit in this many bytes.
+_SERIAL_MIN_PROGRAMS = 264
+_MAX_WS_BYTES = 256 << 20
 
 
 @triton.jit
@@ -96,59 +100,158 @@ def _split_scores(q, kc_ptr, vc_ptr, bt_ptr, split, ctx_len, kv_head, pos,
 
 
 @triton.jit
+def _tile_rows(q_ptr, ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, stride_qt, stride_qh,
+               GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Index math of one (tile, KV head) program: its sequence, rows and query tile.
+
+    Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, q, num_splits); ``live`` is
+    False for the spare programs of the grid. Integer work only: no rounding here.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    live = tile_start < q_len
+    ctx_len = tl.load(ctx_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // G_PAD
+    head = kv_head * GROUP + rows % G_PAD
+    row_ok = (tok < q_len) & (rows % G_PAD < GROUP) & live
+    pos = ctx_len - q_len + tok  # each row's position in its sequence
+    tok_glob = (q_begin + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    q_offs = tok_glob[:, None] * stride_qt + head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + d[None, :], mask=row_ok[:, None] & (d[None, :] < HEAD_DIM),
+                other=0.0)
+    last_pos = ctx_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
+    return live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos
+
+
+@triton.jit
+def _merge(m, l, o, m_s, l_s, o_s):
+    """Fold split s into the running (m, l, o); the one merge both launch modes use."""
+    m_new = tl.maximum(m, m_s)
+    alpha = tl.exp(m - m_new)
+    beta = tl.exp(m_s - m_new)
+    o = o * alpha[:, None] + o_s * beta[:, None]
+    l = l * alpha + l_s * beta
+    return m_new, l, o
+
+
+@triton.jit
+def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    out = o / l[:, None]
+    o_offs = tok_glob[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + o_offs + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                             num_seqs, scale, stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_kb, stride_ks, stride_kh, stride_bt,
                             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    pid = tl.program_id(0)
+    """Serial mode: one program walks all of its tile's splits."""
     kv_head = tl.program_id(1)
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
-    if tile_start >= q_len:
-        return
-    ctx_len = tl.load(ctx_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    tok = tile_start + rows // G_PAD
-    head = kv_head * GROUP + rows % G_PAD
-    row_ok = (tok < q_len) & (rows % G_PAD < GROUP)
-    pos = ctx_len - q_len + tok  # each row's position in its sequence
-    d = tl.arange(0, BLOCK_D)
-    q_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_ptr + q_offs + d[None, :], mask=row_ok[:, None] & (d[None, :] < HEAD_DIM),
-                other=0.0)
-    bt = bt_ptr + seq.to(tl.int64) * stride_bt
-    last_pos = ctx_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
-    num_splits = last_pos // SPLIT + 1
-    m, l, o = _split_scores(q, kc_ptr, vc_ptr, bt, 0, ctx_len, kv_head, pos, stride_kb,
-                            stride_ks, stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D)
-    for split in range(1, num_splits):
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
+        q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
+        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D)
+    if live:
+        bt = bt_ptr + seq.to(tl.int64) * stride_bt
+        num_splits = last_pos // SPLIT + 1
+        m, l, o = _split_scores(q, kc_ptr, vc_ptr, bt, 0, ctx_len, kv_head, pos, stride_kb,
+                                stride_ks, stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM,
+                                BLOCK_D)
+        for split in range(1, num_splits):
+            m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
+                                          stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
+                                          SPLIT, HEAD_DIM, BLOCK_D)
+            m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
+                    HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
+                            ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
+                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+                            NUM_Q_HEADS: tl.constexpr,
+                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Split mode, step 1: one program per (tile, KV head, split) stores (m_s, l_s, o_s)
+    of its rows, fp32, at ws_m / ws_l `[splits, T, Hq]` and ws_o `[splits, T, Hq, Dh]`."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
+        q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
+        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D)
+    if live & (split <= last_pos // SPLIT):
+        bt = bt_ptr + seq.to(tl.int64) * stride_bt
         m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
                                       stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
                                       SPLIT, HEAD_DIM, BLOCK_D)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.exp(m - m_new)
-        beta = tl.exp(m_s - m_new)
-        o = o * alpha[:, None] + o_s * beta[:, None]
-        l = l * alpha + l_s * beta
-        m = m_new
-    out = o / l[:, None]
-    o_offs = (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(out_ptr + o_offs + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
+        d = tl.arange(0, BLOCK_D)
+        tl.store(ws_m_ptr + row_idx, m_s, mask=row_ok)
+        tl.store(ws_l_ptr + row_idx, l_s, mask=row_ok)
+        tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
+                 mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attention_fold_kernel(q_ptr, ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
+                           num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh,
+                           NUM_Q_HEADS: tl.constexpr,
+                           GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
+    serial kernel folds them in registers (same :func:`_merge`)."""
+    kv_head = tl.program_id(1)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
+        q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
+        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D)
+    if live:
+        d = tl.arange(0, BLOCK_D)
+        o_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+        row_idx = tok_glob * NUM_Q_HEADS + head
+        m = tl.load(ws_m_ptr + row_idx, mask=row_ok, other=0.0)
+        l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
+        o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
+        for split in range(1, last_pos // SPLIT + 1):
+            idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
+            m_s = tl.load(ws_m_ptr + idx, mask=row_ok, other=0.0)
+            l_s = tl.load(ws_l_ptr + idx, mask=row_ok, other=0.0)
+            o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask,
+                          other=0.0)
+            m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
+                    HEAD_DIM, BLOCK_D)
+
+
+def use_split_mode(num_programs: int, max_splits: int, ws_bytes: int) -> bool:
+    """Launch choice only (both modes give identical bits): split the KV walk over programs
+    when the serial grid leaves most SMs idle (decode) and the fp32 parts stay small."""
+    return max_splits > 1 and num_programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, *,
+                    mode: str | None = None) -> torch.Tensor:
     """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
     block_tables `[S, max_blocks]` int32; context_lens `[S]`; query_start_loc `[S+1]`.
+    ``mode`` forces 'serial' (one program walks a tile's splits) or 'split' (one program
+    per split, then an ordered fold); None picks from the shapes. Both modes give the same
+    bits (same per-split arithmetic, same merge order; checked by the GPU tests).
     """
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -156,6 +259,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: Hq={num_q_heads} not a multiple of Hkv={num_kv_heads}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
         raise ValueError("paged_attention: k_cache and v_cache need the same, unit-last strides")
+    if mode not in (None, "serial", "split"):
+        raise ValueError(f"paged_attention: mode must be 'serial' or 'split', got {mode!r}")
     group = num_q_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, _ROWS_PER_PROGRAM // g_pad)
@@ -165,11 +270,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == 0:
         return out
     grid = (t // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
-        num_seqs, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+    # Upper bound on any sequence's splits, from shapes only (no host sync).
+    max_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], KV_SPLIT_SIZE)
+    ws_bytes = max_splits * t * num_q_heads * (head_dim + 2) * 4
+    if mode is None:
+        mode = "split" if use_split_mode(grid[0] * grid[1], max_splits, ws_bytes) else "serial"
+    common = dict(GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, SPLIT=KV_SPLIT_SIZE,
+                  HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    if mode == "serial":
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+            num_seqs, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            BLOCK_SIZE=k_cache.shape[1], num_warps=4, num_stages=2, **common)
+        return out
+    ws_m = torch.empty(max_splits, t, num_q_heads, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_o = torch.empty(max_splits, t, num_q_heads, head_dim, dtype=torch.float32,
+                       device=q.device)
+    _attention_parts_kernel[grid + (max_splits,)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
+        num_seqs, t, float(scale), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1],
-        SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, num_stages=2)
+        NUM_Q_HEADS=num_q_heads, BLOCK_SIZE=k_cache.shape[1], num_warps=4, num_stages=2,
+        **common)
+    _attention_fold_kernel[grid](
+        q, context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,
+        num_warps=4, **common)
     return out

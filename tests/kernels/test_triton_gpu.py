@@ -44,7 +44,7 @@ def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
     ref = x_all[:64].double() @ w.double().T + b.double()
     assert _rel_err(full[:64], ref) < 1e-2
     gen = torch.Generator().manual_seed(1)
-    for m in [1, 2, 3, 7, 16, 63, 64, 65, 128, 200, 511, 1000, 2047, 4096]:
+    for m in [1, 2, 3, 7, 16, 63, 64, 65, 100, 128, 129, 200, 511, 1000, 2047, 4096]:
         rows = torch.randperm(4096, generator=gen)[:m].cuda()
         out = linear(x_all[rows], w, b)
         assert not out.isnan().any(), f"M={m}: unwritten or NaN output"
@@ -105,6 +105,18 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
     for chunk in (1, 37, 256, 512):
         outs = [run(q[a : a + chunk], min(a + chunk, length)) for a in range(0, length, chunk)]
         assert torch.equal(torch.cat(outs), full), f"chunked prefill, chunk {chunk}"
+    # Split-KV mode (decode's auto choice) and serial mode: same bits, mixed batch too.
+    lens = torch.tensor([1000, 1, 64, 65, 999, 500], device="cuda", dtype=torch.int32)
+    n_new = torch.tensor([1, 1, 64, 3, 1, 130], device="cuda", dtype=torch.int32)
+    qsl = torch.cat([n_new.new_zeros(1), n_new.cumsum(0)]).int()
+    tables = table[None].expand(6, -1).contiguous()
+    qm = torch.randn(int(n_new.sum()), hq, dh, device="cuda", dtype=BF16)
+    serial = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="serial")
+    assert torch.equal(paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="split"), serial)
+    one_len = torch.tensor([length], device="cuda", dtype=torch.int32)
+    one_qsl = torch.tensor([0, length], device="cuda", dtype=torch.int32)
+    assert torch.equal(
+        paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode="split"), full)
 
 
 def test_moe_and_sampling() -> None:
