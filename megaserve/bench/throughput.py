@@ -84,7 +84,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--baseline-layout", default=None,
                         help="R,E,m of a second layout measured in the same run, e.g. 1,1,1")
     args = parser.parse_args(argv)
-    options = runtime_options(args)
+    try:
+        options = runtime_options(args)
+    except ValueError as e:
+        print(f"megaserve bench: {e}", file=sys.stderr)
+        return 2
     if args.model.startswith("random:"):
         from megaserve.bench.random_model import resolve_random_model
 

@@ -41,6 +41,8 @@ class EngineConfig:
     # How long an expert worker keeps gathering frames after the first one, to batch
     # tokens of several replicas into one GEMM (latency traded for GEMM size).
     expert_aggregation_wait_ms: float = 0.5
+    # Expert ids held by each expert worker (default: an even contiguous split).
+    expert_placement: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
@@ -59,5 +61,9 @@ class EngineConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.expert_placement is not None and len(self.expert_placement) != self.expert_workers:
+            raise ValueError(
+                f"expert_placement lists {len(self.expert_placement)} workers but "
+                f"expert_workers={self.expert_workers}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -199,7 +199,8 @@ def derive_seed(engine_seed: int, arrival: int) -> int:
 def make_engine(config: EngineConfig):
     """The engine for a config: everything in this process (the defaults), or a
     front-end over attention and expert workers (any of R, E, m, transport changed)."""
-    disaggregated = (config.attention_replicas, config.expert_workers, config.transport) != (1, 1, "inproc")
+    layout = (config.attention_replicas, config.expert_workers, config.transport)
+    disaggregated = layout != (1, 1, "inproc") or config.expert_placement is not None
     if disaggregated:
         from megaserve.runtime.cluster import DisaggregatedEngine
 

@@ -32,19 +32,31 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--transport", default="inproc")
+    parser.add_argument("--plan", default=None,
+                        help="a `megaserve plan` file: its layout (replicas, expert workers and "
+                             "placement, micro-batches, batch) overrides the flags above")
+    parser.add_argument("--plan-unit", type=int, default=0, help="which unit of --plan (default 0)")
     parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
                         help="expert workers gather frames this long to batch replicas together")
 
 
 def runtime_options(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from :func:`add_runtime_flags` flags."""
-    return dict(
+    """EngineConfig keyword arguments from :func:`add_runtime_flags` flags.
+
+    Raises ``ValueError`` for a bad ``--plan`` file.
+    """
+    options = dict(
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
         expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
     )
+    if args.plan:
+        from megaserve.runtime.plan import engine_options_from_plan
+
+        options.update(engine_options_from_plan(args.plan, args.plan_unit))
+    return options
 
 
 def main(argv: list[str]) -> int:

@@ -78,7 +78,10 @@ class DisaggregatedEngine:
             )
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(path)
-        self.placement = placement or ExpertPlacement.even(self.model_config.num_experts, config.expert_workers)
+        num_experts = self.model_config.num_experts
+        if placement is None and config.expert_placement is not None:
+            placement = ExpertPlacement(num_experts, config.expert_placement)
+        self.placement = placement or ExpertPlacement.even(num_experts, config.expert_workers)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.config = replace(config, model=str(path), max_model_len=self.max_model_len)

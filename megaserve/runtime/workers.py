@@ -105,7 +105,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
     from megaserve.runtime.remote_experts import RemoteExperts
 
     config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc",
-                     device=spec.device)
+                     expert_placement=None, device=spec.device)
     engine = LLMEngine(config, experts=RemoteExperts(endpoint, spec.placement, spec.expert_ranks))
     outbox.put(("ready", spec.role, spec.index))
     while True:

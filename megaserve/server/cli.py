@@ -45,8 +45,8 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the message
         return int(e.code or 0)
-    engine = {**runtime_options(args), "seed": args.seed}
     try:
+        engine = {**runtime_options(args), "seed": args.seed}
         EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
         config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
                              http_port=args.http_port, max_waiting=args.max_waiting,
