@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
+AGGREGATIONS = ("per_layer", "lockstep")
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -38,8 +39,10 @@ class EngineConfig:
     microbatches: int = 1
     transport: str = "inproc"
     cpu_threads: int = 1
-    # How long an expert worker keeps gathering frames after the first one, to batch
-    # tokens of several replicas into one GEMM (latency traded for GEMM size).
+    # How expert workers batch the tokens of several replicas (docs/runtime.md):
+    # "per_layer" takes whatever frames arrive within expert_aggregation_wait_ms;
+    # "lockstep" advances all busy replicas one step at a time and waits for all of them.
+    aggregation: str = "per_layer"
     expert_aggregation_wait_ms: float = 0.5
     # Expert ids held by each expert worker (default: an even contiguous split).
     expert_placement: tuple[tuple[int, ...], ...] | None = None
@@ -59,6 +62,8 @@ class EngineConfig:
                 f"expert_aggregation_wait_ms must be >= 0, got {self.expert_aggregation_wait_ms!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {self.aggregation!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
         if self.expert_placement is not None and len(self.expert_placement) != self.expert_workers:

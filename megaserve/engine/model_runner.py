@@ -63,6 +63,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
         groups = split_microbatches(scheduled, self.microbatches)
+        self.experts.begin_step(len(groups))
         hidden = run_layers(
             self.attention, self.experts, [self._micro_batch(g) for g in groups], self.kv_caches
         )

@@ -36,6 +36,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         help="a `megaserve plan` file: its layout (replicas, expert workers and "
                              "placement, micro-batches, batch) overrides the flags above")
     parser.add_argument("--plan-unit", type=int, default=0, help="which unit of --plan (default 0)")
+    parser.add_argument("--aggregation", default="per_layer", choices=["per_layer", "lockstep"],
+                        help="how expert workers batch the tokens of several replicas")
     parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
                         help="expert workers gather frames this long to batch replicas together")
 
@@ -50,7 +52,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
-        expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
+        aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
     )
     if args.plan:
         from megaserve.runtime.plan import engine_options_from_plan

@@ -25,6 +25,9 @@ from megaserve.models.expert_part import ExpertPart
 class ExpertClient(Protocol):
     """Where routed tokens go. ``combine`` returns the k expert outputs per token."""
 
+    def begin_step(self, num_microbatches: int) -> None:
+        """A forward over ``num_microbatches`` micro-batches starts."""
+
     def dispatch(
         self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor
     ) -> Any:
@@ -39,6 +42,9 @@ class LocalExperts:
 
     def __init__(self, experts: ExpertPart) -> None:
         self.experts = experts
+
+    def begin_step(self, num_microbatches: int) -> None:
+        pass
 
     def dispatch(
         self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor

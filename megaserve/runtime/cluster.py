@@ -213,21 +213,44 @@ class DisaggregatedEngine:
         return bool(self._owner)
 
     def step(self, timeout: float = 0.05) -> list[RequestOutput]:
-        """Outputs that replicas produced since the last call (waits up to ``timeout``
-        for the first). Raises :class:`WorkerError` if a worker failed."""
+        """Outputs that replicas produced since the last call. Per-layer aggregation:
+        whatever arrived, waiting up to ``timeout`` for the first. Lockstep: one global
+        step of every replica with work. Raises :class:`WorkerError` if a worker failed."""
+        if self.config.aggregation == "lockstep":
+            return self._lockstep_step()
         outputs: list[RequestOutput] = []
         message = self._next_message(timeout)
         while message is not None:
-            if message[0] == "outputs":
-                _, replica, outs, stats = message
-                self._stats[replica] = stats
-                outputs += outs
-                for out in outs:
-                    out.prompt = self._prompts.get(out.request_id)
-                    if out.finished:
-                        self._forget(out.request_id)
+            outputs += self._accept(message)
             message = self._next_message(0)
         return outputs
+
+    def _lockstep_step(self) -> list[RequestOutput]:
+        """Announce a step to every replica with requests; wait until all have run it."""
+        participants = sorted(set(self._owner.values()))
+        for replica in participants:
+            self._inboxes[replica].put(("step", len(participants)))
+        outputs: list[RequestOutput] = []
+        pending = len(participants)
+        while pending:
+            message = self._next_message(1.0)
+            if message is None:
+                continue
+            pending -= message[0] == "stepped"
+            outputs += self._accept(message)
+        return outputs
+
+    def _accept(self, message: tuple) -> list[RequestOutput]:
+        """Bookkeeping for a worker's outputs message; returns its outputs."""
+        if message[0] not in ("outputs", "stepped"):
+            return []
+        _, replica, outs, stats = message
+        self._stats[replica] = stats
+        for out in outs:
+            out.prompt = self._prompts.get(out.request_id)
+            if out.finished:
+                self._forget(out.request_id)
+        return outs
 
     def _forget(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)

@@ -1,10 +1,17 @@
 """ExpertWorker: serves the experts it holds to every attention replica.
 
-Aggregation is per layer: the worker blocks for a dispatch frame, then gathers every
-frame that arrives within ``aggregation_wait_s`` (from any replica, any micro-batch), and
-runs one grouped expert pass per layer over all their rows. It never waits for a
-particular replica, so idle replicas stall nobody, and an idle worker sleeps in ``poll``.
-Batch-invariant kernels make each row's result independent of the grouping.
+Two aggregation modes, chosen by the replicas (the frame header says which):
+
+* **per layer** (``participants == 0``): the worker blocks for a dispatch frame, then
+  gathers every frame that arrives within ``aggregation_wait_s`` (any replica, any
+  micro-batch) and runs one grouped pass per layer over all their rows. It never waits for
+  a particular replica, so idle replicas stall nobody.
+* **lockstep** (``participants > 0``): every participating replica sends one frame (maybe
+  empty) per (layer, micro-batch) tick; the worker runs the tick once all ``participants``
+  frames are in, so each GEMM holds the tick's tokens of every replica.
+
+An idle worker sleeps in ``poll``. Batch-invariant kernels make each row's result
+independent of the grouping.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class _Frame:
     microbatch: int
     rows: torch.Tensor  # [n, D]
     pairs: torch.Tensor  # [p, 2] (row, global expert id)
+    participants: int  # 0: per-layer aggregation; else replicas in this lockstep tick
 
 
 class ExpertWorker:
@@ -56,6 +64,7 @@ class ExpertWorker:
         self.aggregation_wait_s = aggregation_wait_s
         self.stats = ExpertWorkerStats()
         self._host = endpoint.provider != "cuda_ipc"
+        self._ticks: dict[tuple[int, int], list[_Frame]] = defaultdict(list)  # lockstep
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         """Serve frames until ``should_stop()``; comm errors (a lost peer) propagate."""
@@ -64,7 +73,11 @@ class ExpertWorker:
                 first = self.endpoint.poll(timeout=IDLE_POLL_S)
             except CommTimeoutError:
                 continue
-            frames = [self._take(first)]
+            frame = self._take(first)
+            if frame.participants:
+                self._collect_tick(frame)
+                continue
+            frames = [frame]
             deadline = time.monotonic() + self.aggregation_wait_s
             while (remaining := deadline - time.monotonic()) > 0:
                 try:
@@ -77,10 +90,25 @@ class ExpertWorker:
         try:
             if completion.tag != TAG_DISPATCH:
                 raise RuntimeError(f"expert worker got a frame with tag {completion.tag}")
-            rows, pairs = decode_dispatch(completion.data)
-            return _Frame(completion.src, completion.layer, completion.microbatch, rows, pairs)
+            rows, pairs, participants = decode_dispatch(completion.data)
+            return _Frame(completion.src, completion.layer, completion.microbatch, rows, pairs,
+                          participants)
         finally:
             self.endpoint.release(completion)
+
+    def _collect_tick(self, frame: _Frame) -> None:
+        """Lockstep: hold the frame until its tick has one from every participant."""
+        key = (frame.layer, frame.microbatch)
+        tick = self._ticks[key]
+        tick.append(frame)
+        if len(tick) < frame.participants:
+            return
+        del self._ticks[key]
+        frames = [f for f in tick if f.pairs.shape[0]]  # empty frames get no answer
+        if frames:
+            self._process(frames)
+        else:
+            self.stats.frames += len(tick)
 
     def _process(self, frames: list[_Frame]) -> None:
         by_layer: dict[int, list[_Frame]] = defaultdict(list)

@@ -15,6 +15,16 @@ from megaserve.runtime.frames import TAG_COMBINE, TAG_DISPATCH, decode_combine, 
 from megaserve.runtime.placement import ExpertPlacement
 
 
+@dataclass(frozen=True)
+class LockstepShape:
+    """What a replica needs to send empty lockstep frames."""
+
+    moe_layers: tuple[int, ...]
+    microbatches: int
+    hidden_size: int
+    dtype: torch.dtype
+
+
 @dataclass
 class _Dispatch:
     layer: int
@@ -34,27 +44,75 @@ class RemoteExperts:
     completions are counted, not ordered.
     """
 
-    def __init__(self, endpoint: Endpoint, placement: ExpertPlacement, expert_ranks: list[int]):
+    def __init__(self, endpoint: Endpoint, placement: ExpertPlacement, expert_ranks: list[int],
+                 lockstep: LockstepShape | None = None):
         self.endpoint = endpoint
         self.expert_ranks = expert_ranks
         self._owner = placement.owner_table()  # [E] worker index
         self._early: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, mb, src) → out
         # Host providers move bytes; cuda_ipc copies GPU memory peer to peer.
         self._host = endpoint.provider != "cuda_ipc"
+        self._lockstep = lockstep
+        self._participants = 0  # replicas in the current lockstep step (0: per-layer mode)
+        self._num_microbatches = 0  # micro-batches this replica runs in the current step
+        self._sent: set[tuple[int, int]] = set()  # (layer, mb) ticks covered this step
+
+    # -- lockstep ---------------------------------------------------------------------
+    # NOTE: under lockstep every participating replica sends exactly one frame per expert
+    # worker for every (MoE layer, micro-batch 0..m-1) tick of a step, empty where it has
+    # no rows (no answer comes back for an empty frame). Expert workers then know when a
+    # tick is complete: after ``participants`` frames.
+
+    def set_participants(self, participants: int) -> None:
+        """Start a lockstep step shared by ``participants`` replicas."""
+        self._participants = participants
+        self._sent.clear()
+
+    def begin_step(self, num_microbatches: int) -> None:
+        """How many micro-batches this replica runs in the step (called by the runner)."""
+        self._num_microbatches = num_microbatches
+
+    def end_step(self) -> None:
+        """Send empty frames for every tick of the step this replica did not fill."""
+        if self._lockstep is None:
+            return
+        for layer in self._lockstep.moe_layers:
+            for microbatch in range(self._lockstep.microbatches):
+                self._send_empty(layer, microbatch)
+        self._num_microbatches = 0
+
+    def _send_empty(self, layer: int, microbatch: int) -> None:
+        if (layer, microbatch) in self._sent:
+            return
+        shape = self._lockstep
+        rows = torch.empty(0, shape.hidden_size, dtype=shape.dtype)
+        pairs = torch.empty(0, 2, dtype=torch.int64)
+        for rank in self.expert_ranks:
+            self.endpoint.send(rank, encode_dispatch(rows, pairs, True, self._participants),
+                               layer=layer, microbatch=microbatch, tag=TAG_DISPATCH)
+        self._sent.add((layer, microbatch))
 
     def dispatch(self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor) -> _Dispatch:
         num_tokens, top_k = topk_ids.shape
         owners = self._owner.to(topk_ids.device)[topk_ids]  # [T, k]
         routes = {}
+        lockstep = self._lockstep is not None
         for worker, rank in enumerate(self.expert_ranks):
             tokens, ranks = (owners == worker).nonzero(as_tuple=True)  # row-major: by token
-            if tokens.numel() == 0:
+            if tokens.numel() == 0 and not lockstep:
                 continue
             unique_tokens, row_of_pair = torch.unique_consecutive(tokens, return_inverse=True)
             pairs = torch.stack([row_of_pair, topk_ids[tokens, ranks]], dim=1)  # [P, 2]
-            self.endpoint.send(rank, encode_dispatch(x[unique_tokens], pairs, self._host),
-                               layer=layer, microbatch=microbatch, tag=TAG_DISPATCH)
-            routes[rank] = (tokens, ranks)
+            frame = encode_dispatch(x[unique_tokens], pairs, self._host, self._participants)
+            self.endpoint.send(rank, frame, layer=layer, microbatch=microbatch, tag=TAG_DISPATCH)
+            if tokens.numel():
+                routes[rank] = (tokens, ranks)
+        if lockstep:
+            self._sent.add((layer, microbatch))
+            if microbatch == self._num_microbatches - 1:
+                # This replica has no more micro-batches: release the others' ticks now.
+                for missing in range(microbatch + 1, self._lockstep.microbatches):
+                    self._send_empty(layer, missing)
         return _Dispatch(layer, microbatch, (num_tokens, top_k, x.shape[1]), x.dtype, x.device, routes)
 
     def combine(self, handle: _Dispatch) -> torch.Tensor:

@@ -5,9 +5,11 @@ Messages, both ways plain picklable tuples:
 
     front-end → attention worker:  ("add", request_id, token_ids, params, seed)
                                     ("abort", request_id)   ("stop",)
+                                    ("step", participants)   (lockstep only)
     front-end → expert worker:      ("stop",)
     any worker → front-end:         ("ready", role, index)
                                     ("outputs", index, [RequestOutput...], EngineStats)
+                                    ("stepped", index, [RequestOutput...], EngineStats)
                                     ("stats", role, index, stats)   (on the way out)
                                     ("error", role, index, message)
 """
@@ -106,8 +108,13 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
 
     config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc",
                      expert_placement=None, device=spec.device)
-    engine = LLMEngine(config, experts=RemoteExperts(endpoint, spec.placement, spec.expert_ranks))
+    lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
+    experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
+    engine = LLMEngine(config, experts=experts)
     outbox.put(("ready", spec.role, spec.index))
+    if lockstep is not None:
+        _serve_attention_lockstep(spec, engine, experts, inbox, outbox)
+        return
     while True:
         busy = engine.has_unfinished_requests()
         try:
@@ -131,6 +138,47 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
             outputs = engine.step()
             if outputs:
                 outbox.put(("outputs", spec.index, outputs, engine.stats()))
+
+
+def _lockstep_shape(spec: WorkerSpec):
+    from megaserve.models.builtin import resolve_model
+    from megaserve.models.config import ModelConfig
+    from megaserve.models.loader import resolve_dtype
+    from megaserve.runtime.remote_experts import LockstepShape
+
+    cfg = ModelConfig.from_dir(resolve_model(spec.engine.model))
+    return LockstepShape(
+        moe_layers=tuple(i for i, moe in enumerate(cfg.moe_layers) if moe),
+        microbatches=spec.engine.microbatches,
+        hidden_size=cfg.hidden_size,
+        dtype=resolve_dtype(spec.engine.dtype, cfg),
+    )
+
+
+def _serve_attention_lockstep(spec: WorkerSpec, engine, experts, inbox, outbox) -> None:
+    """Lockstep: run one engine step per ("step", participants) command, no more."""
+    while True:
+        try:
+            message = inbox.get(timeout=IDLE_WAIT_S)
+        except queue.Empty:
+            if _parent_gone(spec):
+                return
+            continue
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "add":
+            _, request_id, token_ids, params, seed = message
+            engine.add_request(request_id, token_ids, params, seed=seed)
+        elif kind == "abort":
+            out = engine.abort_request(message[1])
+            if out is not None:
+                outbox.put(("outputs", spec.index, [out], engine.stats()))
+        elif kind == "step":
+            experts.set_participants(message[1])
+            outputs = engine.step()
+            experts.end_step()
+            outbox.put(("stepped", spec.index, outputs, engine.stats()))
 
 
 def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:

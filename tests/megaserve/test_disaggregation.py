@@ -140,6 +140,8 @@ def test_placement_validation_and_uneven_split():
         LLM(dtype="float32", expert_workers=9)
     with pytest.raises(ValueError, match="transport"):
         LLM(dtype="float32", expert_workers=2, transport="rdma")
+    with pytest.raises(ValueError, match="aggregation"):
+        EngineConfig(aggregation="whenever")
 
 
 FRONT_END = """
@@ -170,3 +172,47 @@ def test_workers_exit_when_the_front_end_is_killed(tmp_path):
         assert not any(_alive(p) for p in pids), "orphaned worker processes"
     finally:
         proc.kill()
+
+
+LOCKSTEP_LAYOUTS = [("inproc", 2, 3, 2), ("inproc", 3, 1, 1), ("tcp", 1, 2, 4), ("tcp", 3, 8, 2),
+                    ("tcp", 2, 3, 4)]
+
+
+@pytest.mark.parametrize("transport, replicas, experts, microbatches", LOCKSTEP_LAYOUTS,
+                         ids=[f"{t}-R{r}-E{e}-m{m}" for t, r, e, m in LOCKSTEP_LAYOUTS])
+def test_lockstep_outputs_equal_single_worker_bitwise(single_worker, transport, replicas, experts,
+                                                      microbatches):
+    with LLM(dtype="float32", attention_replicas=replicas, expert_workers=experts,
+             microbatches=microbatches, transport=transport, aggregation="lockstep") as llm:
+        got = _signature(llm.generate(PROMPTS, PARAMS))
+    assert got == single_worker
+
+
+def test_lockstep_gathers_every_replica_into_each_gemm():
+    def rows_per_gemm(aggregation):
+        with LLM(dtype="float32", attention_replicas=3, expert_workers=1, microbatches=1,
+                 aggregation=aggregation) as llm:
+            llm.generate(PROMPTS * 6, [SamplingParams(max_tokens=12, ignore_eos=True)] * 30)
+            engine = llm.engine
+        return engine.expert_stats[0].rows_per_gemm
+
+    # Lockstep ticks hold the tokens of all three replicas; the per-layer window only
+    # catches those that happen to arrive together.
+    assert rows_per_gemm("lockstep") > rows_per_gemm("per_layer")
+
+
+def test_lockstep_abort_and_idle_replica():
+    engine = DisaggregatedEngine(EngineConfig(dtype="float32", attention_replicas=3, expert_workers=2,
+                                              microbatches=2, aggregation="lockstep"))
+    try:
+        engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+        engine.add_request("short", [4, 5], SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = engine.step() + engine.step()
+        engine.abort_request("long")
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        finals = {o.request_id: o.outputs[0].finish_reason for o in outs if o.finished}
+        assert finals == {"long": "abort", "short": "length"}
+        assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+    finally:
+        engine.shutdown()
