@@ -172,11 +172,27 @@ def bench_engine(path: str, num_prompts: int, input_len: int, output_len: int,
                "--max-num-seqs", str(num_prompts), "--input-len", str(input_len),
                "--output-len", str(output_len)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("this layout")), None)
-        if proc.returncode or line is None:
-            raise RuntimeError(f"engine bench ({backend}) failed: {proc.stderr[-2000:]}")
-        rows.append(dict(backend=backend, tokens_per_s=float(line.split()[-2])))
+        tok_s = _tokens_per_s(proc.stdout) if proc.returncode == 0 else None
+        if tok_s is None:
+            raise RuntimeError(f"engine bench ({backend}) failed: {proc.stderr[-2000:]}"
+                               f"{proc.stdout[-1000:]}")
+        rows.append(dict(backend=backend, tokens_per_s=tok_s))
     return rows
+
+
+def _tokens_per_s(stdout: str) -> float | None:
+    """The 'tok/s' column of the 'this layout' row of ``bench throughput``'s table (found
+    by the header, so added columns do not break it); None if absent."""
+    lines = stdout.splitlines()
+    header = next((ln.split() for ln in lines if ln.split()[:1] == ["run"]), None)
+    row = next((ln for ln in lines if ln.startswith("this layout")), None)
+    if header is None or row is None or "tok/s" not in header:
+        return None
+    cells = row[len("this layout"):].split()  # the run name is two words
+    try:
+        return float(cells[header.index("tok/s") - 1])
+    except (IndexError, ValueError):
+        return None
 
 
 def _print_tables(device: str, mm: list[dict], attn: list[dict]) -> None:

@@ -14,7 +14,13 @@ For each split of C keys (ascending), a row computes, exactly as kernels.cpu doe
 finite after it and a split lying wholly past a row's position merges as an exact
 identity (alpha = 1, beta = 0): a row's bits depend on its own position and context only,
 not on the other rows of its tile nor on how many splits the tile walks.
+
+Two launch modes give the same bits: **serial** (one program per tile and KV head folds
+its splits in registers) and **split** (decode, where serial leaves SMs idle: programs
+over (tile, KV head, group of splits) store each split's unmerged (m_s, l_s, o_s) in fp32,
+then a fold kernel merges them in the same ascending order with the same ``_merge``).
 """
+
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ _ROWS_PER_PROGRAM = 64  # BLOCK_M: fixed, independent of the batch
 # its fp32 parts fit in this many bytes.
 _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
+_SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
 
 
 @triton.jit
@@ -181,28 +188,30 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
 def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
                             ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
                             stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                            NUM_Q_HEADS: tl.constexpr,
+                            NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
                             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Split mode, step 1: one program per (tile, KV head, split) stores (m_s, l_s, o_s)
-    of its rows, fp32, at ws_m / ws_l `[splits, T, Hq]` and ws_o `[splits, T, Hq, Dh]`."""
+    """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
+    splits) stores each split's (m_s, l_s, o_s) of its rows, fp32, unmerged, at ws_m / ws_l
+    `[splits, T, Hq]` and ws_o `[splits, T, Hq, Dh]`."""
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    first = tl.program_id(2) * SPLITS_PER_PROG
     live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
         q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
         GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D)
-    if live & (split <= last_pos // SPLIT):
+    if live:
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
-        m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
-                                      stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                      SPLIT, HEAD_DIM, BLOCK_D)
-        row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
         d = tl.arange(0, BLOCK_D)
-        tl.store(ws_m_ptr + row_idx, m_s, mask=row_ok)
-        tl.store(ws_l_ptr + row_idx, l_s, mask=row_ok)
-        tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
-                 mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        for split in range(first, tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)):
+            m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
+                                          stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
+                                          SPLIT, HEAD_DIM, BLOCK_D)
+            row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
+            tl.store(ws_m_ptr + row_idx, m_s, mask=row_ok)
+            tl.store(ws_l_ptr + row_idx, l_s, mask=row_ok)
+            tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
+                     mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -241,10 +250,18 @@ def use_split_mode(num_programs: int, max_splits: int, ws_bytes: int) -> bool:
     return max_splits > 1 and num_programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES
 
 
+def _splits_per_program(num_programs: int, max_splits: int) -> int:
+    """Consecutive splits per split-mode program: a power of two that keeps about
+    _SPLIT_MODE_PROGRAMS programs in the grid (launch shape only, never the bits)."""
+    want = max(1, num_programs * max_splits // _SPLIT_MODE_PROGRAMS)
+    return min(16, triton.next_power_of_2(want))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
-                    mode: str | None = None) -> torch.Tensor:
+                    mode: str | None = None,
+                    splits_per_program: int | None = None) -> torch.Tensor:
     """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
@@ -252,6 +269,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``mode`` forces 'serial' (one program walks a tile's splits) or 'split' (one program
     per split, then an ordered fold); None picks from the shapes. Both modes give the same
     bits (same per-split arithmetic, same merge order; checked by the GPU tests).
+    ``splits_per_program`` (split mode; default from the shapes) only groups the
+    per-split work onto programs, so it cannot change the bits either.
     """
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -288,12 +307,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(max_splits, t, num_q_heads, head_dim, dtype=torch.float32,
                        device=q.device)
-    _attention_parts_kernel[grid + (max_splits,)](
+    spp = splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
+    _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
         num_seqs, t, float(scale), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        NUM_Q_HEADS=num_q_heads, BLOCK_SIZE=k_cache.shape[1], num_warps=4, num_stages=2,
-        **common)
+        NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4, num_stages=2, **common)
     _attention_fold_kernel[grid](
         q, context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads,
