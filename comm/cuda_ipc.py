@@ -24,6 +24,11 @@ from comm.tcp import TcpEndpoint, _InPeer, _send_all
 from comm.wire import Hello, Kind, pack_header
 
 
+# Allocations of at least this size get a cudaMalloc segment of their own in PyTorch's
+# caching allocator.
+_OWN_SEGMENT_BYTES = 16 << 20
+
+
 class CudaIpcEndpoint(TcpEndpoint):
     """Endpoint of one GPU worker process. ``device``: its CUDA device (default: current)."""
 
@@ -45,7 +50,15 @@ class CudaIpcEndpoint(TcpEndpoint):
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch = self._torch
-        ring = torch.empty(self.config.ring_bytes, dtype=torch.uint8, device=self.device)
+        # NOTE: a ring smaller than the caching allocator's large-segment threshold (10 MiB)
+        # shares one cudaMalloc segment, hence one IPC handle, with other rings and tensors
+        # of this process; several peer processes then open that same handle. Seen on
+        # 2x H200: an expert worker's rebuild_cuda_tensor failed with
+        # cudaErrorInvalidResourceHandle when two processes on GPU 1 mapped rings of one
+        # process on GPU 0. Padding each ring to its own segment gives every sender its own
+        # handle.
+        size = max(self.config.ring_bytes, _OWN_SEGMENT_BYTES)
+        ring = torch.empty(size, dtype=torch.uint8, device=self.device)[: self.config.ring_bytes]
         self._rings_keepalive.append(ring)
         return ring, pickle.dumps(reduce_tensor(ring))
 
