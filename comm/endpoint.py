@@ -153,6 +153,15 @@ class Endpoint(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _send_targets(self, addresses: Sequence[str], send_to: Iterable[int] | None) -> list[int]:
+        """Check ``connect``'s arguments; returns the ranks to open send channels to."""
+        self._check_open()
+        if len(addresses) != self.world_size:
+            raise ValueError(f"got {len(addresses)} addresses for world_size {self.world_size}")
+        if send_to is None:
+            return [r for r in range(self.world_size) if r != self.rank]
+        return list(send_to)
+
     # -- provider hooks ----------------------------------------------------------------
     def _prepare(self, payload: Any) -> tuple[Any, int]:
         from comm.protocol import as_byte_views, total_bytes

@@ -55,10 +55,7 @@ class InprocEndpoint(Endpoint):
         return self._address
 
     def connect(self, addresses: Sequence[str], send_to: Iterable[int] | None = None) -> None:
-        self._check_open()
-        if len(addresses) != self.world_size:
-            raise ValueError(f"got {len(addresses)} addresses for world_size {self.world_size}")
-        targets = [r for r in range(self.world_size) if r != self.rank] if send_to is None else list(send_to)
+        targets = self._send_targets(addresses, send_to)
         for dst in targets:
             with _LIVE_LOCK:
                 peer = _LIVE.get(addresses[dst])

@@ -225,10 +225,7 @@ class TcpEndpoint(Endpoint):
 
     # -- sender side -------------------------------------------------------------------
     def connect(self, addresses: Sequence[str], send_to: Iterable[int] | None = None) -> None:
-        self._check_open()
-        if len(addresses) != self.world_size:
-            raise ValueError(f"got {len(addresses)} addresses for world_size {self.world_size}")
-        targets = [r for r in range(self.world_size) if r != self.rank] if send_to is None else list(send_to)
+        targets = self._send_targets(addresses, send_to)
         for dst in targets:
             if dst in self._out:
                 continue

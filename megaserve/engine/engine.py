@@ -53,11 +53,11 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads)
         path = resolve_model(config.model)
         self.model_path = Path(path)
-        self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
-        model_max = ModelConfig.from_dir(path).max_position_embeddings
-        self.max_model_len = config.max_model_len or min(model_max, DEFAULT_MAX_MODEL_LEN)
+        self.tokenizer = load_tokenizer(path)
+        model_config = ModelConfig.from_dir(path)
+        self.max_model_len = resolve_max_model_len(config, model_config)
         model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len,
-                           expert_ids=[] if experts is not None else None)
+                           expert_ids=[] if experts is not None else None, config=model_config)
         self.model_config = model.config
         self.model_name = config.model
         self.vocab_size = model.config.vocab_size
@@ -189,6 +189,16 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release resources (worker processes, once disaggregated)."""
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None where it has no tokenizer.json (token ids only)."""
+    return Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``config.max_model_len``, or the model's context capped at DEFAULT_MAX_MODEL_LEN."""
+    return config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
 def derive_seed(engine_seed: int, arrival: int) -> int:

@@ -58,7 +58,9 @@ class Sequence:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:  # decode: no copy of the whole sequence per step
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     def wants_prompt_logprobs(self) -> bool:
         """True while prompt logprobs are requested and not all computed yet."""

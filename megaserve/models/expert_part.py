@@ -35,7 +35,8 @@ class ExpertPart:
         # that forward() rejects.
         lookup = torch.full((num_experts,), len(expert_ids), dtype=torch.int64)
         lookup[torch.tensor(expert_ids, dtype=torch.int64)] = torch.arange(len(expert_ids))
-        self._local_index = lookup
+        device = next(iter(w_gate_up.values())).device if w_gate_up else lookup.device
+        self._local_index = lookup.to(device)  # on the weights' device: no copy per call
 
     @property
     def layers(self) -> list[int]:
@@ -47,7 +48,7 @@ class ExpertPart:
         x: `[R, D]`; expert_ids: `[R]` int64 global expert ids, all held here.
         Returns `[R, D]` in x.dtype. Each row's result is independent of the other rows.
         """
-        local = self._local_index.to(expert_ids.device)[expert_ids]
+        local = self._local_index[expert_ids]
         if local.numel() and int(local.max()) >= len(self.expert_ids):
             raise ValueError(
                 f"layer {layer}: rows routed to experts not held by this worker "

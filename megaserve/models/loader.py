@@ -61,15 +61,17 @@ def load_model(
     attention: bool = True,
     expert_ids: list[int] | None = None,
     max_positions: int | None = None,
+    config: ModelConfig | None = None,
 ) -> LoadedModel:
     """Load the parts of a checkpoint that one worker needs.
 
     ``attention``: build the AttentionPart. ``expert_ids``: the routed experts to hold
     (None = all, [] = none). ``max_positions``: rotary table length (default: the
-    model's max_position_embeddings). Raises ``ValueError`` naming the file or tensor
-    for anything missing, corrupt or inconsistent.
+    model's max_position_embeddings). ``config``: the checkpoint's config when the caller
+    has read it already. Raises ``ValueError`` naming the file or tensor for anything
+    missing, corrupt or inconsistent.
     """
-    config = ModelConfig.from_dir(path)
+    config = config or ModelConfig.from_dir(path)
     weights = _Weights(CheckpointReader(path), resolve_dtype(dtype, config), torch.device(device))
     if expert_ids is None:
         expert_ids = list(range(config.num_experts))

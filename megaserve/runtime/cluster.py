@@ -22,11 +22,11 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from comm import ChannelConfig, RendezvousServer
-from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from megaserve.engine.engine import EngineStats, Prompt, derive_seed
+from megaserve.engine.config import EngineConfig
+from megaserve.engine.engine import (EngineStats, Prompt, derive_seed, load_tokenizer,
+                                     resolve_max_model_len, validate_prompt)
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import resolve_dtype
@@ -35,7 +35,6 @@ from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.workers import WorkerSpec, run_worker
 from megaserve.sampling_params import SamplingParams
-from megaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +66,13 @@ class WorkerError(RuntimeError):
     """A worker failed or disappeared; the engine cannot continue."""
 
 
+def _raise_if_error(message: tuple) -> None:
+    """Turn a worker's ("error", role, index, detail) report into a WorkerError."""
+    if message[0] == "error":
+        _, role, index, detail = message
+        raise WorkerError(f"{role} worker {index} failed: {detail}")
+
+
 class DisaggregatedEngine:
     """Front-end engine; see the module docstring. Raises ``ValueError`` for bad config."""
 
@@ -82,10 +88,9 @@ class DisaggregatedEngine:
         if placement is None and config.expert_placement is not None:
             placement = ExpertPlacement(num_experts, config.expert_placement)
         self.placement = placement or ExpertPlacement.even(num_experts, config.expert_workers)
-        self.max_model_len = config.max_model_len or min(
-            self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.config = replace(config, model=str(path), max_model_len=self.max_model_len)
-        self.tokenizer = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+        self.tokenizer = load_tokenizer(path)
         self.model_name = config.model
         self.vocab_size = self.model_config.vocab_size
         self._arrivals = itertools.count()
@@ -182,8 +187,6 @@ class DisaggregatedEngine:
     # -- requests ---------------------------------------------------------------------
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        from megaserve.engine.engine import validate_prompt
-
         return validate_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -264,9 +267,7 @@ class DisaggregatedEngine:
         except queue.Empty:
             self._check_alive()
             return None
-        if message[0] == "error":
-            _, role, index, detail = message
-            raise WorkerError(f"{role} worker {index} failed: {detail}")
+        _raise_if_error(message)
         if message[0] == "stats":
             self.expert_stats[message[2]] = message[3]
         return message
@@ -279,9 +280,8 @@ class DisaggregatedEngine:
                 message = self._outbox.get(timeout=1.0)
             except queue.Empty:
                 message = None
-            if message is not None and message[0] == "error":
-                _, role, index, detail = message
-                raise WorkerError(f"{role} worker {index} failed: {detail}")
+            if message is not None:
+                _raise_if_error(message)
             raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
 
     def stats(self) -> EngineStats:

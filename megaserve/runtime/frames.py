@@ -71,8 +71,7 @@ def _unpack_header(u8: torch.Tensor) -> tuple[int, int, int, torch.dtype, int]:
 
 def _read(u8: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """A copy of ``count`` values of ``dtype`` at byte ``offset``."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return u8[offset: offset + count * itemsize].clone().view(dtype)
+    return u8[offset: offset + count * dtype.itemsize].clone().view(dtype)
 
 
 def decode_dispatch(data) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -94,7 +94,9 @@ class RemoteExperts:
 
     def dispatch(self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor) -> _Dispatch:
         num_tokens, top_k = topk_ids.shape
-        owners = self._owner.to(topk_ids.device)[topk_ids]  # [T, k]
+        if self._owner.device != topk_ids.device:
+            self._owner = self._owner.to(topk_ids.device)  # once, not per dispatch
+        owners = self._owner[topk_ids]  # [T, k]
         routes = {}
         lockstep = self._lockstep is not None
         for worker, rank in enumerate(self.expert_ranks):
