@@ -26,7 +26,7 @@ from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import LLMEngine
 from tests.megaserve.hf_models import VARIANTS, make_checkpoint
-from tests.megaserve.test_batch_invariance import _run, _signature
+from tests.megaserve.test_batch_invariance import _run, _signature, crowd_arrivals
 
 pytestmark = pytest.mark.gpu
 
@@ -62,15 +62,7 @@ def test_cuda_request_alone_equals_request_in_a_crowd(cuda_engines, scenario: in
     target = [rng.randrange(vocab) for _ in range(rng.randrange(1, 61))]
     alone = _run(roomy, [(0, "target", target, target_params)])["target"]
     engine = cramped if scenario % 2 else roomy
-    arrivals = [(rng.randrange(6), "target", target, target_params)]
-    for i in range(rng.randrange(8, 32)):
-        params = SamplingParams(
-            max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.8, 1.3]),
-            seed=rng.randrange(1000), top_k=rng.choice([0, 5]), logprobs=rng.choice([None, 1]),
-            ignore_eos=True,
-        )
-        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
-        arrivals.append((rng.randrange(10), f"other-{i}", prompt, params))
+    arrivals = crowd_arrivals(rng, vocab, target, target_params, num_others=rng.randrange(8, 32))
     crowd = _run(engine, arrivals)["target"]
     assert len(crowd.outputs[0].token_ids) > 0
     assert _signature(crowd) == _signature(alone)

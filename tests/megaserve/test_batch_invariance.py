@@ -43,6 +43,21 @@ def _run(engine: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingPa
     return done
 
 
+def crowd_arrivals(rng: random.Random, vocab: int, target: list[int], target_params: SamplingParams,
+                   num_others: int) -> list[tuple[int, str, list[int], SamplingParams]]:
+    """The target request plus ``num_others`` random requests, each at a random step."""
+    arrivals = [(rng.randrange(6), "target", target, target_params)]
+    for i in range(num_others):
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.8, 1.3]),
+            seed=rng.randrange(1000), top_k=rng.choice([0, 5]), logprobs=rng.choice([None, 1]),
+            ignore_eos=True,
+        )
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        arrivals.append((rng.randrange(10), f"other-{i}", prompt, params))
+    return arrivals
+
+
 def _signature(out):
     c = out.outputs[0]
     return c.token_ids, [sorted(d.items()) for d in c.logprobs], c.finish_reason
@@ -70,16 +85,7 @@ def test_request_alone_equals_request_in_a_crowd(engines, target_params, target_
     target = [rng.randrange(vocab) for _ in range(target_len)]
     alone = _run(roomy, [(0, "target", target, target_params)])["target"]
     engine = crowded_engine if cramped else roomy
-    arrivals = [(rng.randrange(6), "target", target, target_params)]
-    for i in range(num_others):
-        params = SamplingParams(
-            max_tokens=rng.randrange(1, 14), temperature=rng.choice([0.0, 0.8, 1.3]),
-            seed=rng.randrange(1000), top_k=rng.choice([0, 5]), logprobs=rng.choice([None, 1]),
-            ignore_eos=True,
-        )
-        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
-        arrivals.append((rng.randrange(10), f"other-{i}", prompt, params))
-    crowd = _run(engine, arrivals)["target"]
+    crowd = _run(engine, crowd_arrivals(rng, vocab, target, target_params, num_others))["target"]
     assert _signature(crowd) == _signature(alone)
 
 
