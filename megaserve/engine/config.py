@@ -22,6 +22,8 @@ class EngineConfig:
     cpu_threads: torch intra-op threads of a CPU engine, pinned per process. One thread is
     the default: the CPU kernels run many small fixed-shape GEMM tiles, which OpenMP
     thread teams slow down badly on a loaded machine (measured here: 40x on 2 busy cores).
+    cuda_graphs: run decode steps on CUDA through captured CUDA graphs (padded batch
+    sizes; results are bitwise those of eager execution). Ignored on CPU.
     """
 
     model: str = "builtin:tiny-moe"
@@ -46,6 +48,7 @@ class EngineConfig:
     expert_aggregation_wait_ms: float = 0.5
     # Expert ids held by each expert worker (default: an even contiguous split).
     expert_placement: tuple[tuple[int, ...], ...] | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
@@ -70,5 +73,7 @@ class EngineConfig:
             raise ValueError(
                 f"expert_placement lists {len(self.expert_placement)} workers but "
                 f"expert_workers={self.expert_workers}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -6,14 +6,18 @@ needed (sampling rows, plus prompt rows of requests asking for prompt logprobs),
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 import kernels
+from megaserve.engine.cuda_graphs import DecodeGraphs
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
-from megaserve.models.forward import ExpertClient, MicroBatch, run_layers
+from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run_layers
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,7 +47,13 @@ def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[Sched
 
 
 class ModelRunner:
-    """Executes steps for one attention worker (its KV cache and attention part)."""
+    """Executes steps for one attention worker (its KV cache and attention part).
+
+    ``cuda_graphs``: on CUDA with in-process experts, decode steps of up to
+    ``max_num_seqs`` sequences replay captured CUDA graphs (megaserve.engine.cuda_graphs);
+    the outputs are bitwise those of eager execution. A public attribute: setting it to
+    False switches back to eager steps (the captured graphs are kept).
+    """
 
     def __init__(
         self,
@@ -52,6 +62,8 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         microbatches: int = 1,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = 64,
     ) -> None:
         self.attention = attention
         self.experts = experts
@@ -59,25 +71,68 @@ class ModelRunner:
         self.block_size = block_size
         self.microbatches = microbatches
         self.device = attention.device
+        self.cuda_graphs = cuda_graphs
+        self.max_num_seqs = max_num_seqs
+        # Built on the first eager-capable decode step; tests may set one (capture=False).
+        self.decode_graphs: DecodeGraphs | None = None
+        self._graphs_failed = False
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
-        groups = split_microbatches(scheduled, self.microbatches)
-        self.experts.begin_step(len(groups))
-        hidden = run_layers(
-            self.attention, self.experts, [self._micro_batch(g) for g in groups], self.kv_caches
-        )
-        h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, D]
         rows, row_owner = self._logit_rows(scheduled)
         results = [SeqResult() for _ in scheduled]
-        if not rows:
-            return results
-        logprobs = kernels.log_softmax(
-            self.attention.logits(h[torch.tensor(rows, device=self.device)])
-        )  # [B, V] fp32
+        logprobs = self._graph_logprobs(scheduled, rows)  # [B, V] fp32, or None
+        if logprobs is None:
+            groups = split_microbatches(scheduled, self.microbatches)
+            self.experts.begin_step(len(groups))
+            hidden = run_layers(
+                self.attention, self.experts, [self._micro_batch(g) for g in groups],
+                self.kv_caches,
+            )
+            h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, D]
+            if not rows:
+                return results
+            logprobs = kernels.log_softmax(
+                self.attention.logits(h[torch.tensor(rows, device=self.device)])
+            )  # [B, V] fp32
         self._sample(scheduled, row_owner, logprobs, results)
         self._prompt_logprobs(scheduled, row_owner, logprobs, results)
         return results
+
+    def _graph_logprobs(
+        self, scheduled: list[ScheduledSeq], rows: list[int]
+    ) -> torch.Tensor | None:
+        """Log-probs `[S, V]` from the decode graphs when the step is a decode step whose
+        logit rows are exactly its S tokens; None where the eager path must run."""
+        if not self.cuda_graphs or self._graphs_failed or rows != list(range(len(scheduled))):
+            return None
+        if self.decode_graphs is None and not self._build_decode_graphs():
+            return None
+        if not self.decode_graphs.can_run(scheduled):
+            return None
+        try:
+            return self.decode_graphs.run(scheduled)
+        except RuntimeError as e:
+            # Capture failed (a host sync in some kernel). The warm-up wrote the same K/V
+            # values the eager step writes again, so falling back is safe.
+            logger.warning("decode CUDA graph capture failed, running eagerly: %s", e)
+            self._graphs_failed = True
+            return None
+
+    def _build_decode_graphs(self) -> bool:
+        """Create the decode graphs (CUDA, in-process experts only); False where off."""
+        if self.device.type != "cuda" or not isinstance(self.experts, LocalExperts):
+            return False
+        try:
+            self.decode_graphs = DecodeGraphs(
+                self.attention, self.experts.experts, self.kv_caches, self.block_size,
+                self.max_num_seqs, int(self.attention.cos.shape[0]),
+            )
+        except ValueError as e:  # e.g. the ExpertPart does not hold every expert
+            logger.info("decode CUDA graphs off: %s", e)
+            self._graphs_failed = True
+            return False
+        return True
 
     def _micro_batch(self, group: list[ScheduledSeq]) -> MicroBatch:
         ids: list[int] = []

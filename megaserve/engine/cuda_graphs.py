@@ -1,0 +1,241 @@
+"""CUDA graphs for decode steps: captured forwards (embedding .. log-softmax) replayed
+with the batch padded up to the next captured size.
+
+Shape legend: n = sequences of the step (one new token each), b = captured batch size
+(>= n), W = block-table width (blocks of a ``max_model_len`` sequence), V = vocab.
+
+NOTE: static inputs, one int32 row per batch slot, copied host → device in one transfer:
+
+    col   0       1          2       3          4 .. 4+W-1
+          token   position   slot    context    block table (zero past the sequence)
+    rows 0..n-1   the step's sequences
+    rows n..b-1   padding: a copy of row 0 with slot = -1
+
+A padding row writes no K/V (the KV write skips negative slots), reads only row 0's
+blocks, and its inputs are finite, so it routes like row 0 and cannot send NaN into the
+router. Every kernel is batch-invariant (a row's bits depend on its own inputs only), so
+padding and the fixed block-table width leave rows 0..n-1 bitwise equal to eager
+execution; their results are all that is read back.
+
+Host synchronisations and data-chosen launch grids break capture. The decode path has
+none except in the stock expert path (``torch.bincount`` sizes its output from the data
+on the host; ``ExpertPart.forward`` reads ``local.max()``), so :class:`GraphExperts`
+runs the same grouped-GEMM kernels with offsets from ``torch.searchsorted`` instead.
+Sampling stays outside the graph (it reads temperatures on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+import kernels
+from megaserve.engine.scheduler import ScheduledSeq
+from megaserve.models.attention_part import AttentionMetadata, AttentionPart
+from megaserve.models.expert_part import ExpertPart
+from megaserve.models.forward import MicroBatch, run_layers
+
+logger = logging.getLogger(__name__)
+
+_TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, then multiples of 8 up to ``max_batch`` (which is
+    always included). Raises ``ValueError`` for ``max_batch < 1``."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest of ``sizes`` (ascending) holding ``num_seqs`` rows; None if none does."""
+    for size in sizes:
+        if size >= num_seqs:
+            return size
+    return None
+
+
+def capturable_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
+                          w_down: torch.Tensor, expert_range: torch.Tensor) -> torch.Tensor:
+    """``kernels.expert_ffn`` on CUDA without host synchronisation, bitwise equal to it.
+
+    x: `[R, D]`; expert_ids: `[R]` int64 local ids; w_gate_up: `[E, 2I, D]`;
+    w_down: `[E, D, I]`; expert_range: `[E + 1]` int64 = arange(E + 1) on x's device.
+    Same kernels, same stable sort; only the offsets are computed differently
+    (searchsorted on the sorted ids instead of zero + cumsum(bincount): equal integers).
+    """
+    # Private kernel entry points, read only: see the module NOTE for why.
+    from kernels.triton_impl.moe import _grouped_gemm
+    from kernels.triton_impl.rowwise import silu_and_mul
+
+    if x.shape[0] == 0:
+        return torch.empty(0, w_down.shape[1], dtype=x.dtype, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    sorted_ids, order = torch.sort(expert_ids, stable=True)  # order: [R] source row per slot
+    offsets = torch.searchsorted(sorted_ids, expert_range)  # [E + 1] int64, rows below e
+    gate_up = _grouped_gemm(x, order, w_gate_up.contiguous(), offsets, gather=True, scatter=False)
+    hidden = silu_and_mul(gate_up)  # [R, I], sorted order
+    return _grouped_gemm(hidden, order, w_down.contiguous(), offsets, gather=False, scatter=True)
+
+
+class GraphExperts:
+    """ExpertClient for captured forwards: an in-process ExpertPart holding every expert,
+    run without host synchronisation (on CPU: plain ``kernels.expert_ffn``)."""
+
+    def __init__(self, experts: ExpertPart, num_experts: int) -> None:
+        if sorted(experts.expert_ids) != list(range(num_experts)):
+            raise ValueError("GraphExperts needs an ExpertPart holding every expert")
+        self.experts = experts
+        device = next(iter(experts.w_gate_up.values())).device if experts.w_gate_up else None
+        lookup = torch.empty(num_experts, dtype=torch.int64)
+        lookup[torch.tensor(experts.expert_ids)] = torch.arange(num_experts)
+        self._local = lookup.to(device)  # global expert id → index in the local stacks
+        self._range = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
+
+    def begin_step(self, num_microbatches: int) -> None:
+        pass
+
+    def dispatch(self, layer: int, microbatch: int, x: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """x `[T, D]`, topk_ids `[T, k]` → `[T, k, D]` (computed at once)."""
+        num_tokens, top_k = topk_ids.shape
+        rows = x.repeat_interleave(top_k, dim=0)  # [T*k, D]
+        local = self._local[topk_ids.reshape(-1)]
+        w_gate_up, w_down = self.experts.w_gate_up[layer], self.experts.w_down[layer]
+        if rows.is_cuda:
+            out = capturable_expert_ffn(rows, local, w_gate_up, w_down, self._range)
+        else:
+            out = kernels.expert_ffn(rows, local, w_gate_up, w_down)
+        return out.view(num_tokens, top_k, -1)
+
+    def combine(self, handle: Any) -> torch.Tensor:
+        return handle
+
+
+class DecodeGraphs:
+    """Decode forwards of padded batch sizes over static input buffers.
+
+    ``capture=False`` runs the same padded forward eagerly (CPU, tests). Not thread-safe;
+    one engine thread drives it. Raises ``ValueError`` at construction for bad sizes.
+    """
+
+    def __init__(self, attention: AttentionPart, experts: ExpertPart,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        self.attention = attention
+        self.experts = GraphExperts(experts, attention.config.num_experts)
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_batch)
+        self.table_width = -(-max_model_len // block_size)  # W
+        self.capture = capture
+        device = attention.device
+        cols = _TABLE + self.table_width
+        self._static = torch.zeros(max_batch, cols, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._staging = torch.zeros(max_batch, cols, dtype=torch.int32, pin_memory=pin)
+        self._host = self._staging.numpy()
+        self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._copied = torch.cuda.Event() if capture else None
+        # Buffers the captured kernels point at but do not own (see _capture).
+        self._kept: list[torch.Tensor] = []
+        self.num_steps = 0  # decode steps served (padded forwards run)
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def can_run(self, scheduled: list[ScheduledSeq]) -> bool:
+        """True for a decode-shaped step that fits: one new token per sequence, at most
+        the largest size, block tables within W."""
+        return (0 < len(scheduled) <= self.sizes[-1]
+                and all(s.num_new_tokens == 1 for s in scheduled)
+                and all(len(s.seq.block_ids) <= self.table_width for s in scheduled))
+
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Log-probabilities `[n, V]` float32 of the next token of each sequence (its one
+        new token's row), bitwise equal to the eager forward. Call :meth:`can_run` first.
+
+        Writes the new tokens' K/V into the cache; captures the size on first use.
+        """
+        n = len(scheduled)
+        b = padded_size(n, self.sizes)
+        assert b is not None and self.can_run(scheduled)
+        self._fill(scheduled, b)
+        self.num_steps += 1
+        self._static[:b].copy_(self._staging[:b], non_blocking=True)
+        if not self.capture:
+            return self._forward(b)[:n]
+        self._copied.record()
+        entry = self._graphs.get(b)
+        if entry is None:
+            entry = self._capture(b)
+        graph, out = entry
+        graph.replay()
+        return out[:n]
+
+    def _fill(self, scheduled: list[ScheduledSeq], b: int) -> None:
+        """Rows of the static layout (module NOTE) into the host staging buffer."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the staging rows
+        host, bs = self._host, self.block_size
+        for i, s in enumerate(scheduled):
+            seq, pos = s.seq, s.seq.num_computed_tokens
+            blocks = seq.block_ids
+            host[i, _TOKEN] = seq.token_ids(pos, pos + 1)[0]
+            host[i, _POSITION] = pos
+            host[i, _SLOT] = blocks[pos // bs] * bs + pos % bs
+            host[i, _CONTEXT] = pos + 1
+            host[i, _TABLE:_TABLE + len(blocks)] = blocks
+            host[i, _TABLE + len(blocks):] = 0
+        n = len(scheduled)
+        host[n:b] = host[0]
+        host[n:b, _SLOT] = -1
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The decode forward over static rows ``[:b]``: `[b, V]` float32 log-probs."""
+        rows = self._static[:b]
+        meta = AttentionMetadata(
+            positions=rows[:, _POSITION].long(),
+            slot_mapping=rows[:, _SLOT].long(),
+            block_tables=rows[:, _TABLE:].contiguous(),
+            context_lens=rows[:, _CONTEXT].contiguous(),
+            query_start_loc=self._query_start_loc[: b + 1],
+        )
+        batch = MicroBatch(rows[:, _TOKEN].long(), meta)
+        (hidden,) = run_layers(self.attention, self.experts, [batch], self.kv_caches)
+        return kernels.log_softmax(self.attention.logits(hidden))
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up size ``b`` eagerly on the step's real inputs (compiles the kernels; its
+        K/V writes are the same values the replay writes again), then capture it."""
+        self._forward(b)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(b)
+        self._kept.extend(_shared_kernel_buffers())
+        self._graphs[b] = (graph, out)
+        logger.info("captured a decode CUDA graph for batch size %d", b)
+        return graph, out
+
+
+def _shared_kernel_buffers() -> list[torch.Tensor]:
+    """Module-level buffers of the CUDA kernels that captured launches point at.
+
+    NOTE: the matmul's split/swap modes use one per-device tile-counter tensor that it
+    replaces when a larger launch needs more tiles; a graph keeps the old address, so the
+    tensor must stay alive as long as the graph does.
+    """
+    try:
+        from kernels.triton_impl import matmul
+    except ImportError:  # no Triton: nothing was captured with it
+        return []
+    return list(getattr(matmul, "_counters", {}).values())
