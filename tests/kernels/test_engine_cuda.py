@@ -4,6 +4,8 @@
 others arriving at random steps (greedy and seeded sampling), on a roomy engine and on a
 cramped one (chunked prefill, preemption). Same approach as the CPU test in
 tests/megaserve/test_batch_invariance.py, whose runner and signature this reuses.
+Decode steps run through captured CUDA graphs (the default); the crowd test checks that
+they did.
 (b) Greedy tokens equal HF transformers' fp32 argmax on the same GPU (teacher-forced on
 our tokens) at every step before the first near tie (top-2 margin <= ``TIE_MARGIN``), with
 at least ``MIN_COMPARED`` such steps on one prompt of each model.
@@ -66,6 +68,7 @@ def test_cuda_request_alone_equals_request_in_a_crowd(cuda_engines, scenario: in
     crowd = _run(engine, arrivals)["target"]
     assert len(crowd.outputs[0].token_ids) > 0
     assert _signature(crowd) == _signature(alone)
+    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.num_steps > 0
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -110,3 +113,65 @@ def test_cuda_bf16_greedy_matches_transformers_fp32(checkpoint) -> None:
     agreeing = [p for p in prefixes if p is not None]
     assert len(agreeing) >= len(prompts) - 1, f"compared steps per prompt: {prefixes}"
     assert max(agreeing) >= MIN_COMPARED, f"compared steps per prompt: {prefixes}"
+
+
+# -- CUDA graphs for decode: graphs on vs off, bitwise ------------------------------------
+
+
+def _all_outputs(engine: LLMEngine, arrivals) -> dict:
+    done = _run(engine, arrivals)
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].logprobs) for rid, o in done.items()}
+
+
+@pytest.mark.parametrize("scenario", range(3))
+def test_cuda_graphs_on_equals_off(scenario: int) -> None:
+    """Random concurrent requests (greedy and seeded, 1-80 prompt tokens plus up to 24
+    generated: sequences cross 16-token KV blocks while decoding): every request's tokens
+    and logprobs are bitwise equal with decode graphs on and off. max_num_seqs=24 gives
+    sizes 1, 2, 4, 8, 16, 24, so most decode steps run padded."""
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=24)
+    on = LLMEngine(EngineConfig(**common, cuda_graphs=True))
+    off = LLMEngine(EngineConfig(**common, cuda_graphs=False))
+    off.runner.cuda_graphs = False  # until LLMEngine passes EngineConfig.cuda_graphs on
+    rng = random.Random(500 + scenario)
+    target = [rng.randrange(on.vocab_size) for _ in range(rng.randrange(10, 60))]
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)
+    arrivals = crowd_arrivals(rng, on.vocab_size, target, params, num_others=rng.randrange(5, 30))
+    want = _all_outputs(off, arrivals)
+    got = _all_outputs(on, arrivals)
+    graphs = on.runner.decode_graphs
+    assert off.runner.decode_graphs is None
+    assert graphs.num_steps >= 10 and len(graphs.captured_sizes) >= 3, graphs.captured_sizes
+    assert got == want
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_capturable_expert_ffn_equals_kernel_and_replays(rows: int) -> None:
+    """The graph path's expert FFN equals kernels.expert_ffn bitwise, eagerly and as a
+    replayed CUDA graph on new inputs (the stock one syncs in torch.bincount)."""
+    import kernels
+    from megaserve.engine.cuda_graphs import capturable_expert_ffn
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    e, d, i = 16, 256, 128
+    w_gu = (torch.randn(e, 2 * i, d, device="cuda", generator=g) * 0.05).bfloat16()
+    w_down = (torch.randn(e, d, i, device="cuda", generator=g) * 0.05).bfloat16()
+    expert_range = torch.arange(e + 1, device="cuda")
+
+    def inputs():
+        x = torch.randn(rows, d, device="cuda", generator=g).bfloat16()
+        ids = torch.randint(0, e // 2, (rows,), device="cuda", generator=g)  # some experts idle
+        return x, ids
+
+    x, ids = inputs()
+    assert torch.equal(capturable_expert_ffn(x, ids, w_gu, w_down, expert_range),
+                       kernels.expert_ffn(x, ids, w_gu, w_down))
+    static_x, static_ids = x.clone(), ids.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = capturable_expert_ffn(static_x, static_ids, w_gu, w_down, expert_range)
+    x, ids = inputs()
+    static_x.copy_(x)
+    static_ids.copy_(ids)
+    graph.replay()
+    assert torch.equal(out, kernels.expert_ffn(x, ids, w_gu, w_down))
