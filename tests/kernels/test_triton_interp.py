@@ -7,7 +7,6 @@ for the tensor-core paths: the interpreter mis-reads bfloat16 through TMA descri
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -25,19 +24,22 @@ def _rel_err(out, ref) -> float:
 
 
 def check_linear(torch, ti) -> None:
-    for m, n, k in [(37, 48, 512), (3, 64, 320), (20, 32, 1000)]:
+    Launch = ti.matmul.Launch
+    variants = [  # launches that must give the fold mode's bits (tile shapes, folds, grids)
+        Launch("fold", flat=0), Launch("split"), Launch("split", fold_last=False),
+        Launch("split", block_m=64, block_n=64, num_warps=4, fold_last=False),
+        Launch("fold", block_m=64, num_warps=4), Launch("fold", persistent=2),
+        Launch("swap", num_warps=4), Launch("swap", block_m=64, fold_last=False),
+    ]
+    for m, n, k in [(37, 48, 512), (3, 64, 320), (20, 200, 1000)]:
         x = torch.randn(m, k, dtype=torch.float16)
         w = torch.randn(n, k, dtype=torch.float16)
         b = torch.randn(n, dtype=torch.float16)
         fold = ti.linear(x, w, b, mode="fold")
-        split = ti.linear(x, w, b, mode="split")
-        assert torch.equal(fold, split), "fold and split modes differ"
-        swap = ti.linear(x, w, b, mode="swap")  # m <= 64: weight rows on the MMA's M side
-        assert torch.equal(fold, swap), "fold and swap modes differ"
-        base = ti.matmul.config_for(n, k, x.dtype)
-        for flat in (0, 2):  # loop shapes of the fold kernel: same arithmetic
-            cfg = dataclasses.replace(base, flat=flat)
-            assert torch.equal(ti.linear(x, w, b, mode="fold", config=cfg), fold), flat
+        for lp in variants:
+            assert torch.equal(ti.linear(x, w, b, launch=lp), fold), f"{lp} differs from fold"
+        assert torch.equal(ti.linear(x, w, None, launch=variants[2]),
+                           ti.linear(x, w, None, mode="fold")), "no-bias split"
         ref = x.double() @ w.double().T + b.double()
         assert _rel_err(fold, ref) < 1e-2, _rel_err(fold, ref)
         for r in (0, m // 2, m - 1):
