@@ -1,4 +1,4 @@
-"""Endpoint behaviour shared by the host providers (inproc and tcp), workers as threads."""
+"""Endpoint behaviour shared by the host providers (inproc, tcp, nccl on gloo), workers as threads."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from comm import (ChannelConfig, CommTimeoutError, EndpointClosedError, PeerLost
 from comm.errors import ProtocolError
 from tests.comm.workers import payload
 
-PROVIDERS = ["inproc", "tcp"]
+PROVIDERS = ["inproc", "tcp", "nccl"]  # nccl: its gloo (CPU) backend
 
 
 def _comm_threads() -> int:

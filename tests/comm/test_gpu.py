@@ -1,4 +1,4 @@
-"""GPU providers between two processes: cuda_ipc and the nccl baseline (gloo variant on CPU)."""
+"""GPU providers between two processes: cuda_ipc and nccl (its gloo variant runs on CPU)."""
 
 from __future__ import annotations
 
@@ -53,10 +53,12 @@ def test_cuda_ipc_tensors_land_on_the_receivers_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-def test_nccl_baseline_endpoint_roundtrip():
+def test_nccl_tensors_land_on_the_receivers_gpu():
     _two_gpus_or_skip()
     out = _pair("nccl", "nccl")
-    assert out[0]["bad"] == out[1]["bad"] == 0
+    for rank in (0, 1):
+        assert out[rank]["bad"] == 0
+        assert out[rank]["devices"] == [f"cuda:{rank}"]
 
 
 @pytest.mark.timeout(60)

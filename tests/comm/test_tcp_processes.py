@@ -1,4 +1,5 @@
-"""The protocol over tcp with real worker processes on 127.0.0.1 (spawn)."""
+"""The protocol with real worker processes on 127.0.0.1 (spawn): over tcp, and over nccl
+on its gloo backend (torch.distributed P2P data plane, same control plane)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.comm import workers
 
 MiB = 1 << 20
 CTX = mp.get_context("spawn")
+PROVIDERS = ["tcp", "nccl"]
 
 
 def _collect(results, n, timeout):
@@ -37,13 +39,14 @@ def _reap(procs):
 
 
 @pytest.mark.timeout(60)
-def test_many_senders_many_receivers_random_sizes():
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_many_senders_many_receivers_random_sizes(provider):
     senders, receivers, messages = [0, 1, 2], [3, 4], 12
     cfg = ChannelConfig(slot_bytes=MiB, slots_per_peer=3, timeout_s=20)
     rdv = RendezvousServer(5)
     results = CTX.Queue()
     procs = [CTX.Process(target=workers.many_to_many,
-                         args=(r, senders, receivers, messages, rdv.address, cfg, results))
+                         args=(r, senders, receivers, messages, rdv.address, cfg, results, provider))
              for r in range(5)]
     try:
         for p in procs:
@@ -61,12 +64,13 @@ def test_many_senders_many_receivers_random_sizes():
 
 
 @pytest.mark.timeout(30)
-def test_credit_exhaustion_blocks_until_release():
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_credit_exhaustion_blocks_until_release(provider):
     hold_s = 1.0
     cfg = ChannelConfig(slot_bytes=4096, slots_per_peer=3, timeout_s=10)
     rdv = RendezvousServer(2)
     results = CTX.Queue()
-    procs = [CTX.Process(target=workers.credit_blocking, args=(r, rdv.address, cfg, hold_s, results))
+    procs = [CTX.Process(target=workers.credit_blocking, args=(r, rdv.address, cfg, hold_s, results, provider))
              for r in range(2)]
     try:
         for p in procs:
@@ -82,12 +86,13 @@ def test_credit_exhaustion_blocks_until_release():
 
 
 @pytest.mark.timeout(40)
-def test_peer_killed_mid_step_is_a_typed_error_within_timeout():
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_peer_killed_mid_step_is_a_typed_error_within_timeout(provider):
     timeout_s = 8.0
     cfg = ChannelConfig(slot_bytes=4096, slots_per_peer=2, timeout_s=timeout_s)
     rdv = RendezvousServer(3)
     results, ready = CTX.Queue(), CTX.Queue()
-    procs = [CTX.Process(target=workers.victim_scenario, args=(r, rdv.address, cfg, ready, results))
+    procs = [CTX.Process(target=workers.victim_scenario, args=(r, rdv.address, cfg, ready, results, provider))
              for r in range(3)]
     try:
         for p in procs:

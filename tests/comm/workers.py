@@ -29,12 +29,12 @@ def _report(results, rank: int, **fields) -> None:
     results.put(fields)
 
 
-def many_to_many(rank, senders, receivers, messages, rdv, cfg, results) -> None:
+def many_to_many(rank, senders, receivers, messages, rdv, cfg, results, provider="tcp") -> None:
     """Senders send ``messages`` random payloads to every receiver; receivers verify them,
     releasing in shuffled batches so credits come back out of order."""
     world = len(senders) + len(receivers)
     try:
-        ep = create_endpoint("tcp", rank, world, cfg)
+        ep = create_endpoint(provider, rank, world, cfg)
         addresses = exchange(rdv, rank, world, ep.address)
         ep.connect(addresses, send_to=receivers if rank in senders else [])
         if rank in senders:
@@ -76,10 +76,10 @@ def many_to_many(rank, senders, receivers, messages, rdv, cfg, results) -> None:
         results.put({"rank": rank, "ok": False, "error": traceback.format_exc()})
 
 
-def credit_blocking(rank, rdv, cfg, hold_s, results) -> None:
+def credit_blocking(rank, rdv, cfg, hold_s, results, provider="tcp") -> None:
     """Rank 0 sends slots_per_peer+1 frames to rank 1, which releases only after ``hold_s``."""
     try:
-        ep = create_endpoint("tcp", rank, 2, cfg)
+        ep = create_endpoint(provider, rank, 2, cfg)
         ep.connect(exchange(rdv, rank, 2, ep.address), send_to=[1 - rank])
         n = cfg.slots_per_peer
         if rank == 0:
@@ -107,11 +107,11 @@ def credit_blocking(rank, rdv, cfg, hold_s, results) -> None:
         results.put({"rank": rank, "ok": False, "error": traceback.format_exc()})
 
 
-def victim_scenario(rank, rdv, cfg, ready, results) -> None:
+def victim_scenario(rank, rdv, cfg, ready, results, provider="tcp") -> None:
     """Rank 0 is killed by the test. Rank 1 polls for a frame rank 0 never sends; rank 2
     is blocked sending to rank 0, which never releases. Both must get PeerLostError."""
     try:
-        ep = create_endpoint("tcp", rank, 3, cfg)
+        ep = create_endpoint(provider, rank, 3, cfg)
         addresses = exchange(rdv, rank, 3, ep.address)
         ep.connect(addresses, send_to={0: [1], 1: [], 2: [0]}[rank])
         if rank == 0:
@@ -143,10 +143,13 @@ def victim_scenario(rank, rdv, cfg, ready, results) -> None:
 
 
 def gpu_pair(rank, provider, backend, rdv, results) -> None:
-    """Two ranks exchange tensors both ways over ``provider`` (cuda_ipc or nccl/gloo).
+    """Two ranks exchange tensors both ways over ``provider`` (cuda_ipc, or nccl on the
+    nccl or gloo backend). Both ranks first send ``slots_per_peer`` messages, then receive
+    them (both directions in flight at once: the ping-pong order that serialises a single
+    NCCL communicator per rank pair).
 
-    Each message i is a deterministic bf16 tensor of a varying shape; the receiver checks it
-    bitwise and that it arrived on its own device (GPU providers)."""
+    Each message i is a deterministic bf16 tensor of a varying shape (up to ~1 MiB); the
+    receiver checks it bitwise and that it arrived on its own device."""
     try:
         import torch
 
@@ -162,20 +165,18 @@ def gpu_pair(rank, provider, backend, rdv, results) -> None:
 
         def expected(src: int, i: int):
             g = torch.Generator().manual_seed(1000 * src + i)
-            return torch.randn(1 + 37 * i, 64, generator=g).to(torch.bfloat16)
+            return torch.randn(1 + 1400 * i, 64, generator=g).to(torch.bfloat16)
 
         bad, devices = 0, set()
-        for i in range(6):
-            order = (0, 1) if rank == 0 else (1, 0)
-            for role in order:
-                if role == 0:  # send
-                    ep.send(peer, expected(rank, i).to(device), layer=i, microbatch=rank)
-                else:
-                    c = ep.poll(src=peer) if provider == "nccl" else ep.poll()
-                    got = c.tensor(torch.bfloat16, (-1, 64))
-                    devices.add(str(got.device))
-                    bad += c.layer != i or not torch.equal(got.cpu(), expected(peer, i))
-                    ep.release(c)
+        for first in range(0, 6, cfg.slots_per_peer):
+            batch = range(first, first + cfg.slots_per_peer)
+            for i in batch:
+                ep.send(peer, expected(rank, i).to(device), layer=i, microbatch=rank)
+            for c in sorted(ep.poll_many(len(batch)), key=lambda c: c.layer):
+                got = c.tensor(torch.bfloat16, (-1, 64))
+                devices.add(str(got.device))
+                bad += c.microbatch != peer or not torch.equal(got.cpu(), expected(peer, c.layer))
+                ep.release(c)
         ep.close()
         results.put({"rank": rank, "ok": True, "bad": bad, "devices": sorted(devices)})
     except Exception:  # noqa: BLE001
