@@ -62,7 +62,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["builtin:tiny-moe", "random:qwen3-30b-a3b:2"])
+    parser.add_argument("--models", nargs="+", default=["random:qwen3-30b-a3b:2", "builtin:tiny-moe"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 30, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

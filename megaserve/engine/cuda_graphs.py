@@ -169,9 +169,9 @@ class DecodeGraphs:
         b = padded_size(n, self.sizes)
         assert b is not None and self.can_run(scheduled)
         self._fill(scheduled, b)
-        self.num_steps += 1
         self._static[:b].copy_(self._staging[:b], non_blocking=True)
         if not self.capture:
+            self.num_steps += 1
             return self._forward(b)[:n]
         self._copied.record()
         entry = self._graphs.get(b)
@@ -179,6 +179,7 @@ class DecodeGraphs:
             entry = self._capture(b)
         graph, out = entry
         graph.replay()
+        self.num_steps += 1
         return out[:n]
 
     def _fill(self, scheduled: list[ScheduledSeq], b: int) -> None:

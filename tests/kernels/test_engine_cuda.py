@@ -127,8 +127,8 @@ def _all_outputs(engine: LLMEngine, arrivals) -> dict:
 def test_cuda_graphs_on_equals_off(scenario: int) -> None:
     """Random concurrent requests (greedy and seeded, 1-80 prompt tokens plus up to 24
     generated: sequences cross 16-token KV blocks while decoding): every request's tokens
-    and logprobs are bitwise equal with decode graphs on and off. max_num_seqs=24 gives
-    sizes 1, 2, 4, 8, 16, 24, so most decode steps run padded."""
+    and logprobs are bitwise equal with decode graphs on and off. Captured sizes are 1, 2,
+    4, then multiples of 8, so most decode steps of 1-24 sequences run padded."""
     common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=24)
     on = LLMEngine(EngineConfig(**common, cuda_graphs=True))
     off = LLMEngine(EngineConfig(**common, cuda_graphs=False))
