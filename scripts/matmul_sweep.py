@@ -48,6 +48,9 @@ def variants(part: str) -> dict[str, tuple[object, int, int]]:
         "persist_fl": (L("fold", persistent=132, flatten=True), 129, 8192),
         "persist_fl_s3": (L("fold", num_stages=3, persistent=132, flatten=True), 129, 8192),
         "fold128x256": (L("fold", 128, 256, 8, 3), 129, 8192),
+        "swap64s3k": (L("swap", 64, num_warps=4, num_stages=3, fold_last=False), 1, 64),
+        "swap64s2": (L("swap", 64, num_warps=4, num_stages=2), 1, 64),
+        "swap128s3k": (L("swap", 128, num_warps=4, num_stages=3, fold_last=False), 1, 64),
     }
     return {"small": {**small, **mid}, "large": large, "all": {**small, **mid, **large}}[part]
 

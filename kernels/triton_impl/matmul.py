@@ -114,34 +114,53 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_k, triton.cdiv(steps, splits) * block_k)
 
 
-def use_split_mode(m: int, n: int, k: int, cfg: MatmulConfig, bm: int = 128, bn: int = 128,
-                   num_sms: int = 132) -> bool:
-    """Rough time estimate of split vs fold mode for ``bm x bn`` tiles (launch choice only).
+# Cost model of the launches for M > 64 (us on an H200; fitted to the round-4 sweep, see
+# docs/benchmarks.md): SM time of one BLOCK_K step per tile shape, fp32 workspace bandwidth,
+# and the second launch of the parallel fold.
+_STEP_US = {(128, 128): 0.45, (64, 128): 0.26, (128, 64): 0.26}
+_WS_BYTES_PER_US = 3.0e6
+_FOLD_LAUNCH_US = 3.0
+_TALL = {(128, 128): Launch("fold"), (64, 128): Launch("fold", 64, 128, 4, 4),
+         (128, 64): Launch("split", 128, 64, 4, 4, fold_last=False)}
 
-    fold: waves of output tiles, each walking all of K. split: waves of (tile, split)
-    programs plus the fp32 parts written and read back (2 * S * M * N * 4 bytes).
+
+def launch_cost_us(m: int, n: int, k: int, cfg: MatmulConfig, lp: Launch,
+                   num_sms: int = 132) -> float:
+    """Rough time of a fold or split launch (for choosing one; the bits never change).
+
+    fold: waves of output tiles, each walking all K steps. split: waves of (tile, split)
+    programs of split_len steps, plus the fp32 parts written and read back
+    (2 * S * M * N * 4 bytes) and the fold kernel's launch.
     """
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = triton.cdiv(m, lp.block_m) * triton.cdiv(n, lp.block_n)
+    step_us = _STEP_US.get((lp.block_m, lp.block_n), 0.45)
+    if lp.mode == "fold":
+        return triton.cdiv(tiles, num_sms) * triton.cdiv(k, cfg.block_k) * step_us
     splits = triton.cdiv(k, cfg.split_len)
-    step_us = 2 * bm * bn * cfg.block_k / 5.0e6  # ~5 TFLOP/s per SM
-    fold_us = triton.cdiv(tiles, num_sms) * triton.cdiv(k, cfg.block_k) * step_us
-    split_us = (triton.cdiv(tiles * splits, num_sms) * (cfg.split_len // cfg.block_k) * step_us
-                + 2 * splits * m * n * 4 / 2.5e6)
-    return split_us < fold_us
+    return (triton.cdiv(tiles * splits, num_sms) * (cfg.split_len // cfg.block_k) * step_us
+            + 2 * splits * m * n * 4 / _WS_BYTES_PER_US + _FOLD_LAUNCH_US)
 
 
 def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = None,
                 num_sms: int = 132) -> Launch:
-    """The launch for an `[m, k] x [n, k]^T` product (``mode`` forces a launch mode)."""
-    if mode is None:
-        if m <= 64:
-            mode = "swap"
-        else:
-            split = k > cfg.split_len and use_split_mode(m, n, k, cfg, num_sms=num_sms)
-            mode = "split" if split else "fold"
-    if mode == "swap":
-        return Launch("swap", block_m=128, num_warps=4, num_stages=4)
-    return Launch(mode)
+    """The launch for an `[m, k] x [n, k]^T` product (``mode`` forces a launch mode).
+
+    M <= 64: swap mode; the parts are folded by a second, parallel kernel where a tile has
+    many of them (S >= 16, or S >= 8 and M <= 16), else by the tile's last program; 64-row
+    weight tiles from M = 8. M > 64: the cheapest of fold 128x128, fold 64x128 and split
+    128x64 (parallel fold) by :func:`launch_cost_us`. Rules measured on an H200.
+    """
+    splits = triton.cdiv(k, cfg.split_len)
+    if mode is None and m <= 64 or mode == "swap":
+        if m < 8:
+            return Launch("swap", 128, num_warps=4, num_stages=4)
+        if splits >= 16 or (splits >= 8 and m <= 16):
+            return Launch("swap", 128, num_warps=4, num_stages=4, fold_last=False)
+        return Launch("swap", 64, num_warps=4, num_stages=3)
+    if mode is not None:
+        return Launch(mode)
+    cands = [lp for lp in _TALL.values() if lp.mode == "fold" or splits > 1]
+    return min(cands, key=lambda lp: launch_cost_us(m, n, k, cfg, lp, num_sms))
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
