@@ -1,0 +1,250 @@
+"""Device sweep for paged attention (issue 3, round 4): bitwise checks, then timings.
+
+Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR]``. Phase 1 runs
+the checks of each shape (and a compile warm-up of the timed variants) in parallel child
+processes; phase 2 times every variant against SDPA flash in this process and prints a
+table. Checks, per shape (GQA group, head dim, block size, context): the reference is
+the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
+decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
+sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+# (Hq, Hkv, Dh, block_size, context)
+SHAPES = [(32, 8, 128, 16, 8192), (8, 8, 128, 32, 3000), (32, 4, 64, 32, 5000),
+          (16, 4, 64, 16, 2100)]
+REF = dict(mode="serial", rows=64, num_warps=4, num_stages=2)
+CHECK_VARIANTS = [
+    dict(mode="serial", rows=16, num_warps=4, num_stages=3),
+    dict(mode="serial", rows=16, num_warps=1, num_stages=2),
+    dict(mode="serial", rows=32, num_warps=4, num_stages=2),
+    dict(mode="serial", rows=128, num_warps=8, num_stages=2),
+    dict(mode="serial", rows=128, num_warps=8, num_stages=3),
+    dict(mode="serial", rows=64, num_warps=4, num_stages=3),
+    dict(mode="split", rows=16, num_warps=4, num_stages=3, splits_per_program=4),
+    dict(mode="split", rows=64, num_warps=4, num_stages=2, splits_per_program=1, fold_tokens=4),
+    dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16),
+]
+DECODE_VARIANTS = [
+    ("serial r16 w4 s3", dict(mode="serial", rows=16, num_warps=4, num_stages=3)),
+    ("serial r16 w2 s3", dict(mode="serial", rows=16, num_warps=2, num_stages=3)),
+    ("serial r16 w4 s4", dict(mode="serial", rows=16, num_warps=4, num_stages=4)),
+    ("serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
+    ("split r16 w4 s3", dict(mode="split", rows=16, num_warps=4, num_stages=3)),
+    ("split r16 w2 s3", dict(mode="split", rows=16, num_warps=2, num_stages=3)),
+    ("split r16 w4 s3 u16", dict(mode="split", rows=16, num_warps=4, num_stages=3,
+                                 fold_unroll=16)),
+    ("split r16 w4 s3 spp2", dict(mode="split", rows=16, num_warps=4, num_stages=3,
+                                  splits_per_program=2)),
+    ("split r16 w4 s3 spp8", dict(mode="split", rows=16, num_warps=4, num_stages=3,
+                                  splits_per_program=8)),
+    ("split r64 w4 s2", dict(mode="split", rows=64, num_warps=4, num_stages=2)),
+]
+PREFILL_VARIANTS = [
+    ("serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
+    ("serial r64 w4 s3", dict(mode="serial", rows=64, num_warps=4, num_stages=3)),
+    ("serial r128 w8 s2", dict(mode="serial", rows=128, num_warps=8, num_stages=2)),
+    ("serial r128 w8 s3", dict(mode="serial", rows=128, num_warps=8, num_stages=3)),
+    ("serial r128 w4 s2", dict(mode="serial", rows=128, num_warps=4, num_stages=2)),
+]
+CASES = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("decode", 32, 2048, 1),
+         ("prefill", 4, 4096, 4096)]
+
+
+def _setup(hq, hkv, dh, bs, length, seed):
+    import torch
+
+    from kernels.triton_impl import write_kv_cache
+
+    torch.manual_seed(seed)
+    nb = -(-length // bs)
+    kc = torch.randn(nb + 7, bs, hkv, dh, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(nb + 7, device="cuda")[:nb].int()
+    k = torch.randn(length, hkv, dh, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    pos = torch.arange(length, device="cuda")
+    write_kv_cache(k, v, kc, vc, table.long()[pos // bs] * bs + pos % bs)
+    q = torch.randn(length, hq, dh, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, kc, vc, table
+
+
+def check_shape(idx: int) -> dict:
+    """All bitwise checks of SHAPES[idx]; returns {shape, failures, checks, rel_err}."""
+    import torch
+
+    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+    hq, hkv, dh, bs, length = SHAPES[idx]
+    q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, idx)
+    scale = dh**-0.5
+    fails: list[str] = []
+    n_checks = 0
+
+    def run(rows, lens, n_new, tables=None, launch=None, l_by_dot=True):
+        lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(n_new)], device="cuda",
+                           dtype=torch.int32)
+        tb = table[None].expand(len(lens), -1).contiguous() if tables is None else tables
+        return paged_attention(rows, kc, vc, tb, lens_t, qsl, scale, l_by_dot=l_by_dot,
+                               launch=None if launch is None else AttentionLaunch(**launch))
+
+    def expect(name, got, want):
+        nonlocal n_checks
+        n_checks += 1
+        if got.isnan().any() or not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().nan_to_num(1e9).max().item()
+            fails.append(f"{name} (max diff {diff:.3g})")
+
+    full = run(q, [length], [length], launch=REF)
+    gen = torch.Generator().manual_seed(idx)
+    sample = torch.randint(0, length, (48,), generator=gen).tolist() + [0, 63, 64, length - 1]
+    rows = torch.tensor(sample, device="cuda")
+    group = hq // hkv
+    kr = k.double().repeat_interleave(group, 1)
+    vr = v.double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q[rows].double(), kr) * scale
+    s = s.masked_fill(torch.arange(length, device="cuda")[None, None, :] > rows[None, :, None],
+                      float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vr)
+    rel = float((full[rows].double() - ref).norm() / ref.norm())
+    if not rel <= 1e-2 or full.isnan().any():
+        fails.append(f"float64 reference rel err {rel:.3g}")
+    expect("default launch, prefill", run(q, [length], [length]), full)
+    for var in CHECK_VARIANTS:
+        expect(f"prefill {var}", run(q, [length], [length], launch=var), full)
+    for t in sample[:12] + [0, 63, 64, length - 1]:
+        expect(f"decode {t} default", run(q[t : t + 1], [t + 1], [1])[0], full[t])
+        for var in CHECK_VARIANTS[:2] + CHECK_VARIANTS[6:7]:
+            expect(f"decode {t} {var}", run(q[t : t + 1], [t + 1], [1], launch=var)[0], full[t])
+    for chunk in (37, 256, 1000):
+        outs = [run(q[a : a + chunk], [min(a + chunk, length)], [min(chunk, length - a)])
+                for a in range(0, length, chunk)]
+        expect(f"chunked prefill {chunk}", torch.cat(outs), full)
+    # Batch compositions: each sequence's rows equal the same tokens of ``full``.
+    comps = [([length, 1, 65, 64, length // 2], [1, 1, 3, 64, 130]),
+             ([5, length, 2000 % length + 1, 100], [5, 1, 1, 1]),
+             ([length - 10 * i for i in range(16)], [1] * 16)]
+    for lens, n_new in comps:
+        qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
+        want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
+        expect(f"batch {n_new} default", run(qb, lens, n_new), want)
+        for var in (CHECK_VARIANTS[0], CHECK_VARIANTS[3], CHECK_VARIANTS[6]):
+            expect(f"batch {n_new} {var}", run(qb, lens, n_new, launch=var), want)
+    # Diagnostic: is the round-3 formulation (tl.sum) invariant across tiles too?
+    old = run(q, [length], [length], launch=REF, l_by_dot=False)
+    old_diag = {}
+    for var in (CHECK_VARIANTS[0], CHECK_VARIANTS[3], CHECK_VARIANTS[6]):
+        other = run(q, [length], [length], launch=var, l_by_dot=False)
+        old_diag[str(var)] = bool(torch.equal(other, old))
+    return dict(shape=SHAPES[idx], checks=n_checks, failures=fails, rel_err=rel,
+                tl_sum_equal=old_diag)
+
+
+def _paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
+    from kernels.bench import _paged_inputs as make
+
+    import torch
+
+    return make(num_seqs, ctx, new, hq, hkv, dh, torch.bfloat16)
+
+
+def time_cases(warm_only: bool) -> list[dict]:
+    """Every timed variant of every case (and SDPA flash); warm_only: one call each."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.bench import _time_ms
+    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+    hq, hkv, dh = 32, 8, 128
+    rows = []
+    for name, seqs, ctx, new in CASES:
+        q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh)
+        scale = dh**-0.5
+        variants = [("default", None)] + (DECODE_VARIANTS if name == "decode"
+                                          else PREFILL_VARIANTS)
+        variants.append(("round-3 formulation r64", "old"))
+        qd = q.view(seqs, new, hq, dh).transpose(1, 2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            sdpa = (0.0 if warm_only else _time_ms(lambda: F.scaled_dot_product_attention(
+                qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True)))
+        base = None
+        for vname, var in variants:
+            if var == "old":
+                fn = lambda: paged_attention(q, kc, vc, table, lens, qsl, scale,  # noqa: E731
+                                             launch=AttentionLaunch(**REF), l_by_dot=False)
+            else:
+                launch = None if var is None else AttentionLaunch(**var)
+                fn = lambda launch=launch: paged_attention(  # noqa: E731
+                    q, kc, vc, table, lens, qsl, scale, launch=launch)
+            out = fn()
+            if base is None:
+                base = out
+            same = bool(torch.equal(out, base)) if var != "old" else None
+            us = 0.0 if warm_only else _time_ms(fn) * 1e3
+            rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}", variant=vname,
+                             us=us, sdpa_us=sdpa * 1e3, ratio=(sdpa * 1e3 / us) if us else 0,
+                             same_bits=same))
+        del q, kc, vc, kd, vd
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--child", default="")
+    args = parser.parse_args()
+    if args.child:
+        kind, _, idx = args.child.partition(":")
+        res = check_shape(int(idx)) if kind == "check" else time_cases(warm_only=True)
+        print("RESULT " + json.dumps(res if kind == "check" else {"warm": len(res)}))
+        return 0
+    t0 = time.time()
+    children = [f"check:{i}" for i in range(len(SHAPES))] + ["warm:0"]
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", c], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in children]
+    ok = True
+    for c, p in zip(children, procs):
+        text, _ = p.communicate()
+        line = next((ln for ln in text.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            ok = False
+            print(f"{c}: child failed:\n{text[-3000:]}")
+            continue
+        res = json.loads(line[7:])
+        if c.startswith("check"):
+            ok &= not res["failures"]
+            print(f"{c} shape={res['shape']} checks={res['checks']} failures="
+                  f"{len(res['failures'])} rel_err={res['rel_err']:.2e} "
+                  f"tl.sum-equal={res['tl_sum_equal']}")
+            for f in res["failures"][:8]:
+                print(f"   FAIL {f}")
+    print(f"phase 1 (checks, parallel) {time.time() - t0:.0f}s; all bitwise checks "
+          f"{'PASSED' if ok else 'FAILED'}", flush=True)
+    rows = time_cases(warm_only=False)
+    with open(os.path.join(args.out, "attn_sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}; times: median of CUDA-graph replays")
+    for r in rows:
+        print(f"{r['case']:<30} {r['variant']:<24} {r['us']:>9.1f} us  flash {r['sdpa_us']:>8.1f}"
+              f"  ratio {r['ratio']:.2f}  same-bits-as-default {r['same_bits']}")
+    print(f"total {time.time() - t0:.0f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
