@@ -145,12 +145,11 @@ def _split_scores(q, kc_ptr, vc_ptr, bt_ptr, split, ctx_len, kv_head, pos,
 
 
 @triton.jit
-def _tile_rows(q_ptr, ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, stride_qt, stride_qh,
-               GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LOAD_Q: tl.constexpr):
-    """Index math of one (tile, KV head) program: its sequence, rows and query tile.
+def _tile_rows(ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP: tl.constexpr,
+               G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Index math of one (tile, KV head) program: its sequence and rows.
 
-    Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos); ``live`` is
+    Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos); ``live`` is
     False for the spare programs of the grid. Integer work only: no rounding here.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
@@ -166,14 +165,18 @@ def _tile_rows(q_ptr, ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, stride_qt, strid
     row_ok = (tok < q_len) & (rows % G_PAD < GROUP) & live
     pos = ctx_len - q_len + tok  # each row's position in its sequence
     tok_glob = (q_begin + tok).to(tl.int64)
-    q = None
-    if LOAD_Q:
-        d = tl.arange(0, BLOCK_D)
-        q_offs = tok_glob[:, None] * stride_qt + head[:, None] * stride_qh
-        q = tl.load(q_ptr + q_offs + d[None, :],
-                    mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     last_pos = ctx_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
-    return live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos
+    return live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos
+
+
+@triton.jit
+def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """The tile's queries `[BLOCK_M, BLOCK_D]` (zeros in dead rows and padded columns)."""
+    d = tl.arange(0, BLOCK_D)
+    q_offs = tok_glob[:, None] * stride_qt + head[:, None] * stride_qh
+    return tl.load(q_ptr + q_offs + d[None, :],
+                   mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
 
 
 @triton.jit
@@ -207,10 +210,10 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             L_BY_DOT: tl.constexpr):
     """Serial mode: one program walks all of its tile's splits."""
     kv_head = tl.program_id(1)
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
-        q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
-        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D, True)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
     if live:
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         # From (-inf, 0, 0), merging split 0 is exact: alpha = 0, beta = 1.
@@ -241,10 +244,10 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
     `[splits, T, Hq, Dh]`."""
     kv_head = tl.program_id(1)
     first = tl.program_id(2) * SPLITS_PER_PROG
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
-        q_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, stride_qt, stride_qh,
-        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D, True)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
     if live:
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
         d = tl.arange(0, BLOCK_D)
         for split in range(first, tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)):
@@ -272,9 +275,8 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     merges there, so the fold tile need not match the parts tile. UNROLL parts are
     loaded per step (independent loads in flight), then merged one by one."""
     kv_head = tl.program_id(1)
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, q, last_pos = _tile_rows(
-        ctx_ptr, ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, 0, 0,
-        GROUP, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D, False)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
     if live:
         d = tl.arange(0, BLOCK_D)
         o_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)

@@ -49,6 +49,18 @@ def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
         out = linear(x_all[rows], w, b)
         assert not out.isnan().any(), f"M={m}: unwritten or NaN output"
         assert torch.equal(out, full[rows]), f"M={m}: rows differ from the M=4096 batch"
+    # Every launch the planner can pick (tile shapes, swap, parallel fold): fold's bits.
+    from kernels.triton_impl.matmul import _TALL, Launch
+
+    launches = list(_TALL.values()) + [
+        Launch("swap", 128, num_warps=4, num_stages=4),
+        Launch("swap", 128, num_warps=4, num_stages=4, fold_last=False),
+        Launch("swap", 64, num_warps=4, num_stages=3)]
+    for m in (5, 33, 64, 100, 300):
+        fold = linear(x_all[:m], w, b, mode="fold")
+        for lp in launches:
+            if lp.mode != "swap" or m <= 64:
+                assert torch.equal(linear(x_all[:m], w, b, launch=lp), fold), f"M={m}: {lp}"
 
 
 def test_rms_norm_and_rowwise() -> None:
@@ -117,6 +129,18 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
     one_qsl = torch.tensor([0, length], device="cuda", dtype=torch.int32)
     assert torch.equal(
         paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode="split"), full)
+    # Tiles are a launch choice: 16-row (mma v2) and 64/128-row (wgmma) tiles, any warps
+    # and pipeline depth, serial or split, give the same bits (module NOTE).
+    from kernels.triton_impl.attention import AttentionLaunch
+
+    for launch in (AttentionLaunch("serial", 16, 4, 3), AttentionLaunch("serial", 32, 2, 2),
+                   AttentionLaunch("serial", 64, 4, 2), AttentionLaunch("serial", 128, 8, 3),
+                   AttentionLaunch("split", 16, 4, 3, 4, fold_unroll=16),
+                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8)):
+        got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
+        assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
+        got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
+        assert torch.equal(got, serial), f"{launch}: mixed batch differs"
 
 
 def test_moe_and_sampling() -> None:
