@@ -117,10 +117,11 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 # Cost model of the launches for M > 64 (us on an H200; fitted to the round-4 sweep, see
 # docs/benchmarks.md): SM time of one BLOCK_K step per tile shape, fp32 workspace bandwidth,
 # and the second launch of the parallel fold.
-_STEP_US = {(128, 128): 0.45, (64, 128): 0.26, (128, 64): 0.26}
+_STEP_US = {(128, 128): 0.45, (64, 128): 0.26, (128, 64): 0.26, (128, 256): 0.80}
 _WS_BYTES_PER_US = 3.0e6
 _FOLD_LAUNCH_US = 3.0
-_TALL = {(128, 128): Launch("fold"), (64, 128): Launch("fold", 64, 128, 4, 4),
+_TALL = {(128, 128): Launch("fold"), (128, 256): Launch("fold", 128, 256, 8, 3),
+         (64, 128): Launch("fold", 64, 128, 4, 4),
          (128, 64): Launch("split", 128, 64, 4, 4, fold_last=False)}
 
 
@@ -147,8 +148,9 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
 
     M <= 64: swap mode; the parts are folded by a second, parallel kernel where a tile has
     many of them (S >= 16, or S >= 8 and M <= 16), else by the tile's last program; 64-row
-    weight tiles from M = 8. M > 64: the cheapest of fold 128x128, fold 64x128 and split
-    128x64 (parallel fold) by :func:`launch_cost_us`. Rules measured on an H200.
+    weight tiles from M = 8. M > 64: the cheapest of fold 128x128, 128x256 (3 stages),
+    64x128 and split 128x64 (parallel fold) by :func:`launch_cost_us`. Rules measured on
+    an H200.
     """
     splits = triton.cdiv(k, cfg.split_len)
     if mode is None and m <= 64 or mode == "swap":
