@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc")
+SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "nccl")
 
 
 def _process_context():

@@ -1,5 +1,5 @@
 """Worker entry points: one function runs an attention or an expert worker, as a thread
-(``inproc``) or as a spawned process (``tcp``).
+(``inproc``) or as a spawned process (``tcp``, ``cuda_ipc``, ``nccl``).
 
 Messages, both ways plain picklable tuples:
 
@@ -82,6 +82,10 @@ def _connect(spec: WorkerSpec) -> Endpoint:
         options["fabric"] = f"megaserve-{spec.parent_pid}-{spec.rendezvous}"
     elif spec.transport == "cuda_ipc":
         options["device"] = spec.device
+    elif spec.transport == "nccl":
+        # One torch.distributed group per direction: NCCL on GPUs, gloo on CPU.
+        options["device"] = spec.device
+        options["backend"] = "gloo" if spec.device == "cpu" else "nccl"
     endpoint = create_endpoint(spec.transport, spec.rank, spec.world_size, spec.channel, **options)
     addresses = exchange(spec.rendezvous, spec.rank, spec.world_size, endpoint.address)
     if spec.role == "attention":

@@ -35,6 +35,8 @@ def single_worker():
 
 
 LAYOUTS = list(itertools.product(["inproc", "tcp"], [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]))
+# nccl on CPU: the torch.distributed (gloo) data plane, one process group per direction.
+LAYOUTS += [("nccl", 1, 2, 2), ("nccl", 2, 3, 4), ("nccl", 3, 8, 1)]
 
 
 @pytest.mark.parametrize("transport, replicas, experts, microbatches", LAYOUTS,
@@ -63,9 +65,10 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_killed_expert_worker_raises_typed_error_without_hanging():
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])
+def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
     engine = DisaggregatedEngine(EngineConfig(dtype="float32", attention_replicas=2, expert_workers=2,
-                                              transport="tcp"))
+                                              transport=transport))
     pids = _worker_pids(engine, "attention") + _worker_pids(engine, "expert")
     try:
         for i in range(4):
