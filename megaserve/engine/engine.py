@@ -73,7 +73,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model.attention, experts or LocalExperts(model.experts), kv, config.block_size,
-            config.microbatches,
+            config.microbatches, cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.outputs = OutputProcessor(

@@ -40,6 +40,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         help="how expert workers batch the tokens of several replicas")
     parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
                         help="expert workers gather frames this long to batch replicas together")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")
 
 
 def runtime_options(args: argparse.Namespace) -> dict:
@@ -53,6 +55,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     if args.plan:
         from megaserve.runtime.plan import engine_options_from_plan
