@@ -1,11 +1,14 @@
-"""``megaserve bench comm``: M→N exchange latency and throughput, ours vs a two-sided baseline.
+"""``megaserve bench comm``: M→N exchange latency and throughput, our transports vs raw NCCL.
 
 One *step* is what a dispatch is: each of M senders writes one message of S bytes to each
 of N receivers; each receiver counts its M messages, releases them and answers every sender
 with a 0-byte ack; the step ends when a sender has all N acks. Reported: p50 / p99 step
-time over the senders' steps and throughput = M·N·S / p50. The baseline (NCCL on GPUs,
-gloo on CPU) runs the same steps with ``torch.distributed`` isend/irecv, in the same
-processes, right after ours.
+time over the senders' steps and throughput = M·N·S / p50.
+
+Measured in the same processes, one after the other: each of our transports (default on
+GPUs: ``cuda_ipc`` and ``nccl``, the protocol over per-direction NCCL groups; on CPU:
+``tcp`` and ``nccl`` on gloo), then the two-sided baseline ``raw-nccl`` (``raw-gloo`` on
+CPU): plain ``torch.distributed`` isend/irecv batches, no slots, no credits.
 
 Every rank is its own process (spawn); on GPUs rank r uses ``cuda:(r % num_gpus)``.
 """
@@ -23,6 +26,7 @@ import traceback
 from typing import Any
 
 EXIT_USAGE = 2
+OUR_TRANSPORTS = ("tcp", "cuda_ipc", "nccl", "rdma")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -112,7 +116,15 @@ def _steps_baseline(dist: Any, torch: Any, spec: dict, rank: int, senders: list[
     return times
 
 
-def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results: Any) -> None:
+def _endpoint_options(transport: str, gpu: bool, device: Any) -> dict[str, Any]:
+    if transport == "cuda_ipc":
+        return {"device": device}
+    if transport == "nccl":
+        return {"device": device, "backend": "nccl" if gpu else "gloo"}
+    return {}
+
+
+def _worker(rank: int, spec: dict, rdv_addresses: list[str], dist_address: str, results: Any) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
     try:
         import datetime
@@ -125,11 +137,9 @@ def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results:
         m, n = spec["m"], spec["n"]
         world = m + n
         senders, receivers = list(range(m)), list(range(m, world))
-        options: dict[str, Any] = {}
         if spec["gpu"]:
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
-            options["device"] = device
 
             def make(size: int) -> Any:
                 return torch.ones(size, dtype=torch.uint8, device=device)
@@ -140,11 +150,13 @@ def _worker(rank: int, spec: dict, rdv_address: str, dist_address: str, results:
                 return bytes(size)
 
         cfg = ChannelConfig(slot_bytes=max(spec["sizes"]), slots_per_peer=2, timeout_s=120)
-        ep = create_endpoint(spec["transport"], rank, world, cfg, **options)
-        ep.connect(exchange(rdv_address, rank, world, ep.address, timeout_s=120),
-                   send_to=receivers if rank in senders else senders)
-        ours = _steps_ours(ep, spec, senders, receivers, make)
-        ep.close()
+        ours = {}
+        for transport, rdv_address in zip(spec["transports"], rdv_addresses):
+            ep = create_endpoint(transport, rank, world, cfg, **_endpoint_options(transport, spec["gpu"], device))
+            ep.connect(exchange(rdv_address, rank, world, ep.address, timeout_s=120),
+                       send_to=receivers if rank in senders else senders)
+            ours[transport] = _steps_ours(ep, spec, senders, receivers, make)
+            ep.close()
         dist.init_process_group(spec["baseline_backend"], init_method=f"tcp://{dist_address}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120),
                                 device_id=device if spec["gpu"] else None)
@@ -166,36 +178,53 @@ def _free_address() -> str:
 
 
 def run_pattern(spec: dict, timeout_s: float = 280.0) -> dict[str, dict[int, list[float]]]:
-    """Run one MxN pattern in M+N spawned processes; return {"ours"/"base": {size: secs}}."""
+    """Run one MxN pattern in M+N spawned processes.
+
+    Returns {name: {size: senders' step seconds}}, one name per transport of
+    ``spec["transports"]`` plus ``"base"`` (the raw torch.distributed baseline).
+    """
     from comm.rendezvous import RendezvousServer
 
     world = spec["m"] + spec["n"]
     ctx = mp.get_context("spawn")
-    rdv = RendezvousServer(world, timeout_s=timeout_s)
+    rdvs = [RendezvousServer(world, timeout_s=timeout_s) for _ in spec["transports"]]
     results = ctx.Queue()
     dist_address = _free_address()  # rank 0's torch.distributed store
-    procs = [ctx.Process(target=_worker, args=(r, spec, rdv.address, dist_address, results))
+    procs = [ctx.Process(target=_worker, args=(r, spec, [x.address for x in rdvs], dist_address, results))
              for r in range(world)]
     for p in procs:
         p.start()
-    out: dict[str, dict[int, list[float]]] = {"ours": {}, "base": {}}
+    out: dict[str, dict[int, list[float]]] = {name: {} for name in [*spec["transports"], "base"]}
     try:
         for _ in range(world):
             r = results.get(timeout=timeout_s)
             if not r["ok"]:
                 raise RuntimeError(f"rank {r['rank']} failed:\n{r['error']}")
             if r["rank"] < spec["m"]:
-                for key in ("ours", "base"):
-                    for size, samples in r[key].items():
-                        out[key].setdefault(size, []).extend(samples)
+                for name, times in [*r["ours"].items(), ("base", r["base"])]:
+                    for size, samples in times.items():
+                        out[name].setdefault(size, []).extend(samples)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-        rdv.close()
+        for rdv in rdvs:
+            rdv.close()
     return out
+
+
+def default_patterns(gpus: int) -> list[tuple[int, int]]:
+    """1→1, 1→(g-1), 2→(g-2) and (g-1)→1 on g GPUs (one process per GPU); a CPU set otherwise."""
+    if gpus < 2:
+        return [(1, 1), (1, 2), (2, 2)]
+    patterns = [(1, 1), (1, gpus - 1)]
+    if gpus >= 4:
+        patterns.append((2, gpus - 2))
+    if gpus >= 3:
+        patterns.append((gpus - 1, 1))
+    return list(dict.fromkeys(patterns))
 
 
 def device_name(gpu: bool) -> str:
@@ -214,11 +243,32 @@ def _row(pattern: str, size: int, name: str, m: int, n: int, samples: list[float
     return f"{pattern:<8}{_fmt_size(size):>9}  {name:<10}{p50 * 1e6:>11.1f}{p99 * 1e6:>11.1f}{gbps:>10.4g}"
 
 
+def _parse_transports(args: argparse.Namespace, gpus: int) -> tuple[list[str], bool]:
+    """(our transports, GPU mode); ValueError for an unknown or unplaceable choice."""
+    text = args.transport or args.transports
+    if text is None:
+        transports = ["cuda_ipc", "nccl"] if gpus >= 2 else ["tcp", "nccl"]
+    else:
+        transports = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in transports if t not in OUR_TRANSPORTS]
+    if unknown or not transports:
+        raise ValueError(f"unknown transport(s) {unknown or text!r}; choose from {list(OUR_TRANSPORTS)}")
+    # GPU mode when every transport moves GPU memory and 2+ GPUs exist; nccl then uses
+    # NCCL, else gloo (host memory), like the raw baseline.
+    gpu = gpus >= 2 and all(t in ("cuda_ipc", "nccl") for t in transports)
+    if "cuda_ipc" in transports and not gpu:
+        raise ValueError("cuda_ipc needs 2+ GPUs and no host transport in the same run; "
+                         "use --transports tcp,nccl on CPU")
+    return transports, gpu
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``megaserve bench comm``; returns an exit code."""
     parser = argparse.ArgumentParser(prog="megaserve bench comm", description=__doc__.split("\n")[0])
-    parser.add_argument("--transport", choices=["tcp", "cuda_ipc", "rdma"], default=None,
-                        help="ours (default: cuda_ipc with 2+ GPUs, else tcp)")
+    parser.add_argument("--transports", default=None,
+                        help="comma list of ours from tcp,cuda_ipc,nccl,rdma "
+                             "(default: cuda_ipc,nccl with 2+ GPUs, else tcp,nccl)")
+    parser.add_argument("--transport", default=None, help="a single transport (same as --transports X)")
     parser.add_argument("--patterns", default=None, help="comma list of MxN (default: fit the devices)")
     parser.add_argument("--sizes", default="2K,64K,1M,8M", help="message sizes, e.g. 2K,64K,1M,8M")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per size")
@@ -231,37 +281,34 @@ def main(argv: list[str]) -> int:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        transport = args.transport or ("cuda_ipc" if gpus >= 2 else "tcp")
-        gpu = transport == "cuda_ipc"
-        if gpu and gpus < 2:
-            raise ValueError("cuda_ipc needs 2+ GPUs here; use --transport tcp")
+        transports, gpu = _parse_transports(args, gpus)
         sizes = sorted({parse_size(s) for s in args.sizes.split(",")})
         if args.patterns:
             patterns = [parse_pattern(p) for p in args.patterns.split(",")]
-        elif gpu:
-            patterns = [(1, n) for n in range(1, gpus)] + ([(2, gpus - 2)] if gpus >= 4 else [])
         else:
-            patterns = [(1, 1), (1, 2), (2, 2)]
+            patterns = default_patterns(gpus if gpu else 0)
         if gpu and any(m + n > gpus for m, n in patterns):
-            raise ValueError(f"NCCL needs one GPU per rank: M+N must be <= {gpus}")
+            raise ValueError(f"one process per GPU: M+N must be <= {gpus}")
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
     except ValueError as e:
         print(f"megaserve bench comm: {e}", file=sys.stderr)
         return EXIT_USAGE
     baseline = "nccl" if gpu else "gloo"
-    print(f"comm benchmark — device: {device_name(gpu)}; ours: {transport}; baseline: {baseline} "
-          f"send/recv (torch.distributed); {args.iters} steps/size after {args.warmup} warm-up")
+    print(f"comm benchmark — device: {device_name(gpu)}; ours: {', '.join(transports)}; baseline: "
+          f"raw-{baseline} (torch.distributed isend/irecv); {args.iters} steps/size after "
+          f"{args.warmup} warm-up")
     print(f"{'pattern':<8}{'size':>9}  {'transport':<10}{'p50 us':>11}{'p99 us':>11}{'GB/s':>10}")
     for m, n in patterns:
         spec = {"m": m, "n": n, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
-                "transport": transport, "baseline_backend": baseline, "gpu": gpu}
+                "transports": transports, "baseline_backend": baseline, "gpu": gpu}
         try:
             out = run_pattern(spec)
         except (RuntimeError, OSError) as e:
             print(f"megaserve bench comm: pattern {m}x{n} failed: {e}", file=sys.stderr)
             return 1
         for size in sizes:
-            for key, name in (("ours", transport), ("base", baseline)):
+            for key in [*transports, "base"]:
+                name = f"raw-{baseline}" if key == "base" else key
                 print(_row(f"{m}x{n}", size, name, m, n, out[key][size]), flush=True)
     return 0

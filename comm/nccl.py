@@ -32,8 +32,11 @@ HAZARDS: (1) the receiver waits for a receive by polling its work (NCCL) or bloc
 connection (EOF) within ~10 ms, or after ``timeout_s`` if it hangs. (2) A receive into a
 released slot is ordered after the work already queued on the receiving thread's current
 (default) stream; consumers reading slots on another stream must synchronise before
-``release``. (3) ``send`` stages the payload into a fresh buffer, so the caller may reuse
-its buffer at once; NCCL sends complete asynchronously (``close`` waits up to 2 s for them).
+``release``. (3) ``send`` stages the payload (NCCL: a fresh device buffer from the caching
+allocator, kept alive by the process group until its send completed; gloo: a reusable
+host buffer per receiver, free again when the synchronous gloo send returns), so the caller
+may reuse its buffer at once. NCCL sends complete asynchronously; ``close`` waits up to 2 s
+for them so that peers' receives finish.
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class NcclEndpoint(TcpEndpoint):
                                     wait_for_workers=False)
         self._in_groups: dict[int, Any] = {}  # src -> pg(src -> self)
         self._pending: dict[int, deque] = {}  # dst -> NCCL send works not yet seen complete
+        self._staging: dict[int, Any] = {}  # dst -> gloo host staging buffer
         super().__init__(rank, world_size, cfg, host=host, port=port)
 
     # -- direction groups ---------------------------------------------------------------
@@ -159,18 +163,20 @@ class NcclEndpoint(TcpEndpoint):
 
     # -- data plane ---------------------------------------------------------------------
     def _prepare(self, payload: Any) -> tuple[Any, int]:
-        """Stage the payload (parts back to back) in one fresh buffer on this device."""
+        """NCCL: stage the parts back to back in a fresh device buffer (caching allocator;
+        the process group keeps it alive until its send completed). gloo: byte views, copied
+        into the per-receiver staging buffer under the send lock by ``_write``."""
         torch = self._torch
+        if self.backend == "gloo":
+            views = as_byte_views(payload)
+            return views, sum(v.nbytes for v in views)
         parts = payload if isinstance(payload, (list, tuple)) else [payload]
         flats = []
         for part in parts:
             if isinstance(part, torch.Tensor):
-                if self.backend == "gloo" and part.device.type != "cpu":
-                    raise ValueError(f"a {part.device} tensor cannot go over the gloo backend")
                 flats.append(part.detach().contiguous().reshape(-1).view(torch.uint8))
             else:
-                for view in as_byte_views(part):
-                    flats.append(torch.from_numpy(np.frombuffer(view, np.uint8).copy()))
+                flats += [torch.from_numpy(np.frombuffer(v, np.uint8).copy()) for v in as_byte_views(part)]
         nbytes = sum(int(f.numel()) for f in flats)
         staged = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         offset = 0
@@ -179,6 +185,20 @@ class NcclEndpoint(TcpEndpoint):
             staged[offset:offset + n].copy_(f, non_blocking=f.device.type == "cuda")
             offset += n
         return staged, nbytes
+
+    def _gloo_stage(self, dst: int, views: list[memoryview], nbytes: int) -> Any:
+        """Copy ``views`` into ``dst``'s reusable host staging buffer (caller holds the lock;
+        gloo sends complete before the lock is released, so the buffer is free again)."""
+        buf = self._staging.get(dst)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._torch.empty(nbytes, dtype=self._torch.uint8)
+            self._staging[dst] = buf
+        flat = buf.numpy()
+        offset = 0
+        for v in views:
+            flat[offset:offset + v.nbytes] = np.frombuffer(v, np.uint8)
+            offset += v.nbytes
+        return buf[:nbytes]
 
     def _write(self, dst: int, slot: int, imm: int, obj: Any, nbytes: int) -> None:
         peer = self._out[dst]
@@ -191,14 +211,15 @@ class NcclEndpoint(TcpEndpoint):
             if not nbytes:
                 return
             try:
-                work = peer.remote.send([obj], 1, 0)
                 if self.backend == "gloo":
-                    work.wait()  # gloo sends only progress on wait; the receiver is posting
-                else:
-                    pending = self._pending[dst]
-                    while pending and pending[0].is_completed():
-                        pending.popleft()
-                    pending.append(work)
+                    # gloo sends only progress on wait(); the receiver is posting its receive.
+                    peer.remote.send([self._gloo_stage(dst, obj, nbytes)], 1, 0).wait()
+                    return
+                work = peer.remote.send([obj], 1, 0)
+                pending = self._pending[dst]
+                while pending and pending[0].is_completed():
+                    pending.popleft()
+                pending.append(work)
             except RuntimeError as e:
                 self._break(peer, str(e))
                 raise PeerLostError(dst, f"{self.backend} send failed ({e})") from e
@@ -265,3 +286,4 @@ class NcclEndpoint(TcpEndpoint):
             peer.remote = None
         self._in_groups.clear()
         self._pending.clear()
+        self._staging.clear()

@@ -1,10 +1,11 @@
-"""``megaserve bench comm`` runs on CPU (tcp vs gloo) and rejects bad input with exit code 2."""
+"""``megaserve bench comm`` runs on CPU (tcp and nccl-on-gloo vs raw gloo) and rejects bad input
+with exit code 2."""
 
 from __future__ import annotations
 
 import pytest
 
-from comm.bench import main, parse_pattern, parse_size
+from comm.bench import default_patterns, main, parse_pattern, parse_size
 
 
 def test_parsers():
@@ -15,13 +16,16 @@ def test_parsers():
             parse_size(bad)
     with pytest.raises(ValueError):
         parse_pattern("2by3")
+    assert default_patterns(4) == [(1, 1), (1, 3), (2, 2), (3, 1)]
+    assert default_patterns(2) == [(1, 1)]
 
 
 @pytest.mark.parametrize("argv", [["--sizes", "2Q"], ["--patterns", "1y1"], ["--iters", "0"],
-                                  ["--transport", "ucx"]])
+                                  ["--transport", "ucx"], ["--transports", "tcp,ucx"],
+                                  ["--transports", "cuda_ipc,tcp"]])
 def test_bad_input_exits_2(argv, capsys):
     assert main(argv) == 2
-    assert "megaserve bench comm" in capsys.readouterr().err or argv[0] == "--transport"
+    assert "megaserve bench comm" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
@@ -30,6 +34,7 @@ def test_cpu_run_prints_ours_and_baseline(capsys):
     out = capsys.readouterr().out
     assert "device: CPU" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("1x1")]
-    assert [(r[1] + r[2], r[3]) for r in rows] == [("2KiB", "tcp"), ("2KiB", "gloo"),
-                                                   ("64KiB", "tcp"), ("64KiB", "gloo")]
+    assert [(r[1] + r[2], r[3]) for r in rows] == [
+        ("2KiB", "tcp"), ("2KiB", "nccl"), ("2KiB", "raw-gloo"),
+        ("64KiB", "tcp"), ("64KiB", "nccl"), ("64KiB", "raw-gloo")]
     assert all(0 < float(r[4]) <= float(r[5]) and float(r[6]) > 0 for r in rows)  # p50 <= p99

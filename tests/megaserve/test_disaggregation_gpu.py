@@ -24,11 +24,19 @@ def single_gpu():
         return _signature(llm.generate(PROMPTS, PARAMS))
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "tcp"])
-@pytest.mark.parametrize("replicas, experts, microbatches", [(1, 1, 1), (1, 1, 2), (1, 3, 2), (2, 2, 4)])
+# Workers go round-robin over the GPUs, attention replicas first: with 4 GPUs, (1, 3, m)
+# puts attention on GPU 0 and one expert worker on each of GPUs 1-3.
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 3, 2), (2, 2, 4), (1, 3, 4)]
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl", "tcp"])
+@pytest.mark.parametrize("replicas, experts, microbatches", LAYOUTS)
 def test_disaggregated_gpus_equal_single_gpu(single_gpu, transport, replicas, experts, microbatches):
-    if torch.cuda.device_count() < 2:
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
         pytest.skip("needs at least 2 GPUs")
+    if (replicas, experts, microbatches) == (1, 3, 4) and gpus < 4:
+        pytest.skip("the experts-on-GPUs-1-3 layout needs 4 GPUs")
     with LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas, expert_workers=experts,
              microbatches=microbatches, transport=transport) as llm:
         got = _signature(llm.generate(PROMPTS, PARAMS))
