@@ -259,6 +259,7 @@ class NcclEndpoint(TcpEndpoint):
             if now - begin > _SPIN_S:
                 sleep = min(_MAX_SLEEP_S, max(20e-6, sleep * 2))
             time.sleep(sleep)
+        work.wait()  # raises if the receive failed (a completed work may carry an error)
 
     # -- teardown -----------------------------------------------------------------------
     def _shutdown(self) -> None:
