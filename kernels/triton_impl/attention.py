@@ -66,10 +66,14 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
 
 
-# Tiles kept after the round-4 sweep (scripts/attn_sweep.py): decode-like batches (at
-# most two new tokens per sequence) and everything else.
-DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3)
-PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2)
+# Tiles kept after the round-4 sweep (scripts/attn_sweep.py, H200): decode-like batches
+# (at most two new tokens per sequence) and everything else. 128-row / 8-warp prefill
+# tiles measured the same as 64 / 4 (2551 vs 2554 us), 3 stages slower.
+DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
+PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
+# Decode-like batches also take split mode from this many splits per sequence on (S=64 x
+# 4096: split 339 us vs serial 412; S=32 x 2048: serial 106 vs split 129).
+_DECODE_SPLIT_MIN_SPLITS = 64
 
 
 @triton.jit
@@ -304,11 +308,14 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     """The launch for a call, from host-known shapes only (no sync): small tiles for
     decode-like batches (at most two new tokens per sequence), large ones otherwise; split
     mode when the serial grid would leave most SMs idle and the fp32 parts stay small."""
-    tile = DECODE_TILE if num_tokens <= 2 * num_seqs else PREFILL_TILE
+    decode_like = num_tokens <= 2 * num_seqs
+    tile = DECODE_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, tile["rows"] // g_pad)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES:
+    few = programs < _SERIAL_MIN_PROGRAMS or (
+        decode_like and max_splits >= _DECODE_SPLIT_MIN_SPLITS)
+    if max_splits > 1 and few and ws_bytes <= _MAX_WS_BYTES:
         return AttentionLaunch("split", **tile)
     return AttentionLaunch("serial", **tile)
 
