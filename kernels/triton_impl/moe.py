@@ -134,10 +134,11 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     x = x if x.stride(1) == 1 else x.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
-    order = torch.sort(expert_ids, stable=True).indices  # [R] original row per sorted slot
-    counts = torch.bincount(expert_ids, minlength=num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
-    offsets[1:] = torch.cumsum(counts, 0)  # integer: exact
+    sorted_ids, order = torch.sort(expert_ids, stable=True)  # order: [R] source row per slot
+    # Rows below expert e, found on the device: no host synchronisation (bincount would
+    # read its size on the host), so decode steps can be captured in CUDA graphs.
+    bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=x.device)
+    offsets = torch.searchsorted(sorted_ids, bounds)  # [E + 1] int64
     gate_up = _grouped_gemm(x, order, w_gate_up, offsets, gather=True, scatter=False)
     hidden = silu_and_mul(gate_up)  # [R, I], sorted order
     return _grouped_gemm(hidden, order, w_down, offsets, gather=False, scatter=True)

@@ -17,26 +17,22 @@ router. Every kernel is batch-invariant (a row's bits depend on its own inputs o
 padding and the fixed block-table width leave rows 0..n-1 bitwise equal to eager
 execution; their results are all that is read back.
 
-Host synchronisations and data-chosen launch grids break capture. The decode path has
-none except in the stock expert path (``torch.bincount`` sizes its output from the data
-on the host; ``ExpertPart.forward`` reads ``local.max()``), so :class:`GraphExperts`
-runs the same grouped-GEMM kernels with offsets from ``torch.searchsorted`` instead.
+Host synchronisations and data-chosen launch grids break capture; the decode path has
+none (the expert FFN finds its group offsets with ``torch.searchsorted`` on the device).
 Sampling stays outside the graph (it reads temperatures on the host).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import numpy as np
 import torch
 
 import kernels
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.expert_part import ExpertPart
-from megaserve.models.forward import MicroBatch, run_layers
+from megaserve.models.forward import LocalExperts, MicroBatch, run_layers
 
 logger = logging.getLogger(__name__)
 
@@ -60,63 +56,6 @@ def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
     return None
 
 
-def capturable_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
-                          w_down: torch.Tensor, expert_range: torch.Tensor) -> torch.Tensor:
-    """``kernels.expert_ffn`` on CUDA without host synchronisation, bitwise equal to it.
-
-    x: `[R, D]`; expert_ids: `[R]` int64 local ids; w_gate_up: `[E, 2I, D]`;
-    w_down: `[E, D, I]`; expert_range: `[E + 1]` int64 = arange(E + 1) on x's device.
-    Same kernels, same stable sort; only the offsets are computed differently
-    (searchsorted on the sorted ids instead of zero + cumsum(bincount): equal integers).
-    """
-    # Private kernel entry points, read only: see the module NOTE for why.
-    from kernels.triton_impl.moe import _grouped_gemm
-    from kernels.triton_impl.rowwise import silu_and_mul
-
-    if x.shape[0] == 0:
-        return torch.empty(0, w_down.shape[1], dtype=x.dtype, device=x.device)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    sorted_ids, order = torch.sort(expert_ids, stable=True)  # order: [R] source row per slot
-    offsets = torch.searchsorted(sorted_ids, expert_range)  # [E + 1] int64, rows below e
-    gate_up = _grouped_gemm(x, order, w_gate_up.contiguous(), offsets, gather=True, scatter=False)
-    hidden = silu_and_mul(gate_up)  # [R, I], sorted order
-    return _grouped_gemm(hidden, order, w_down.contiguous(), offsets, gather=False, scatter=True)
-
-
-class GraphExperts:
-    """ExpertClient for captured forwards: an in-process ExpertPart holding every expert,
-    run without host synchronisation (on CPU: plain ``kernels.expert_ffn``)."""
-
-    def __init__(self, experts: ExpertPart, num_experts: int) -> None:
-        if sorted(experts.expert_ids) != list(range(num_experts)):
-            raise ValueError("GraphExperts needs an ExpertPart holding every expert")
-        self.experts = experts
-        device = next(iter(experts.w_gate_up.values())).device if experts.w_gate_up else None
-        lookup = torch.empty(num_experts, dtype=torch.int64)
-        lookup[torch.tensor(experts.expert_ids)] = torch.arange(num_experts)
-        self._local = lookup.to(device)  # global expert id → index in the local stacks
-        self._range = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
-
-    def begin_step(self, num_microbatches: int) -> None:
-        pass
-
-    def dispatch(self, layer: int, microbatch: int, x: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
-        """x `[T, D]`, topk_ids `[T, k]` → `[T, k, D]` (computed at once)."""
-        num_tokens, top_k = topk_ids.shape
-        rows = x.repeat_interleave(top_k, dim=0)  # [T*k, D]
-        local = self._local[topk_ids.reshape(-1)]
-        w_gate_up, w_down = self.experts.w_gate_up[layer], self.experts.w_down[layer]
-        if rows.is_cuda:
-            out = capturable_expert_ffn(rows, local, w_gate_up, w_down, self._range)
-        else:
-            out = kernels.expert_ffn(rows, local, w_gate_up, w_down)
-        return out.view(num_tokens, top_k, -1)
-
-    def combine(self, handle: Any) -> torch.Tensor:
-        return handle
-
-
 class DecodeGraphs:
     """Decode forwards of padded batch sizes over static input buffers.
 
@@ -128,7 +67,7 @@ class DecodeGraphs:
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_batch: int, max_model_len: int, capture: bool = True) -> None:
         self.attention = attention
-        self.experts = GraphExperts(experts, attention.config.num_experts)
+        self.experts = LocalExperts(experts)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sizes = capture_sizes(max_batch)

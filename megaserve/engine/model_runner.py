@@ -128,7 +128,7 @@ class ModelRunner:
                 self.attention, self.experts.experts, self.kv_caches, self.block_size,
                 self.max_num_seqs, int(self.attention.cos.shape[0]),
             )
-        except ValueError as e:  # e.g. the ExpertPart does not hold every expert
+        except ValueError as e:  # e.g. max_num_seqs < 1
             logger.info("decode CUDA graphs off: %s", e)
             self._graphs_failed = True
             return False

@@ -49,7 +49,9 @@ class ExpertPart:
         Returns `[R, D]` in x.dtype. Each row's result is independent of the other rows.
         """
         local = self._local_index[expert_ids]
-        if local.numel() and int(local.max()) >= len(self.expert_ids):
+        # Checked on CPU only: on CUDA it would be a host synchronisation per layer (and
+        # break CUDA-graph capture); the placement table routes rows to their holders.
+        if not local.is_cuda and local.numel() and int(local.max()) >= len(self.expert_ids):
             raise ValueError(
                 f"layer {layer}: rows routed to experts not held by this worker "
                 f"(holds {self.expert_ids})"

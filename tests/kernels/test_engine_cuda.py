@@ -146,30 +146,27 @@ def test_cuda_graphs_on_equals_off(scenario: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_capturable_expert_ffn_equals_kernel_and_replays(rows: int) -> None:
-    """The graph path's expert FFN equals kernels.expert_ffn bitwise, eagerly and as a
-    replayed CUDA graph on new inputs (the stock one syncs in torch.bincount)."""
+def test_expert_ffn_replays_in_a_cuda_graph(rows: int) -> None:
+    """kernels.expert_ffn has no host synchronisation: captured once, a replay on new
+    inputs (other experts idle) equals the eager call bitwise."""
     import kernels
-    from megaserve.engine.cuda_graphs import capturable_expert_ffn
 
     g = torch.Generator(device="cuda").manual_seed(rows)
     e, d, i = 16, 256, 128
     w_gu = (torch.randn(e, 2 * i, d, device="cuda", generator=g) * 0.05).bfloat16()
     w_down = (torch.randn(e, d, i, device="cuda", generator=g) * 0.05).bfloat16()
-    expert_range = torch.arange(e + 1, device="cuda")
 
     def inputs():
         x = torch.randn(rows, d, device="cuda", generator=g).bfloat16()
         ids = torch.randint(0, e // 2, (rows,), device="cuda", generator=g)  # some experts idle
         return x, ids
 
-    x, ids = inputs()
-    assert torch.equal(capturable_expert_ffn(x, ids, w_gu, w_down, expert_range),
-                       kernels.expert_ffn(x, ids, w_gu, w_down))
-    static_x, static_ids = x.clone(), ids.clone()
+    static_x, static_ids = inputs()
+    kernels.expert_ffn(static_x, static_ids, w_gu, w_down)  # compile outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = capturable_expert_ffn(static_x, static_ids, w_gu, w_down, expert_range)
+        out = kernels.expert_ffn(static_x, static_ids, w_gu, w_down)
     x, ids = inputs()
     static_x.copy_(x)
     static_ids.copy_(ids)
