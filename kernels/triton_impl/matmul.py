@@ -29,14 +29,22 @@ the accumulator is rounded, per element).
 
 The same fact lets the tile shape (64 or 128 rows, 64 or 128 columns, swapped or not) and
 the launch (grid, warps, stages, persistent or not) depend on M: none of them changes a
-single rounding step. The split length, BLOCK_K and fold order never depend on M.
+single rounding step. So may a launch's K step (``Launch.block_k``, a divisor of the split
+length): a dot over 128 of K is the same chain of eight k16 steps as two dots over 64.
+The split length, the config's BLOCK_K and the fold order never depend on M.
+
+Families with small K (K <= ``SmallKRule.max_k``) take their split length and decode
+launches from one measured rule (``SMALL_K_RULE``, round 5 in docs/benchmarks.md): with
+only 16-32 K steps, fewer, longer splits beat the generic rule's many short ones.
 ``plan_launch`` picks the launch from (M, N, K) with measured rules (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
@@ -88,8 +96,11 @@ class Launch:
     fold_last: bool = True
     persistent: int = 0
     flatten: bool = False
+    block_k: int = 0  # K step of this launch; 0 = the config's (see the NOTE on k16 steps)
 
     def __post_init__(self) -> None:
+        if self.block_k and (self.block_k < 16 or self.block_k & (self.block_k - 1)):
+            raise ValueError(f"block_k={self.block_k} must be 0 or a power of two >= 16")
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         for name in ("block_m", "block_n"):
@@ -103,10 +114,72 @@ class Launch:
                              f"group_m={self.group_m}")
 
 
+@dataclass(frozen=True)
+class SmallKRule:
+    """Split length and decode (M <= 64) launches of the families with K <= ``max_k``.
+
+    splits = max(1, min(cdiv(target_programs, cdiv(N, 64)), cdiv(K, 64) // min_steps));
+    split_len = cdiv(K, splits) rounded up to ``quantum`` (a multiple of 64); BLOCK_K 64.
+    A function of (N, K) only. ``swap``: ascending ``(max_m, Launch)`` buckets; M <= 64
+    takes the first bucket with M <= max_m whose K step divides the split length.
+    """
+
+    max_k: int
+    target_programs: int
+    min_steps: int = 4
+    quantum: int = 128
+    swap: tuple[tuple[int, Launch], ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.max_k, self.target_programs, self.min_steps) < 1:
+            raise ValueError(f"SmallKRule: max_k, target_programs, min_steps must be >= 1: {self}")
+        if self.quantum < 64 or self.quantum % 64:
+            raise ValueError(f"SmallKRule: quantum={self.quantum} must be a multiple of 64")
+        if any(lp.mode != "swap" for _, lp in self.swap) or list(self.swap) != sorted(
+                self.swap, key=lambda b: b[0]):
+            raise ValueError("SmallKRule: swap must be ascending (max_m, swap Launch) buckets")
+
+    def config(self, n: int, k: int) -> MatmulConfig:
+        splits = max(1, min(triton.cdiv(self.target_programs, triton.cdiv(n, 64)),
+                            triton.cdiv(k, 64) // self.min_steps))
+        return MatmulConfig(64, triton.cdiv(triton.cdiv(k, splits), self.quantum) * self.quantum)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["swap"] = [[m, asdict(lp)] for m, lp in self.swap]
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SmallKRule:
+        d = json.loads(text)
+        d["swap"] = tuple((int(m), Launch(**lp)) for m, lp in d.get("swap", ()))
+        return cls(**d)
+
+
+# The measured rule (None: the generic rule everywhere). MEGASERVE_MATMUL_SMALL_K (a
+# SmallKRule JSON, or "none") overrides it for tuning runs; it changes the bits of K <= max_k.
+SMALL_K_RULE: SmallKRule | None = None
+_RULE_ENV = "MEGASERVE_MATMUL_SMALL_K"
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_rule(text: str) -> SmallKRule | None:
+    return None if text.strip().lower() == "none" else SmallKRule.from_json(text)
+
+
+def small_k_rule() -> SmallKRule | None:
+    """The small-K rule in force: ``$MEGASERVE_MATMUL_SMALL_K`` if set, else ``SMALL_K_RULE``."""
+    text = os.environ.get(_RULE_ENV)
+    return SMALL_K_RULE if text is None else _parse_rule(text)
+
+
 def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """The one arithmetic used for every M with weights `[n, k]` of ``dtype``."""
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"linear supports bfloat16/float16 on CUDA, got {dtype}")
+    rule = small_k_rule()
+    if rule is not None and k <= rule.max_k:
+        return rule.config(n, k)
     block_n, block_k = 128, 64
     tiles_n = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
@@ -146,7 +219,8 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
                 num_sms: int = 132) -> Launch:
     """The launch for an `[m, k] x [n, k]^T` product (``mode`` forces a launch mode).
 
-    M <= 64: swap mode; the parts are folded by a second, parallel kernel where a tile has
+    M <= 64: the small-K rule's launch where one applies (:class:`SmallKRule`), else swap
+    mode; the parts are folded by a second, parallel kernel where a tile has
     many of them (S >= 16, or S >= 8 and M <= 16), else by the tile's last program; 64-row
     weight tiles from M = 8. M > 64: the cheapest of fold 128x128, 128x256 (3 stages),
     64x128 and split 128x64 (parallel fold) by :func:`launch_cost_us`. Rules measured on
@@ -154,6 +228,11 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
     """
     splits = triton.cdiv(k, cfg.split_len)
     if mode is None and m <= 64 or mode == "swap":
+        rule = small_k_rule()
+        if rule is not None and k <= rule.max_k:
+            for max_m, lp in rule.swap:
+                if m <= max_m and cfg.split_len % (lp.block_k or cfg.block_k) == 0:
+                    return lp
         if m < 8:
             return Launch("swap", 128, num_warps=4, num_stages=4)
         if splits >= 16 or (splits >= 8 and m <= 16):
@@ -225,6 +304,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     lp = launch or plan_launch(m, n, k, cfg, mode, num_sms)
+    block_k = lp.block_k or cfg.block_k
+    if cfg.split_len % block_k:
+        raise ValueError(f"linear: launch block_k={block_k} does not divide split_len="
+                         f"{cfg.split_len}")
     bias_arg = bias if bias is not None else out
     num_splits = triton.cdiv(k, cfg.split_len)
     warps = dict(num_warps=lp.num_warps, num_stages=lp.num_stages)
@@ -232,24 +315,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if m > SWAP_MAX_M:
             raise ValueError(f"linear: swap mode takes at most {SWAP_MAX_M} rows, got {m}")
         block_t = max(16, triton.next_power_of_2(m))
-        x_desc = TensorDescriptor.from_tensor(x, [block_t, cfg.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight, [lp.block_m, cfg.block_k])
+        x_desc = TensorDescriptor.from_tensor(x, [block_t, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [lp.block_m, block_k])
         tiles_f = triton.cdiv(n, lp.block_m)
-        ws = torch.empty(num_splits, n, m, dtype=torch.float32, device=x.device)
+        # One split: the part is the total, stored directly (no workspace, no fold).
+        ws = (torch.empty(num_splits, n, m, dtype=torch.float32, device=x.device)
+              if num_splits > 1 else out)
         counters = _tile_counters(x.device, tiles_f)
         mk.linear_swap_kernel[(tiles_f, num_splits)](
             w_desc, x_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
             NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, HAS_BIAS=bias is not None,
             FOLD_LAST=lp.fold_last, BLOCK_F=lp.block_m, BLOCK_T=block_t,
-            BLOCK_K=cfg.block_k, **warps)
-        if not lp.fold_last:
+            BLOCK_K=block_k, **warps)
+        if not lp.fold_last and num_splits > 1:
             _fold_parts(ws, out, bias, m, 1, out.stride(0), bias_inner=False)
         return out
-    a_desc = TensorDescriptor.from_tensor(x, [lp.block_m, cfg.block_k])
-    b_desc = TensorDescriptor.from_tensor(weight, [lp.block_n, cfg.block_k])
+    a_desc = TensorDescriptor.from_tensor(x, [lp.block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(weight, [lp.block_n, block_k])
     tiles = triton.cdiv(m, lp.block_m) * triton.cdiv(n, lp.block_n)
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n,
-                  BLOCK_K=cfg.block_k, GROUP_M=lp.group_m, **warps)
+                  BLOCK_K=block_k, GROUP_M=lp.group_m, **warps)
     if lp.mode == "fold" and lp.persistent:
         progs = min(tiles, lp.persistent)
         mk.linear_persist_kernel[(progs,)](

@@ -168,23 +168,35 @@ def linear_swap_kernel(w_desc, x_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N,
     feats = off_n + tl.arange(0, BLOCK_F)
     toks = tl.arange(0, BLOCK_T)
     mask = (feats[:, None] < N) & (toks[None, :] < M)
-    offs = feats[:, None] * M + toks[None, :]
-    tl.store(ws_ptr + split * M * N + offs, part, mask=mask)
-    if FOLD_LAST:
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            # Unrolled, so every part's load can be in flight before the ascending adds.
-            total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, NUM_SPLITS):
-                total = total + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
-            if HAS_BIAS:
-                bias = tl.load(bias_ptr + feats, mask=feats < N, other=0.0).to(tl.float32)
-                total = total + bias[:, None]
-            tl.store(c_ptr + toks[None, :] * stride_cm + feats[:, None],
-                     total.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+    if NUM_SPLITS == 1:
+        # The fold of one part is that part: store it directly (ws is unused).
+        _store_swapped(part, c_ptr, bias_ptr, feats, toks, mask, N, stride_cm, HAS_BIAS)
+    else:
+        offs = feats[:, None] * M + toks[None, :]
+        tl.store(ws_ptr + split * M * N + offs, part, mask=mask)
+        if FOLD_LAST:
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                # Unrolled, so every part's load can be in flight before the ascending adds.
+                total = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, NUM_SPLITS):
+                    total = total + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0,
+                                            cache_modifier=".cg")
+                _store_swapped(total, c_ptr, bias_ptr, feats, toks, mask, N, stride_cm,
+                               HAS_BIAS)
+                tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _store_swapped(total, c_ptr, bias_ptr, feats, toks, mask, N, stride_cm,
+                   HAS_BIAS: tl.constexpr):
+    """total `[BLOCK_F, BLOCK_T]` fp32 (+ bias per feature) cast into c `[M, N]`."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + feats, mask=feats < N, other=0.0).to(tl.float32)
+        total = total + bias[:, None]
+    tl.store(c_ptr + toks[None, :] * stride_cm + feats[:, None],
+             total.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

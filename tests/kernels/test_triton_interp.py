@@ -45,6 +45,35 @@ def check_linear(torch, ti) -> None:
         for r in (0, m // 2, m - 1):
             alone = ti.linear(x[r : r + 1], w, b)
             assert torch.equal(alone[0], fold[r]), f"row {r} changed with M"
+        # The one-split swap path (direct store, no workspace) keeps fold's bits. (A
+        # launch's own K step is checked on the GPU only: the interpreter sums a whole dot
+        # at once, not in the tensor cores' k16 steps.)
+        mm = ti.matmul
+        for cfg in (mm.MatmulConfig(64, 256), mm.MatmulConfig(64, 1024)):
+            fold = ti.linear(x, w, b, mode="fold", config=cfg)
+            for lp in (Launch("swap", num_warps=4), Launch("swap", 64, num_warps=4,
+                                                           fold_last=False)):
+                out = ti.linear(x, w, b, config=cfg, launch=lp)
+                assert torch.equal(out, fold), f"{cfg} {lp} differs from fold"
+    # The small-K rule: a function of (N, K) only, JSON round trip, launches by M bucket.
+    rule = mm.SmallKRule(2048, 132, swap=((16, Launch("swap", 64, num_warps=4, block_k=128)),
+                                           (64, Launch("swap", 128, num_warps=4))))
+    assert mm.SmallKRule.from_json(rule.to_json()) == rule
+    assert rule.config(7168, 2048) == mm.MatmulConfig(64, 1024)
+    assert rule.config(96, 1024) == mm.MatmulConfig(64, 256)
+    cfg = rule.config(7168, 2048)
+    assert mm.plan_launch(8, 7168, 2048, cfg) != rule.swap[0][1]  # rule not in force
+    import os
+    os.environ["MEGASERVE_MATMUL_SMALL_K"] = rule.to_json()
+    try:
+        assert mm.config_for(7168, 2048, torch.float16) == cfg
+        assert mm.plan_launch(8, 7168, 2048, cfg) == rule.swap[0][1]
+        assert mm.plan_launch(40, 7168, 2048, cfg) == rule.swap[1][1]
+        assert mm.config_for(4096, 4096, torch.float16) != rule.config(4096, 4096)
+        x, w = torch.randn(5, 320, dtype=torch.float16), torch.randn(64, 320, dtype=torch.float16)
+        assert torch.equal(ti.linear(x, w), ti.linear(x, w, mode="fold"))
+    finally:
+        del os.environ["MEGASERVE_MATMUL_SMALL_K"]
 
 
 def check_rms_norm(torch, ti) -> None:
