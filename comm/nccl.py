@@ -182,7 +182,11 @@ class NcclEndpoint(TcpEndpoint):
         offset = 0
         for f in flats:
             n = int(f.numel())
-            staged[offset:offset + n].copy_(f, non_blocking=f.device.type == "cuda")
+            if f.device.type == "cpu" and n:
+                # Through pinned memory, so the host never waits for the stream (a pageable
+                # copy would); the caching host allocator keeps the block until the copy ran.
+                f = torch.empty(n, dtype=torch.uint8, pin_memory=True).copy_(f)
+            staged[offset:offset + n].copy_(f, non_blocking=True)
             offset += n
         return staged, nbytes
 
