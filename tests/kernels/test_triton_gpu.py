@@ -50,12 +50,18 @@ def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
         assert not out.isnan().any(), f"M={m}: unwritten or NaN output"
         assert torch.equal(out, full[rows]), f"M={m}: rows differ from the M=4096 batch"
     # Every launch the planner can pick (tile shapes, swap, parallel fold): fold's bits.
-    from kernels.triton_impl.matmul import _TALL, Launch
+    from kernels.triton_impl.matmul import _TALL, Launch, config_for, small_k_rule
 
     launches = list(_TALL.values()) + [
         Launch("swap", 128, num_warps=4, num_stages=4),
         Launch("swap", 128, num_warps=4, num_stages=4, fold_last=False),
         Launch("swap", 64, num_warps=4, num_stages=3)]
+    rule = small_k_rule()
+    if rule is not None and k <= rule.max_k:  # the small-K rule's decode launches
+        launches += [lp for _, lp in rule.swap]
+    if config_for(n, k, BF16).split_len % 128 == 0:  # a launch's own K step: same k16 chain
+        launches += [Launch("swap", 64, num_warps=4, block_k=128),
+                     Launch("fold", 64, 128, 4, 3, block_k=128)]
     for m in (5, 33, 64, 100, 300):
         fold = linear(x_all[:m], w, b, mode="fold")
         for lp in launches:
