@@ -26,7 +26,9 @@ import torch
 
 from comm import CommTimeoutError, Completion, Endpoint
 from megaserve.models.expert_part import ExpertPart
-from megaserve.runtime.frames import TAG_COMBINE, TAG_DISPATCH, decode_dispatch, encode_combine
+from megaserve.runtime.frames import (
+    TAG_COMBINE, TAG_DISPATCH, decode_dispatch, encode_combine, frames_on_host,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class ExpertWorker:
         self.device = device
         self.aggregation_wait_s = aggregation_wait_s
         self.stats = ExpertWorkerStats()
-        self._host = endpoint.provider != "cuda_ipc"
+        self._host = frames_on_host(endpoint)
         self._ticks: dict[tuple[int, int], list[_Frame]] = defaultdict(list)  # lockstep
 
     def serve(self, should_stop: Callable[[], bool]) -> None:

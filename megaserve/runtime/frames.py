@@ -29,6 +29,13 @@ TAG_DISPATCH = 0
 TAG_COMBINE = 1
 
 
+def frames_on_host(endpoint) -> bool:
+    """True where ``endpoint`` moves host bytes (inproc, tcp, nccl over gloo); False where
+    its slots live on a GPU (cuda_ipc, nccl over NCCL), so frame parts stay on the GPU."""
+    device = getattr(endpoint, "device", None)
+    return device is None or torch.device(device).type == "cpu"
+
+
 def _as_bytes(t: torch.Tensor, host: bool) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes, copied to the host when ``host``."""
     t = t.detach().contiguous()
@@ -40,7 +47,7 @@ def _as_bytes(t: torch.Tensor, host: bool) -> torch.Tensor:
 def encode_dispatch(rows: torch.Tensor, pairs: torch.Tensor, host: bool = True,
                     participants: int = 0) -> list:
     """rows: `[n, D]`; pairs: `[p, 2]` (row index, global expert id). ``host=False`` keeps
-    the parts on the GPU (for the cuda_ipc provider)."""
+    the parts on the GPU (see :func:`frames_on_host`)."""
     header = _header(rows.shape[0], pairs.shape[0], rows.shape[1], rows.dtype, participants)
     return [header, _as_bytes(rows, host), _as_bytes(pairs.to(torch.int32), host)]
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from comm import Endpoint
-from megaserve.runtime.frames import TAG_COMBINE, TAG_DISPATCH, decode_combine, encode_dispatch
+from megaserve.runtime.frames import (
+    TAG_COMBINE, TAG_DISPATCH, decode_combine, encode_dispatch, frames_on_host,
+)
 from megaserve.runtime.placement import ExpertPlacement
 
 
@@ -50,8 +52,7 @@ class RemoteExperts:
         self.expert_ranks = expert_ranks
         self._owner = placement.owner_table()  # [E] worker index
         self._early: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, mb, src) → out
-        # Host providers move bytes; cuda_ipc copies GPU memory peer to peer.
-        self._host = endpoint.provider != "cuda_ipc"
+        self._host = frames_on_host(endpoint)
         self._lockstep = lockstep
         self._participants = 0  # replicas in the current lockstep step (0: per-layer mode)
         self._num_microbatches = 0  # micro-batches this replica runs in the current step
