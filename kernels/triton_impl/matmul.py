@@ -156,9 +156,15 @@ class SmallKRule:
         return cls(**d)
 
 
-# The measured rule (None: the generic rule everywhere). MEGASERVE_MATMUL_SMALL_K (a
-# SmallKRule JSON, or "none") overrides it for tuning runs; it changes the bits of K <= max_k.
-SMALL_K_RULE: SmallKRule | None = None
+# The measured rule (round 5, scripts/matmul_smallk.py on an H200, docs/benchmarks.md):
+# about 64 programs of 64 weight rows, i.e. one split for N >= 4096 (no workspace, no fold),
+# swap launch with 64-row weight tiles, K step 128, 3 stages at every M <= 64. It won over
+# the generic rule and 2-4 splits on (K, N) = (2048, 7168), (2048, 4096), (1024, 7168):
+# geomean 0.95 vs 0.70 over M in {1, 8, 32, 64, 128, 512}, bitwise equal to fold mode.
+# MEGASERVE_MATMUL_SMALL_K (a SmallKRule JSON, or "none") overrides it for tuning runs;
+# it changes the bits of the families with K <= max_k.
+SMALL_K_RULE: SmallKRule | None = SmallKRule(
+    2048, 64, swap=((64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=128)),))
 _RULE_ENV = "MEGASERVE_MATMUL_SMALL_K"
 
 

@@ -24,6 +24,24 @@ def _rel_err(out, ref) -> float:
 
 
 def check_linear(torch, ti) -> None:
+    import dataclasses
+    import os
+
+    # The interpreter sums a whole dot at once, not in the tensor cores' k16 steps, so a
+    # launch's own K step is checked on the GPU only: here the committed small-K rule runs
+    # with its launches at the config's K step.
+    rule = ti.matmul.SMALL_K_RULE
+    if rule is not None:
+        rule = dataclasses.replace(rule, swap=tuple(
+            (m, dataclasses.replace(lp, block_k=0)) for m, lp in rule.swap))
+    os.environ["MEGASERVE_MATMUL_SMALL_K"] = rule.to_json() if rule is not None else "none"
+    try:
+        _check_linear(torch, ti)
+    finally:
+        del os.environ["MEGASERVE_MATMUL_SMALL_K"]
+
+
+def _check_linear(torch, ti) -> None:
     Launch = ti.matmul.Launch
     variants = [  # launches that must give the fold mode's bits (tile shapes, folds, grids)
         Launch("fold", flat=0), Launch("split"), Launch("split", fold_last=False),
@@ -62,8 +80,10 @@ def check_linear(torch, ti) -> None:
     assert rule.config(7168, 2048) == mm.MatmulConfig(64, 1024)
     assert rule.config(96, 1024) == mm.MatmulConfig(64, 256)
     cfg = rule.config(7168, 2048)
-    assert mm.plan_launch(8, 7168, 2048, cfg) != rule.swap[0][1]  # rule not in force
+    assert mm.plan_launch(8, 7168, 2048, cfg) != rule.swap[0][1]  # another rule in force
     import os
+
+    before = os.environ["MEGASERVE_MATMUL_SMALL_K"]
     os.environ["MEGASERVE_MATMUL_SMALL_K"] = rule.to_json()
     try:
         assert mm.config_for(7168, 2048, torch.float16) == cfg
@@ -73,7 +93,7 @@ def check_linear(torch, ti) -> None:
         x, w = torch.randn(5, 320, dtype=torch.float16), torch.randn(64, 320, dtype=torch.float16)
         assert torch.equal(ti.linear(x, w), ti.linear(x, w, mode="fold"))
     finally:
-        del os.environ["MEGASERVE_MATMUL_SMALL_K"]
+        os.environ["MEGASERVE_MATMUL_SMALL_K"] = before
 
 
 def check_rms_norm(torch, ti) -> None:
