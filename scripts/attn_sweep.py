@@ -1,4 +1,4 @@
-"""Device sweep for paged attention (issue 3, round 4): bitwise checks, then timings.
+"""Device sweep for paged attention (issue 3, rounds 4-5): bitwise checks, then timings.
 
 Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR]``. Phase 1 runs
 the checks of each shape (and a compile warm-up of the timed variants) in parallel child
@@ -23,6 +23,8 @@ import time
 SHAPES = [(32, 8, 128, 16, 8192), (8, 8, 128, 32, 3000), (32, 4, 64, 32, 5000),
           (16, 4, 64, 16, 2100)]
 REF = dict(mode="serial", rows=64, num_warps=4, num_stages=2)
+NEW = dict(mask_tail=True, prefetch=True)  # round-5 loop switches
+R4_DECODE = dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16)
 CHECK_VARIANTS = [
     dict(mode="serial", rows=16, num_warps=4, num_stages=3),
     dict(mode="serial", rows=16, num_warps=1, num_stages=2),
@@ -32,29 +34,58 @@ CHECK_VARIANTS = [
     dict(mode="serial", rows=64, num_warps=4, num_stages=3),
     dict(mode="split", rows=16, num_warps=4, num_stages=3, splits_per_program=4),
     dict(mode="split", rows=64, num_warps=4, num_stages=2, splits_per_program=1, fold_tokens=4),
-    dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16),
+    R4_DECODE,
+    # round 5 (indices 9..)
+    dict(mode="serial", rows=64, num_warps=4, num_stages=2, mask_tail=True),
+    dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW),
+    dict(mode="serial", rows=128, num_warps=8, num_stages=3, long_first=True, **NEW),
+    dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW),
+    dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16, **NEW),
+    dict(mode="split", rows=16, num_warps=4, num_stages=4, splits_per_program=4,
+         fold_block_d=32, long_first=True, **NEW),
+    dict(mode="split", rows=64, num_warps=4, num_stages=3, prefetch=True, fold_tokens=4),
 ]
+DECODE_CHECKS = [0, 1, 6, 8, 12, 13, 14]  # CHECK_VARIANTS also run on single decodes
+BATCH_CHECKS = [0, 3, 6, 8, 10, 11, 12, 13, 14, 15]  # and on the batch compositions
 DECODE_VARIANTS = [
-    ("serial r16 w4 s3", dict(mode="serial", rows=16, num_warps=4, num_stages=3)),
-    ("serial r16 w2 s3", dict(mode="serial", rows=16, num_warps=2, num_stages=3)),
-    ("serial r16 w4 s4", dict(mode="serial", rows=16, num_warps=4, num_stages=4)),
-    ("serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
-    ("split r16 w4 s3", dict(mode="split", rows=16, num_warps=4, num_stages=3)),
-    ("split r16 w2 s3", dict(mode="split", rows=16, num_warps=2, num_stages=3)),
-    ("split r16 w4 s3 u16", dict(mode="split", rows=16, num_warps=4, num_stages=3,
-                                 fold_unroll=16)),
-    ("split r16 w4 s3 spp2", dict(mode="split", rows=16, num_warps=4, num_stages=3,
-                                  splits_per_program=2)),
-    ("split r16 w4 s3 spp8", dict(mode="split", rows=16, num_warps=4, num_stages=3,
-                                  splits_per_program=8)),
-    ("split r64 w4 s2", dict(mode="split", rows=64, num_warps=4, num_stages=2)),
+    ("r4 default: split r16 w2 s3 u16", R4_DECODE),
+    ("r4 serial r16 w2 s3", dict(mode="serial", rows=16, num_warps=2, num_stages=3)),
+    ("serial r16 w2 s3 new", dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW)),
+    ("serial r16 w4 s3 new", dict(mode="serial", rows=16, num_warps=4, num_stages=3, **NEW)),
+    ("serial r16 w2 s4 new", dict(mode="serial", rows=16, num_warps=2, num_stages=4, **NEW)),
+    ("serial r64 w4 s3 new", dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW)),
+    ("split u16 prefetch only", dict(R4_DECODE, prefetch=True)),
+    ("split u16 mask_tail only", dict(R4_DECODE, mask_tail=True)),
+    ("split r16 w2 s3 u16 new", dict(R4_DECODE, **NEW)),
+    ("split r16 w2 s4 u16 new", dict(R4_DECODE, num_stages=4, **NEW)),
+    ("split r16 w4 s3 u16 new", dict(R4_DECODE, num_warps=4, **NEW)),
+    ("split r16 w4 s4 u16 new", dict(R4_DECODE, num_warps=4, num_stages=4, **NEW)),
+    ("split new spp8", dict(R4_DECODE, splits_per_program=8, **NEW)),
+    ("split new spp4", dict(R4_DECODE, splits_per_program=4, **NEW)),
+    ("split new fold_d32", dict(R4_DECODE, fold_block_d=32, **NEW)),
+    ("split new fold_d64 u8", dict(R4_DECODE, fold_block_d=64, fold_unroll=8, **NEW)),
+    ("split r64 w4 s3 new", dict(mode="split", rows=64, num_warps=4, num_stages=3, **NEW)),
 ]
+# Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
+PARTS_TIMED = {"r4 default: split r16 w2 s3 u16", "split r16 w2 s3 u16 new",
+               "split r16 w4 s3 u16 new", "split r16 w2 s4 u16 new", "split new spp8"}
 PREFILL_VARIANTS = [
-    ("serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
-    ("serial r64 w4 s3", dict(mode="serial", rows=64, num_warps=4, num_stages=3)),
-    ("serial r128 w8 s2", dict(mode="serial", rows=128, num_warps=8, num_stages=2)),
-    ("serial r128 w8 s3", dict(mode="serial", rows=128, num_warps=8, num_stages=3)),
-    ("serial r128 w4 s2", dict(mode="serial", rows=128, num_warps=4, num_stages=2)),
+    ("r4 default: serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
+    ("r64 w4 s2 mask_tail", dict(mode="serial", rows=64, num_warps=4, num_stages=2,
+                                 mask_tail=True)),
+    ("r64 w4 s2 new", dict(mode="serial", rows=64, num_warps=4, num_stages=2, **NEW)),
+    ("r64 w4 s3 new", dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW)),
+    ("r64 w4 s3 new long_first", dict(mode="serial", rows=64, num_warps=4, num_stages=3,
+                                      long_first=True, **NEW)),
+    ("r128 w8 s2 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=2,
+                                       long_first=True, **NEW)),
+    ("r128 w8 s3 new", dict(mode="serial", rows=128, num_warps=8, num_stages=3, **NEW)),
+    ("r128 w8 s3 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=3,
+                                       long_first=True, **NEW)),
+    ("r128 w8 s4 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=4,
+                                       long_first=True, **NEW)),
+    ("r128 w4 s3 new long_first", dict(mode="serial", rows=128, num_warps=4, num_stages=3,
+                                       long_first=True, **NEW)),
 ]
 CASES = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("decode", 32, 2048, 1),
          ("prefill", 4, 4096, 4096)]
@@ -124,12 +155,13 @@ def check_shape(idx: int) -> dict:
         expect(f"prefill {var}", run(q, [length], [length], launch=var), full)
     for t in sample[:12] + [0, 63, 64, length - 1]:
         expect(f"decode {t} default", run(q[t : t + 1], [t + 1], [1])[0], full[t])
-        for var in CHECK_VARIANTS[:2] + CHECK_VARIANTS[6:7]:
+        for var in [CHECK_VARIANTS[i] for i in DECODE_CHECKS]:
             expect(f"decode {t} {var}", run(q[t : t + 1], [t + 1], [1], launch=var)[0], full[t])
     for chunk in (37, 256, 1000):
-        outs = [run(q[a : a + chunk], [min(a + chunk, length)], [min(chunk, length - a)])
-                for a in range(0, length, chunk)]
-        expect(f"chunked prefill {chunk}", torch.cat(outs), full)
+        for var in (None, CHECK_VARIANTS[9], CHECK_VARIANTS[11]):
+            outs = [run(q[a : a + chunk], [min(a + chunk, length)], [min(chunk, length - a)],
+                        launch=var) for a in range(0, length, chunk)]
+            expect(f"chunked prefill {chunk} {var}", torch.cat(outs), full)
     # Batch compositions: each sequence's rows equal the same tokens of ``full``.
     comps = [([length, 1, 65, 64, length // 2], [1, 1, 3, 64, 130]),
              ([5, length, 2000 % length + 1, 100], [5, 1, 1, 1]),
@@ -138,7 +170,7 @@ def check_shape(idx: int) -> dict:
         qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
         want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
         expect(f"batch {n_new} default", run(qb, lens, n_new), want)
-        for var in (CHECK_VARIANTS[0], CHECK_VARIANTS[3], CHECK_VARIANTS[6]):
+        for var in [CHECK_VARIANTS[i] for i in BATCH_CHECKS]:
             expect(f"batch {n_new} {var}", run(qb, lens, n_new, launch=var), want)
     # Diagnostic: is the round-3 formulation (tl.sum) invariant across tiles too?
     old = run(q, [length], [length], launch=REF, l_by_dot=False)
@@ -196,6 +228,19 @@ def time_cases(warm_only: bool) -> list[dict]:
             rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}", variant=vname,
                              us=us, sdpa_us=sdpa * 1e3, ratio=(sdpa * 1e3 / us) if us else 0,
                              same_bits=same))
+            if not warm_only:
+                print(f"  {rows[-1]['case']} {vname}: {us:.1f} us (flash {sdpa * 1e3:.1f})",
+                      flush=True)
+            if vname in PARTS_TIMED:  # the parts kernel alone; the fold is the rest
+                launch = AttentionLaunch(**var)
+                parts = lambda launch=launch: paged_attention(  # noqa: E731
+                    q, kc, vc, table, lens, qsl, scale, launch=launch, parts_only=True)
+                parts()
+                p_us = 0.0 if warm_only else _time_ms(parts) * 1e3
+                rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}",
+                                 variant=f"  parts kernel of: {vname}", us=p_us,
+                                 sdpa_us=sdpa * 1e3, ratio=0.0, same_bits=None,
+                                 fold_us=us - p_us))
         del q, kc, vc, kd, vd
         torch.cuda.empty_cache()
     return rows
@@ -240,8 +285,9 @@ def main() -> int:
 
     print(f"device: {torch.cuda.get_device_name()}; times: median of CUDA-graph replays")
     for r in rows:
-        print(f"{r['case']:<30} {r['variant']:<24} {r['us']:>9.1f} us  flash {r['sdpa_us']:>8.1f}"
-              f"  ratio {r['ratio']:.2f}  same-bits-as-default {r['same_bits']}")
+        extra = f"  (fold = total - parts: {r['fold_us']:.1f} us)" if "fold_us" in r else ""
+        print(f"{r['case']:<30} {r['variant']:<40} {r['us']:>8.1f} us  flash {r['sdpa_us']:>7.1f}"
+              f"  ratio {r['ratio']:.2f}  same-bits-as-default {r['same_bits']}{extra}")
     print(f"total {time.time() - t0:.0f}s")
     return 0 if ok else 1
 

@@ -24,10 +24,15 @@ Two launch modes give the same bits: **serial** (one program per tile and KV hea
 its splits in registers) and **split** (few programs: programs over (tile, KV head,
 group of splits) store each split's unmerged (m_s, l_s, o_s) in fp32, then a fold kernel
 merges them in the same ascending order with the same ``_merge``).
+
+The kernels are in :mod:`kernels.triton_impl.attention_kernels`; its docstring describes
+the loop switches (masks only on diagonal splits, block ids one split ahead, long rows
+first), launch choices like the tile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +40,11 @@ import triton
 import triton.language as tl
 
 from kernels.api import KV_SPLIT_SIZE
+from kernels.triton_impl.attention_kernels import (
+    _attention_fold_kernel,
+    _attention_parts_kernel,
+    _paged_attention_kernel,
+)
 
 # Split mode below this many serial programs (about two per SM of an H100/H200), while
 # its fp32 parts fit in this many bytes.
@@ -54,10 +64,19 @@ class AttentionLaunch:
     splits_per_program: int = 0  # split mode: consecutive splits per program; 0 = auto
     fold_tokens: int = 1  # split mode: tokens per fold program
     fold_unroll: int = 8  # split mode: parts the fold loads before merging them
+    # Round-5 loop switches (attention_kernels docstring; none changes the bits):
+    mask_tail: bool = False  # masks only on splits that cross a row's position
+    prefetch: bool = False  # block ids of the next split loaded one iteration ahead
+    long_first: bool = False  # tiles numbered from the last (long causal rows first)
+    fold_block_d: int = 0  # split mode: head_dim columns per fold program; 0 = all
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split"):
             raise ValueError(f"AttentionLaunch: mode must be 'serial' or 'split', got {self.mode!r}")
+        fbd = self.fold_block_d
+        if fbd and (fbd < 16 or fbd & (fbd - 1)):
+            raise ValueError(f"AttentionLaunch: fold_block_d={self.fold_block_d} must be 0 "
+                             "or a power of two >= 16")
         for name in ("rows", "num_warps", "fold_tokens", "fold_unroll"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -67,10 +86,15 @@ class AttentionLaunch:
 
 
 # Tiles kept after the round-4 sweep (scripts/attn_sweep.py, H200): decode-like batches
-# (at most two new tokens per sequence) and everything else. 128-row / 8-warp prefill
-# tiles measured the same as 64 / 4 (2551 vs 2554 us), 3 stages slower.
-DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
-PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
+# (at most two new tokens per sequence) and everything else. Round 5: the loop switches
+# (block ids one split ahead, masks only on diagonal splits) let Triton double-buffer the
+# K/V gathers inside a program (offline sm_90 compile: async_wait num=2, was 0), and
+# prefill takes 128-row / 8-warp / 3-stage tiles, long rows first. The round-4 tiles:
+ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
+ROUND4_PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
+DECODE_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
+PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=3, mask_tail=True, prefetch=True,
+                    long_first=True)
 # Decode-like batches also take split mode from this many splits per sequence on (S=64 x
 # 4096: split 339 us vs serial 412; S=32 x 2048: serial 106 vs split 129).
 _DECODE_SPLIT_MIN_SPLITS = 64
@@ -105,204 +129,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                BLOCK=triton.next_power_of_2(row), num_warps=4)
 
 
-@triton.jit
-def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """The sequence s whose tiles (numbered qsl[s] // BLOCK_Q + s onward) hold ``pid``."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _split_scores(q, kc_ptr, vc_ptr, bt_ptr, split, ctx_len, kv_head, pos,
-                  stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
-                  SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  L_BY_DOT: tl.constexpr):
-    """(m_s, l_s, o_s) of one split for the tile's rows; see the module NOTE."""
-    keys = split * SPLIT + tl.arange(0, SPLIT)
-    in_ctx = keys < ctx_len
-    block_ids = tl.load(bt_ptr + keys // BLOCK_SIZE, mask=in_ctx, other=0).to(tl.int64)
-    base = block_ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-    d = tl.arange(0, BLOCK_D)
-    kv_mask = in_ctx[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
-    visible = keys[None, :] <= pos[:, None]
-    scores = tl.where(visible, scores, float("-inf"))
-    m_s = tl.max(scores, axis=1)  # exact in any order
-    m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
-    p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
-    o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
-    if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
-        l_s = tl.max(tl.dot(p, tl.full([SPLIT, 16], 1.0, v.dtype)), axis=1)
-    else:
-        l_s = tl.sum(p.to(tl.float32), axis=1)
-    return m_s, l_s, o_s
-
-
-@triton.jit
-def _tile_rows(ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP: tl.constexpr,
-               G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Index math of one (tile, KV head) program: its sequence and rows.
-
-    Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos); ``live`` is
-    False for the spare programs of the grid. Integer work only: no rounding here.
-    """
-    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
-    live = tile_start < q_len
-    ctx_len = tl.load(ctx_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    tok = tile_start + rows // G_PAD
-    head = kv_head * GROUP + rows % G_PAD
-    row_ok = (tok < q_len) & (rows % G_PAD < GROUP) & live
-    pos = ctx_len - q_len + tok  # each row's position in its sequence
-    tok_glob = (q_begin + tok).to(tl.int64)
-    last_pos = ctx_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
-    return live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos
-
-
-@triton.jit
-def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr):
-    """The tile's queries `[BLOCK_M, BLOCK_D]` (zeros in dead rows and padded columns)."""
-    d = tl.arange(0, BLOCK_D)
-    q_offs = tok_glob[:, None] * stride_qt + head[:, None] * stride_qh
-    return tl.load(q_ptr + q_offs + d[None, :],
-                   mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-
-
-@triton.jit
-def _merge(m, l, o, m_s, l_s, o_s):
-    """Fold split s into the running (m, l, o); the one merge both launch modes use."""
-    m_new = tl.maximum(m, m_s)
-    alpha = tl.exp(m - m_new)
-    beta = tl.exp(m_s - m_new)
-    o = o * alpha[:, None] + o_s * beta[:, None]
-    l = l * alpha + l_s * beta
-    return m_new, l, o
-
-
-@triton.jit
-def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    d = tl.arange(0, BLOCK_D)
-    out = o / l[:, None]
-    o_offs = tok_glob[:, None] * stride_ot + head[:, None] * stride_oh
-    tl.store(out_ptr + o_offs + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
-                            num_seqs, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_kb, stride_ks, stride_kh, stride_bt,
-                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            L_BY_DOT: tl.constexpr):
-    """Serial mode: one program walks all of its tile's splits."""
-    kv_head = tl.program_id(1)
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
-    if live:
-        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
-        bt = bt_ptr + seq.to(tl.int64) * stride_bt
-        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-        # From (-inf, 0, 0), merging split 0 is exact: alpha = 0, beta = 1.
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for split in range(0, last_pos // SPLIT + 1):
-            m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
-                                          stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                          SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT)
-            m, l, o = _merge(m, l, o, m_s, l_s, o_s)
-        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
-                    HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
-                            ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
-                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
-                            NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
-                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            L_BY_DOT: tl.constexpr):
-    """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
-    splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
-    row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
-    `[splits, T, Hq, Dh]`."""
-    kv_head = tl.program_id(1)
-    first = tl.program_id(2) * SPLITS_PER_PROG
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
-    if live:
-        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
-        bt = bt_ptr + seq.to(tl.int64) * stride_bt
-        d = tl.arange(0, BLOCK_D)
-        for split in range(first, tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)):
-            m_s, l_s, o_s = _split_scores(q, kc_ptr, vc_ptr, bt, split, ctx_len, kv_head, pos,
-                                          stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                          SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT)
-            row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
-            reach = row_ok & (split * SPLIT <= pos)
-            tl.store(ws_m_ptr + row_idx, m_s, mask=reach)
-            tl.store(ws_l_ptr + row_idx, l_s, mask=reach)
-            tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
-                     mask=reach[:, None] & (d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
-                           num_seqs, num_tokens, stride_ot, stride_oh,
-                           NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                           G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           UNROLL: tl.constexpr):
-    """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
-    serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
-    split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
-    merges there, so the fold tile need not match the parts tile. UNROLL parts are
-    loaded per step (independent loads in flight), then merged one by one."""
-    kv_head = tl.program_id(1)
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
-    if live:
-        d = tl.arange(0, BLOCK_D)
-        o_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-        row_idx = tok_glob * NUM_Q_HEADS + head
-        m = tl.load(ws_m_ptr + row_idx, mask=row_ok, other=0.0)
-        l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
-        o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
-        row_splits = pos // SPLIT + 1
-        for base in range(1, last_pos // SPLIT + 1, UNROLL):
-            for j in tl.static_range(UNROLL):
-                split = base + j
-                reach = row_ok & (split < row_splits)
-                idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
-                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
-                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
-                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
-                              mask=reach[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-                m, l, o = _merge(m, l, o, m_s, l_s, o_s)
-        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh,
-                    HEAD_DIM, BLOCK_D)
-
-
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
@@ -332,7 +158,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, *,
                     mode: str | None = None, splits_per_program: int | None = None,
                     launch: AttentionLaunch | None = None,
-                    l_by_dot: bool = True) -> torch.Tensor:
+                    l_by_dot: bool = True, parts_only: bool = False) -> torch.Tensor:
     """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
@@ -342,7 +168,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fold) and the grid; ``mode`` / ``splits_per_program`` override those two fields. No
     launch choice changes the bits (same per-split arithmetic, same merge order; checked
     by the GPU tests and scripts/attn_sweep.py). ``l_by_dot=False`` is the round-3
-    formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only.
+    formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only;
+    ``parts_only`` (split mode) skips the fold, so the sweep can time the two kernels
+    apart (the output is then unwritten).
     """
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -363,20 +191,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if launch is None:
         launch = choose_launch(t, num_seqs, num_kv_heads, group, max_splits, ws_bytes)
     if mode is not None or splits_per_program is not None:
-        launch = AttentionLaunch(mode or launch.mode, launch.rows, launch.num_warps,
-                                 launch.num_stages, splits_per_program or 0,
-                                 launch.fold_tokens, launch.fold_unroll)
+        launch = dataclasses.replace(launch, mode=mode or launch.mode,
+                                     splits_per_program=splits_per_program or 0)
     block_q = max(1, launch.rows // g_pad)
     grid = (t // block_q + num_seqs, num_kv_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(GROUP=group, G_PAD=g_pad, SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
-                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+                  BLOCK_D=block_d)
+    loop = dict(MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
+                LONG_FIRST=launch.long_first)
     kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if launch.mode == "serial":
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
             num_seqs, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **common)
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
         return out
     ws_m = torch.empty(max_splits, t, num_q_heads, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
@@ -388,10 +218,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_seqs, t, float(scale), q.stride(0), q.stride(1), *kv_args,
         NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
         BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **common)
-    fold_q = launch.fold_tokens
-    _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads)](
-        context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
-        out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
-        UNROLL=launch.fold_unroll, num_warps=4, **common)
+        num_stages=launch.num_stages, **common, **loop)
+    if not parts_only:
+        fold_q = launch.fold_tokens
+        fold_d = min(launch.fold_block_d or block_d, block_d)
+        common["BLOCK_D"] = fold_d
+        _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
+            context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
+            out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
+            UNROLL=launch.fold_unroll, num_warps=4, **common)
     return out

@@ -142,7 +142,16 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
     for launch in (AttentionLaunch("serial", 16, 4, 3), AttentionLaunch("serial", 32, 2, 2),
                    AttentionLaunch("serial", 64, 4, 2), AttentionLaunch("serial", 128, 8, 3),
                    AttentionLaunch("split", 16, 4, 3, 4, fold_unroll=16),
-                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8)):
+                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8),
+                   # round-5 loop switches: unmasked full splits, block ids one ahead,
+                   # long rows first, fold over head_dim chunks
+                   AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
+                                   long_first=True),
+                   AttentionLaunch("serial", 64, 4, 2, mask_tail=True),
+                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                                   prefetch=True, fold_block_d=32),
+                   AttentionLaunch("split", 16, 4, 4, 4, mask_tail=True, prefetch=True,
+                                   long_first=True)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)

@@ -1,0 +1,307 @@
+"""Triton kernels of paged attention; the host side and the contract are in
+:mod:`kernels.triton_impl.attention` (see its NOTE: the per-split arithmetic, fixed).
+
+Launch-only switches (constexpr, never the bits):
+
+* ``MASK_TAIL``: a tile's splits that lie wholly at or before its first row's position
+  (``split * C + C - 1 <= first_pos``, so inside the context and visible to every row)
+  run without the context mask on the loads and without the causal ``where``: there the
+  mask is all-true, so ``where(True, s, -inf) == s`` and the bits are unchanged. The
+  remaining (diagonal / tail) splits run masked as before.
+* ``PREFETCH``: the block ids of split ``s + 1`` are loaded while split ``s`` is computed
+  and carried in registers, so the K/V gathers of a split depend on no load of the same
+  iteration (Triton's pipeliner then double-buffers them instead of chaining
+  block-table load -> gather -> compute inside one iteration).
+* ``LONG_FIRST``: tiles are numbered from the last, so long causal rows start first.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence s whose tiles (numbered qsl[s] // BLOCK_Q + s onward) hold ``pid``."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _block_ids(bt, split, ctx_len, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr):
+    """Cache block of each key of ``split`` `[SPLIT]` (0 past the context)."""
+    keys = split * SPLIT + tl.arange(0, SPLIT)
+    return tl.load(bt + keys // BLOCK_SIZE, mask=keys < ctx_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
+                stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
+                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr):
+    """(m_s, l_s, o_s) of one split for the tile's rows; see the NOTE in attention.py.
+    ``MASKED=False`` only for splits every row sees whole (module docstring)."""
+    keys = split * SPLIT + tl.arange(0, SPLIT)
+    base = block_ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    d = tl.arange(0, BLOCK_D)
+    if MASKED:
+        kv_mask = (keys < ctx_len)[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(kc_ptr + base[:, None] + d[None, :])
+            v = tl.load(vc_ptr + base[:, None] + d[None, :])
+        else:
+            dm = (d < HEAD_DIM)[None, :]
+            k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
+            v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
+    scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
+    if MASKED:
+        scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    m_s = tl.max(scores, axis=1)  # exact in any order
+    m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
+    p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
+    o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
+    if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
+        l_s = tl.max(tl.dot(p, tl.full([SPLIT, 16], 1.0, v.dtype)), axis=1)
+    else:
+        l_s = tl.sum(p.to(tl.float32), axis=1)
+    return m_s, l_s, o_s
+
+
+@triton.jit
+def _tile_rows(ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP: tl.constexpr,
+               G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Index math of one (tile, KV head) program: its sequence and rows.
+
+    Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos);
+    ``live`` is False for the spare programs of the grid. Integer work only.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    live = tile_start < q_len
+    ctx_len = tl.load(ctx_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // G_PAD
+    head = kv_head * GROUP + rows % G_PAD
+    row_ok = (tok < q_len) & (rows % G_PAD < GROUP) & live
+    pos = ctx_len - q_len + tok  # each row's position in its sequence
+    tok_glob = (q_begin + tok).to(tl.int64)
+    first_pos = ctx_len - q_len + tile_start
+    last_pos = ctx_len - q_len + tl.minimum(tile_start + BLOCK_Q, q_len) - 1
+    return live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos
+
+
+@triton.jit
+def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """The tile's queries `[BLOCK_M, BLOCK_D]` (zeros in dead rows and padded columns)."""
+    d = tl.arange(0, BLOCK_D)
+    q_offs = tok_glob[:, None] * stride_qt + head[:, None] * stride_qh
+    return tl.load(q_ptr + q_offs + d[None, :],
+                   mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _merge(m, l, o, m_s, l_s, o_s):
+    """Fold split s into the running (m, l, o); the one merge both launch modes use."""
+    m_new = tl.maximum(m, m_s)
+    alpha = tl.exp(m - m_new)
+    beta = tl.exp(m_s - m_new)
+    o = o * alpha[:, None] + o_s * beta[:, None]
+    l = l * alpha + l_s * beta
+    return m_new, l, o
+
+
+@triton.jit
+def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows' ``o / l`` at columns ``d0 + [0, BLOCK_D)`` (those < HEAD_DIM)."""
+    d = d0 + tl.arange(0, BLOCK_D)
+    out = o / l[:, None]
+    o_offs = tok_glob[:, None] * stride_ot + head[:, None] * stride_oh
+    tl.store(out_ptr + o_offs + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
+                            num_seqs, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_kb, stride_ks, stride_kh, stride_bt,
+                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
+                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr):
+    """Serial mode: one program walks all of its tile's splits."""
+    kv_head = tl.program_id(1)
+    pid = tl.program_id(0)
+    if LONG_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q)
+    if live:
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
+        bt = bt_ptr + seq.to(tl.int64) * stride_bt
+        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+        # From (-inf, 0, 0), merging split 0 is exact: alpha = 0, beta = 1.
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        n_splits = last_pos // SPLIT + 1
+        lo = 0
+        # (Loops inline, not in a helper: the interpreter runs range() over tensor bounds
+        # only in the kernel's own body.)
+        if MASK_TAIL:  # full splits, unmasked; PREFETCH: next block ids one ahead
+            lo = (first_pos + 1) // SPLIT
+            ids = _block_ids(bt, 0, ctx_len, BLOCK_SIZE, SPLIT)
+            for split in range(0, lo):
+                if PREFETCH:
+                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                else:
+                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, stride_kb, stride_ks, stride_kh, scale,
+                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
+                                            False)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+                if PREFETCH:
+                    ids = nxt
+        ids = _block_ids(bt, lo, ctx_len, BLOCK_SIZE, SPLIT)
+        for split in range(lo, n_splits):  # the rest, masked
+            if PREFETCH:
+                nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+            else:
+                ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+            m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                        pos, stride_kb, stride_ks, stride_kh, scale,
+                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True)
+            m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+            if PREFETCH:
+                ids = nxt
+        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, 0,
+                    HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens, tok_glob,
+                 head, row_ok, pos, NUM_Q_HEADS: tl.constexpr, SPLIT: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
+    reach = row_ok & (split * SPLIT <= pos)
+    tl.store(ws_m_ptr + row_idx, m_s, mask=reach)
+    tl.store(ws_l_ptr + row_idx, l_s, mask=reach)
+    tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
+             mask=reach[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
+                            ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
+                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+                            NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
+                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                            L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
+                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr):
+    """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
+    splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
+    row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
+    `[splits, T, Hq, Dh]`."""
+    kv_head = tl.program_id(1)
+    first = tl.program_id(2) * SPLITS_PER_PROG
+    pid = tl.program_id(0)
+    if LONG_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q)
+    if live:
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
+        bt = bt_ptr + seq.to(tl.int64) * stride_bt
+        end = tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)
+        mid = first
+        if MASK_TAIL:  # as in the serial kernel
+            mid = tl.maximum(first, tl.minimum(end, (first_pos + 1) // SPLIT))
+            ids = _block_ids(bt, first, ctx_len, BLOCK_SIZE, SPLIT)
+            for split in range(first, mid):
+                if PREFETCH:
+                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                else:
+                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, stride_kb, stride_ks, stride_kh, scale,
+                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
+                                            False)
+                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
+                             tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM,
+                             BLOCK_D)
+                if PREFETCH:
+                    ids = nxt
+        ids = _block_ids(bt, mid, ctx_len, BLOCK_SIZE, SPLIT)
+        for split in range(mid, end):
+            if PREFETCH:
+                nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+            else:
+                ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+            m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
+                                        stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
+                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True)
+            _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
+                         tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM, BLOCK_D)
+            if PREFETCH:
+                ids = nxt
+
+
+@triton.jit
+def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
+                           num_seqs, num_tokens, stride_ot, stride_oh,
+                           NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                           G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           UNROLL: tl.constexpr):
+    """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
+    serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
+    split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
+    merges there, so the fold tile need not match the parts tile. UNROLL parts are
+    loaded per step (independent loads in flight), then merged one by one. Program axis 2
+    takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
+    elementwise, so a chunked fold gives the same bits."""
+    kv_head = tl.program_id(1)
+    live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
+        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
+    if live:
+        d0 = tl.program_id(2) * BLOCK_D
+        d = d0 + tl.arange(0, BLOCK_D)
+        o_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
+        row_idx = tok_glob * NUM_Q_HEADS + head
+        m = tl.load(ws_m_ptr + row_idx, mask=row_ok, other=0.0)
+        l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
+        o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
+        row_splits = pos // SPLIT + 1
+        for base in range(1, last_pos // SPLIT + 1, UNROLL):
+            for j in tl.static_range(UNROLL):
+                split = base + j
+                reach = row_ok & (split < row_splits)
+                idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
+                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
+                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
+                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                              mask=reach[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
+                    HEAD_DIM, BLOCK_D)

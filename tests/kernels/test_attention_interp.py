@@ -1,0 +1,88 @@
+"""Paged-attention launch switches under the Triton interpreter (CPU, CI).
+
+The round-5 loop switches (unmasked full splits, block ids one split ahead, long rows
+first, a fold over head_dim chunks) must not change a token's bits: every launch below
+equals the round-4 serial launch on a prefill, on single decodes at split boundaries and
+on a mixed batch. (The interpreter sums a dot at once, not in k16 steps, so this checks
+the index, mask and loop logic; the tile-shape claim is checked on the GPU.)
+TRITON_INTERPRET=1 must be set before kernels are defined: the checks run in a child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child() -> None:
+    import itertools
+
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor  # numpy >= 2.4: int() of a 1-element array
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    import torch
+
+    from kernels.triton_impl import write_kv_cache
+    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+    torch.manual_seed(0)
+    hq, hkv, dh, bs, length = 4, 2, 16, 4, 160
+    nb = -(-length // bs)
+    kc = torch.randn(nb + 3, bs, hkv, dh, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(nb + 3)[:nb].int()
+    k = torch.randn(length, hkv, dh, dtype=torch.float16)
+    v = torch.randn_like(k)
+    pos = torch.arange(length)
+    write_kv_cache(k, v, kc, vc, table.long()[pos // bs] * bs + pos % bs)
+    q = torch.randn(length, hq, dh, dtype=torch.float16)
+
+    def run(rows, lens, n_new, launch):
+        qsl = torch.tensor([0, *itertools.accumulate(n_new)]).int()
+        tables = table[None].expand(len(lens), -1).contiguous()
+        return paged_attention(rows, kc, vc, tables, torch.tensor(lens).int(), qsl, 0.25,
+                               launch=launch)
+
+    ref = AttentionLaunch("serial", 64, 4, 2)
+    full = run(q, [length], [length], ref)
+    lens, n_new = [length, 1, 65, 64, 100], [1, 1, 3, 64, 30]
+    qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
+    want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
+    fails = []
+    for launch in (AttentionLaunch("serial", 16, 2, 3, mask_tail=True, prefetch=True),
+                   AttentionLaunch("serial", 32, 4, 3, mask_tail=True, prefetch=True,
+                                   long_first=True),
+                   AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, prefetch=True,
+                                   long_first=True, fold_block_d=16, fold_unroll=4)):
+        if not torch.equal(run(q, [length], [length], launch), full):
+            fails.append(f"prefill {launch}")
+        if not torch.equal(run(qb, lens, n_new, launch), want):
+            fails.append(f"batch {launch}")
+        for t in (63, 64, 128, length - 1):
+            if not torch.equal(run(q[t : t + 1], [t + 1], [1], launch)[0], full[t]):
+                fails.append(f"decode {t} {launch}")
+    print(json.dumps({"fails": fails}), flush=True)
+
+
+def test_attention_launch_switches_keep_bits() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+    assert line is not None, f"interpreter child failed: {proc.stderr[-3000:]}"
+    assert json.loads(line)["fails"] == []
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()
