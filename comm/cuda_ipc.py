@@ -15,13 +15,17 @@ completion because the sender synchronised the copy stream before notifying.
 
 from __future__ import annotations
 
+import logging
 import pickle
+import time
 from typing import Any
 
 from comm.errors import PeerLostError
 from comm.protocol import ChannelConfig
 from comm.tcp import TcpEndpoint, _InPeer, _send_all
 from comm.wire import Hello, Kind, pack_header
+
+logger = logging.getLogger(__name__)
 
 
 # Allocations of at least this size get a cudaMalloc segment of their own in PyTorch's
@@ -63,8 +67,25 @@ class CudaIpcEndpoint(TcpEndpoint):
         return ring, pickle.dumps(reduce_tensor(ring))
 
     def _attach(self, welcome: Hello) -> Any:
+        """The receiver's ring, mapped into this process.
+
+        NOTE: torch's CUDA tensor sharing also exports an IPC event that the opener waits
+        on, so that the producer's pending writes land first. A ring has none (it is never
+        written by its owner), and opening that event is where 4-GPU runs failed
+        intermittently (cudaErrorInvalidResourceHandle while experts on GPUs 1-3 mapped
+        rings on GPU 0), so it is skipped; a failed open is retried once.
+        """
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
         rebuild, args = pickle.loads(welcome.extra)
-        return rebuild(*args)  # the receiver's ring, mapped into this process
+        if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
+            args = (*args[:-1], False)  # event_sync_required
+        try:
+            return rebuild(*args)
+        except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
+            logger.warning("mapping rank %d's ring failed (%s); retrying once", welcome.rank, e)
+            time.sleep(0.05)
+            return rebuild(*args)
 
     def _prepare(self, payload: Any) -> tuple[Any, int]:
         """payload: a tensor (any dtype, contiguous or not, CUDA or CPU) or a list of them."""
