@@ -153,16 +153,18 @@ def write_engine_checkpoint(path: str, num_layers: int) -> None:
 
 def bench_engine(path: str, num_prompts: int, input_len: int, output_len: int,
                  repeats: int = 2) -> list[dict]:
-    """Generated tokens/s of ``megaserve bench throughput`` on CUDA bf16 with our kernels
-    and with ``MEGASERVE_KERNELS=reference`` (cuBLAS/SDPA), one child process each (the
-    backend is chosen once per process), alternating, ``repeats`` times each (the first
-    processes also fill Triton's compile cache). Runs the CLI as a program: kernels never
-    imports megaserve."""
+    """Generated tokens/s of ``megaserve bench throughput`` on CUDA bf16, one child process
+    per run (the backend is chosen once per process), ``repeats`` rounds of three runs:
+    our kernels and ``MEGASERVE_KERNELS=reference`` (cuBLAS/SDPA) both eager (the same
+    engine, only the kernels differ: the cost of invariance), then ours with decode CUDA
+    graphs (the reference backend cannot be captured: its varlen attention reads lengths
+    on the host). The first round also fills Triton's compile cache. Runs the CLI as a
+    program: kernels never imports megaserve."""
     import os
     import subprocess
 
     rows = []
-    for backend in ("triton", "reference") * repeats:
+    for backend, graphs in (("triton", False), ("reference", False), ("triton", True)) * repeats:
         env = dict(os.environ)
         env.pop("MEGASERVE_KERNELS", None)
         if backend == "reference":
@@ -170,13 +172,13 @@ def bench_engine(path: str, num_prompts: int, input_len: int, output_len: int,
         cmd = [sys.executable, "-m", "megaserve.cli", "bench", "throughput", "--model", path,
                "--device", "cuda", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
                "--max-num-seqs", str(num_prompts), "--input-len", str(input_len),
-               "--output-len", str(output_len)]
+               "--output-len", str(output_len)] + ([] if graphs else ["--no-cuda-graphs"])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         tok_s = _tokens_per_s(proc.stdout) if proc.returncode == 0 else None
         if tok_s is None:
             raise RuntimeError(f"engine bench ({backend}) failed: {proc.stderr[-2000:]}"
                                f"{proc.stdout[-1000:]}")
-        rows.append(dict(backend=backend, tokens_per_s=tok_s))
+        rows.append(dict(backend=backend, cuda_graphs=graphs, tokens_per_s=tok_s))
     return rows
 
 
@@ -253,7 +255,9 @@ def main(argv: list[str]) -> int:
         print(f"engine ({args.engine_layers} Qwen3-30B-A3B-shaped layers, bf16, "
               f"{args.engine_prompts} prompts x {args.engine_input_len} in / "
               f"{args.engine_output_len} out, greedy), generated tok/s per run:")
-        for ours, ref in zip(engine[::2], engine[1::2]):
-            print(f"  ours {ours['tokens_per_s']:.1f}  cuBLAS/SDPA {ref['tokens_per_s']:.1f}  "
-                  f"ratio {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}")
+        for ours, ref, graphs in zip(engine[::3], engine[1::3], engine[2::3]):
+            print(f"  eager: ours {ours['tokens_per_s']:.1f}  cuBLAS/SDPA {ref['tokens_per_s']:.1f}  "
+                  f"ratio {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}   "
+                  f"ours with CUDA graphs {graphs['tokens_per_s']:.1f} "
+                  f"({graphs['tokens_per_s'] / ref['tokens_per_s']:.2f}x cuBLAS/SDPA eager)")
     return 0
