@@ -86,17 +86,15 @@ class AttentionLaunch:
 
 
 # Tiles kept after the round-4 sweep (scripts/attn_sweep.py, H200): decode-like batches
-# (at most two new tokens per sequence) and everything else. Round 5: the loop switches
-# (block ids one split ahead, masks only on diagonal splits) let Triton double-buffer the
-# K/V gathers inside a program (offline sm_90 compile: async_wait num=2, was 0), and
-# prefill takes 128-row / 8-warp / 3-stage tiles, long rows first. The round-4 tiles:
+# (at most two new tokens per sequence) and everything else. Round 5 (same sweep, H200):
+# decode adds ``prefetch`` (block ids one split ahead, so the K/V gathers are
+# double-buffered in a program: S=8 x 8192 split 168 -> 143 us, S=32 x 2048 split 129 ->
+# 105) and, when the fold grid is small, a fold over 32-column chunks (fold 55 -> ~33 us
+# at S=8). ``mask_tail`` is off: it changed bits at head_dim 128 (attention_kernels).
 ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
-ROUND4_PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
-DECODE_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
-PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=3, mask_tail=True, prefetch=True,
-                    long_first=True)
-# Decode-like batches also take split mode from this many splits per sequence on (S=64 x
-# 4096: split 339 us vs serial 412; S=32 x 2048: serial 106 vs split 129).
+DECODE_TILE = dict(ROUND4_DECODE_TILE, prefetch=True)
+PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
+_FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 32
 _DECODE_SPLIT_MIN_SPLITS = 64
 
 
@@ -142,7 +140,9 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     few = programs < _SERIAL_MIN_PROGRAMS or (
         decode_like and max_splits >= _DECODE_SPLIT_MIN_SPLITS)
     if max_splits > 1 and few and ws_bytes <= _MAX_WS_BYTES:
-        return AttentionLaunch("split", **tile)
+        fold_programs = (num_tokens + num_seqs) * num_kv_heads
+        fold_d = 32 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else 0
+        return AttentionLaunch("split", **tile, fold_block_d=fold_d)
     return AttentionLaunch("serial", **tile)
 
 

@@ -5,9 +5,11 @@ Launch-only switches (constexpr, never the bits):
 
 * ``MASK_TAIL``: a tile's splits that lie wholly at or before its first row's position
   (``split * C + C - 1 <= first_pos``, so inside the context and visible to every row)
-  run without the context mask on the loads and without the causal ``where``: there the
-  mask is all-true, so ``where(True, s, -inf) == s`` and the bits are unchanged. The
-  remaining (diagonal / tail) splits run masked as before.
+  run without the context mask on the loads and with a per-row (not per-key) select in
+  place of the causal ``where``. The round-5 device run found the version without any
+  select NOT bitwise equal at head_dim 128 (FMA contraction of ``* scale`` and ``- m``,
+  1 bf16 ulp); the select is meant to block that and is unverified, so it is off by
+  default.
 * ``PREFETCH``: the block ids of split ``s + 1`` are loaded while split ``s`` is computed
   and carried in registers, so the K/V gathers of a split depend on no load of the same
   iteration (Triton's pipeliner then double-buffers them instead of chaining
@@ -68,6 +70,11 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
     scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
     if MASKED:
         scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    else:
+        # Keep a select between ``* scale`` and ``- m``: without one the compiler fused
+        # them into an FMA for head_dim 128 and the bits changed (H200, round 5). This
+        # per-row predicate is always true; NOT yet checked on the device.
+        scores = tl.where(pos[:, None] >= 0, scores, float("-inf"))
     m_s = tl.max(scores, axis=1)  # exact in any order
     m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
     p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
