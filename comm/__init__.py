@@ -1,4 +1,4 @@
-"""M:N transport: one-sided write-with-immediate channels and an NCCL baseline.
+"""M:N transport: one-sided write-with-immediate channels over five providers.
 
 One primitive: a sender writes a payload into a slot that the receiver registered in
 advance, together with a 32-bit immediate (layer, micro-batch, slot, tag — see
@@ -11,7 +11,8 @@ docs/comm.md.
 
 Providers (``create_endpoint(name, ...)``; ``PROVIDERS`` lists them): ``inproc`` (threads),
 ``tcp`` (processes/hosts), ``cuda_ipc`` (CUDA tensors between GPUs of one host), ``rdma``
-(pyverbs RC QPs, needs a device), ``nccl`` (torch.distributed two-sided baseline).
+(pyverbs RC QPs, needs a device), ``nccl`` (torch.distributed P2P, one group per
+direction; gloo on CPU).
 
 Usage (one endpoint per worker; M attention workers and N expert workers are all both
 senders and receivers)::
