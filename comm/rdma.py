@@ -45,6 +45,17 @@ log = logging.getLogger(__name__)
 
 
 # -- pure helpers (unit-tested without pyverbs) ------------------------------------------
+def rdma_unavailable() -> str | None:
+    """Why the rdma provider cannot run on this machine (no pyverbs, no device), or None."""
+    try:
+        import pyverbs.device as vd
+    except ImportError:
+        return "pyverbs is not installed (pip install 'megaserve[rdma]'; needs rdma-core)"
+    if not vd.get_device_list():
+        return "pyverbs is installed but no RDMA device exists on this machine"
+    return None
+
+
 def verbs_enum(module: Any, enum_class: str, member: str) -> int:
     """Value of an ibverbs constant across pyverbs versions.
 

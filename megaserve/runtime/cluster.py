@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "nccl")
+SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "nccl", "rdma")
 
 
 def _process_context():
@@ -79,9 +79,15 @@ class DisaggregatedEngine:
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None) -> None:
         if config.transport not in SUPPORTED_TRANSPORTS:
             raise ValueError(
-                f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}; "
-                f"{config.transport!r} is available in comm/ but not wired into workers yet"
+                f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}, "
+                f"not {config.transport!r}"
             )
+        if config.transport == "rdma":
+            from comm.rdma import rdma_unavailable
+
+            reason = rdma_unavailable()
+            if reason is not None:
+                raise ValueError(f"transport 'rdma': {reason}; use tcp")
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(path)
         num_experts = self.model_config.num_experts

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from comm import ChannelConfig, CommError, create_endpoint
-from comm.rdma import SignalPolicy, bytes_to_gid, gid_to_bytes, verbs_enum
+from comm.rdma import SignalPolicy, bytes_to_gid, gid_to_bytes, rdma_unavailable, verbs_enum
 
 
 def test_verbs_enum_resolves_old_and_new_pyverbs_layouts():
@@ -47,12 +47,9 @@ def test_selective_signalling_never_overflows_the_send_queue():
 
 
 def _rdma_device_or_skip() -> None:
-    try:
-        import pyverbs.device as vd
-    except ImportError:
-        pytest.skip("pyverbs is not installed (pip install 'megaserve[rdma]'); needs rdma-core")
-    if not vd.get_device_list():
-        pytest.skip("pyverbs is installed but no RDMA device exists on this machine")
+    reason = rdma_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from comm.rdma import rdma_unavailable
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
@@ -142,7 +143,10 @@ def test_placement_validation_and_uneven_split():
     with pytest.raises(ValueError, match="expert_workers"):
         LLM(dtype="float32", expert_workers=9)
     with pytest.raises(ValueError, match="transport"):
-        LLM(dtype="float32", expert_workers=2, transport="rdma")
+        LLM(dtype="float32", expert_workers=2, transport="carrier-pigeon")
+    if rdma_unavailable() is not None:  # this machine: refused up front, no worker started
+        with pytest.raises(ValueError, match="transport 'rdma': .*use tcp"):
+            LLM(dtype="float32", expert_workers=2, transport="rdma")
     with pytest.raises(ValueError, match="aggregation"):
         EngineConfig(aggregation="whenever")
 
