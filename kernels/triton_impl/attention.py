@@ -85,17 +85,18 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
 
 
-# Tiles kept after the round-4 sweep (scripts/attn_sweep.py, H200): decode-like batches
-# (at most two new tokens per sequence) and everything else. Round 5 (same sweep, H200):
-# decode adds ``prefetch`` (block ids one split ahead, so the K/V gathers are
-# double-buffered in a program: S=8 x 8192 split 168 -> 143 us, S=32 x 2048 split 129 ->
-# 105) and, when the fold grid is small, a fold over 32-column chunks (fold 55 -> ~33 us
-# at S=8). ``mask_tail`` is off: it changed bits at head_dim 128 (attention_kernels).
+# Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-6).
+# Round 6 defaults, from the lead's run of round-5 code (.device/13, all 4 x 187 bitwise
+# checks passed, mask_tail with its per-row select included): prefill adds ``mask_tail``
+# (S=4 x 4096: 2554 -> 2336 us); decode runs serial 16-row tiles with 4 stages and both
+# loop switches whenever the serial grid fills the GPU (S=64 x 4096: split 338 -> serial
+# 291 us; S=32 x 2048: 96 -> 81), and split mode with both switches and the fold over
+# 32-column chunks for few long sequences (S=8 x 8192: 120 -> 114 us).
 ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
-DECODE_TILE = dict(ROUND4_DECODE_TILE, prefetch=True)
-PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2)
+DECODE_SPLIT_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
+DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_stages=4)
+PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2, mask_tail=True)
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 32
-_DECODE_SPLIT_MIN_SPLITS = 64
 
 
 @triton.jit
@@ -133,17 +134,15 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     decode-like batches (at most two new tokens per sequence), large ones otherwise; split
     mode when the serial grid would leave most SMs idle and the fp32 parts stay small."""
     decode_like = num_tokens <= 2 * num_seqs
-    tile = DECODE_TILE if decode_like else PREFILL_TILE
+    tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, tile["rows"] // g_pad)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    few = programs < _SERIAL_MIN_PROGRAMS or (
-        decode_like and max_splits >= _DECODE_SPLIT_MIN_SPLITS)
-    if max_splits > 1 and few and ws_bytes <= _MAX_WS_BYTES:
+    if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES:
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
         fold_d = 32 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else 0
         return AttentionLaunch("split", **tile, fold_block_d=fold_d)
-    return AttentionLaunch("serial", **tile)
+    return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
 
 
 def _splits_per_program(num_programs: int, max_splits: int) -> int:
