@@ -1,9 +1,9 @@
-"""Device sweep for paged attention (issue 3, rounds 4-5): bitwise checks, then timings.
+"""Device sweep for paged attention (issue 3, rounds 4-6): bitwise checks, then timings.
 
-Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR]``. Phase 1 runs
-the checks of each shape (and a compile warm-up of the timed variants) in parallel child
-processes; phase 2 times every variant against SDPA flash in this process and prints a
-table. Checks, per shape (GQA group, head dim, block size, context): the reference is
+Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR] [--phase P]``.
+Phase 1 runs the checks of each shape (``--parts`` children per shape) and a compile
+warm-up of the timed variants in parallel child processes; phase 2 times every variant
+against SDPA flash in this process and prints a line per variant. Checks, per shape (GQA group, head dim, block size, context): the reference is
 the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
 decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
 sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
@@ -45,48 +45,56 @@ CHECK_VARIANTS = [
          fold_block_d=32, long_first=True, **NEW),
     dict(mode="split", rows=64, num_warps=4, num_stages=3, prefetch=True, fold_tokens=4),
 ]
-DECODE_CHECKS = [0, 1, 6, 8, 12, 13, 14]  # CHECK_VARIANTS also run on single decodes
-BATCH_CHECKS = [0, 3, 6, 8, 10, 11, 12, 13, 14, 15]  # and on the batch compositions
+# Round 6 candidates (timed below). exp2=False: the round-5 arithmetic (the step-1
+# defaults' bits, checked in the round-6 baseline run), timed only, never checked here.
+D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # step-1 split default
 DECODE_VARIANTS = [
-    ("r4 default: split r16 w2 s3 u16", R4_DECODE),
-    ("r4 serial r16 w2 s3", dict(mode="serial", rows=16, num_warps=2, num_stages=3)),
-    ("serial r16 w2 s3 new", dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW)),
-    ("serial r16 w4 s3 new", dict(mode="serial", rows=16, num_warps=4, num_stages=3, **NEW)),
-    ("serial r16 w2 s4 new", dict(mode="serial", rows=16, num_warps=2, num_stages=4, **NEW)),
-    ("serial r64 w4 s3 new", dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW)),
-    ("split u16 prefetch only", dict(R4_DECODE, prefetch=True)),
-    ("split u16 mask_tail only", dict(R4_DECODE, mask_tail=True)),
-    ("split r16 w2 s3 u16 new", dict(R4_DECODE, **NEW)),
-    ("split r16 w2 s4 u16 new", dict(R4_DECODE, num_stages=4, **NEW)),
-    ("split r16 w4 s3 u16 new", dict(R4_DECODE, num_warps=4, **NEW)),
-    ("split r16 w4 s4 u16 new", dict(R4_DECODE, num_warps=4, num_stages=4, **NEW)),
-    ("split new spp8", dict(R4_DECODE, splits_per_program=8, **NEW)),
-    ("split new spp4", dict(R4_DECODE, splits_per_program=4, **NEW)),
-    ("split new fold_d32", dict(R4_DECODE, fold_block_d=32, **NEW)),
-    ("split new fold_d64 u8", dict(R4_DECODE, fold_block_d=64, fold_unroll=8, **NEW)),
-    ("split r64 w4 s3 new", dict(mode="split", rows=64, num_warps=4, num_stages=3, **NEW)),
+    ("step-1 default, round-5 arithmetic", None, False),
+    ("serial r16 w2 s4 new", dict(mode="serial", rows=16, num_warps=2, num_stages=4, **NEW),
+     True),
+    ("serial r16 w2 s3 new", dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW),
+     True),
+    ("serial r16 w2 s5 new", dict(mode="serial", rows=16, num_warps=2, num_stages=5, **NEW),
+     True),
+    ("split new fold_d32", D32, True),
+    ("split new fold_d32 fw1", dict(D32, fold_warps=1), True),
+    ("split new fold_d32 fw2", dict(D32, fold_warps=2), True),
+    ("split new fold_d16 fw1", dict(D32, fold_block_d=16, fold_warps=1), True),
+    ("split new fold_d16 fw2", dict(D32, fold_block_d=16, fold_warps=2), True),
+    ("split new fold_d32 fw1 u32", dict(D32, fold_warps=1, fold_unroll=32), True),
+    ("split s2 new fold_d32 fw1", dict(D32, num_stages=2, fold_warps=1), True),
+    ("split spp8 new fold_d32 fw1", dict(D32, splits_per_program=8, fold_warps=1), True),
+    ("split w1 new fold_d32 fw1", dict(D32, num_warps=1, fold_warps=1), True),
 ]
 # Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
-PARTS_TIMED = {"r4 default: split r16 w2 s3 u16", "split r16 w2 s3 u16 new",
-               "split r16 w4 s3 u16 new", "split r16 w2 s4 u16 new", "split new spp8"}
+PARTS_TIMED = {"split new fold_d32", "split s2 new fold_d32 fw1"}
+MT = dict(mode="serial", mask_tail=True)
 PREFILL_VARIANTS = [
-    ("r4 default: serial r64 w4 s2", dict(mode="serial", rows=64, num_warps=4, num_stages=2)),
-    ("r64 w4 s2 mask_tail", dict(mode="serial", rows=64, num_warps=4, num_stages=2,
-                                 mask_tail=True)),
-    ("r64 w4 s2 new", dict(mode="serial", rows=64, num_warps=4, num_stages=2, **NEW)),
-    ("r64 w4 s3 new", dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW)),
-    ("r64 w4 s3 new long_first", dict(mode="serial", rows=64, num_warps=4, num_stages=3,
-                                      long_first=True, **NEW)),
-    ("r128 w8 s2 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=2,
-                                       long_first=True, **NEW)),
-    ("r128 w8 s3 new", dict(mode="serial", rows=128, num_warps=8, num_stages=3, **NEW)),
-    ("r128 w8 s3 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=3,
-                                       long_first=True, **NEW)),
-    ("r128 w8 s4 new long_first", dict(mode="serial", rows=128, num_warps=8, num_stages=4,
-                                       long_first=True, **NEW)),
-    ("r128 w4 s3 new long_first", dict(mode="serial", rows=128, num_warps=4, num_stages=3,
-                                       long_first=True, **NEW)),
+    ("step-1 default, round-5 arithmetic", None, False),
+    ("r64 w4 s2 mask_tail prefetch", dict(MT, rows=64, num_warps=4, num_stages=2,
+                                          prefetch=True), True),
+    ("r64 w4 s2 mask_tail long_first", dict(MT, rows=64, num_warps=4, num_stages=2,
+                                            long_first=True), True),
+    ("r128 w8 s2 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=2), True),
+    ("r128 w8 s2 mask_tail long_first", dict(MT, rows=128, num_warps=8, num_stages=2,
+                                             long_first=True), True),
+    ("r128 w8 s2 new", dict(MT, rows=128, num_warps=8, num_stages=2, prefetch=True), True),
+    ("r128 w8 s3 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=3), True),
+    ("r128 w8 s3 new long_first", dict(MT, rows=128, num_warps=8, num_stages=3,
+                                       prefetch=True, long_first=True), True),
+    ("r128 w8 s3 mask_tail, round-5 arithmetic", dict(MT, rows=128, num_warps=8,
+                                                      num_stages=3), False),
 ]
+# Every timed launch with the default arithmetic is also checked bitwise (prefill, single
+# decodes for decode candidates, batches), so a winner can become the default.
+for _vs in (DECODE_VARIANTS, PREFILL_VARIANTS):
+    for _n, _var, _e2 in _vs:
+        if _var is not None and _e2 and _var not in CHECK_VARIANTS:
+            CHECK_VARIANTS.append(_var)
+_NEW_CHECKS = list(range(16, len(CHECK_VARIANTS)))
+DECODE_CHECKS = [0, 1, 6, 8, 12, 13, 14] + [
+    i for i in _NEW_CHECKS if CHECK_VARIANTS[i]["rows"] == 16]  # also on single decodes
+BATCH_CHECKS = [0, 3, 6, 8, 10, 11, 12, 13, 14, 15] + _NEW_CHECKS  # and on batches
 CASES = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("decode", 32, 2048, 1),
          ("prefill", 4, 4096, 4096)]
 
@@ -109,8 +117,10 @@ def _setup(hq, hkv, dh, bs, length, seed):
     return q, k, v, kc, vc, table
 
 
-def check_shape(idx: int) -> dict:
-    """All bitwise checks of SHAPES[idx]; returns {shape, failures, checks, rel_err}."""
+def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
+    """The bitwise checks of SHAPES[idx] whose CHECK_VARIANTS index is ``part`` mod
+    ``parts`` (part 0 also the default launch's and the diagnostics); returns {shape,
+    failures, checks, rel_err}."""
     import torch
 
     from kernels.triton_impl.attention import AttentionLaunch, paged_attention
@@ -151,14 +161,19 @@ def check_shape(idx: int) -> dict:
     if not rel <= 1e-2 or full.isnan().any():
         fails.append(f"float64 reference rel err {rel:.3g}")
     expect("default launch, prefill", run(q, [length], [length]), full)
-    for var in CHECK_VARIANTS:
+
+    def mine(vars_):  # this child's share of a list of launches (None: the default)
+        return [v for v in vars_ if (v is None and part == 0) or (
+            v is not None and CHECK_VARIANTS.index(v) % parts == part)]
+
+    for var in mine(CHECK_VARIANTS):
         expect(f"prefill {var}", run(q, [length], [length], launch=var), full)
     for t in sample[:12] + [0, 63, 64, length - 1]:
-        expect(f"decode {t} default", run(q[t : t + 1], [t + 1], [1])[0], full[t])
-        for var in [CHECK_VARIANTS[i] for i in DECODE_CHECKS]:
+        for var in mine([None] + [CHECK_VARIANTS[i] for i in DECODE_CHECKS]):
             expect(f"decode {t} {var}", run(q[t : t + 1], [t + 1], [1], launch=var)[0], full[t])
     for chunk in (37, 256, 1000):
-        for var in (None, CHECK_VARIANTS[9], CHECK_VARIANTS[11]):
+        for var in mine([None, CHECK_VARIANTS[9], CHECK_VARIANTS[11]] + [
+                CHECK_VARIANTS[i] for i in _NEW_CHECKS if CHECK_VARIANTS[i]["rows"] >= 64]):
             outs = [run(q[a : a + chunk], [min(a + chunk, length)], [min(chunk, length - a)],
                         launch=var) for a in range(0, length, chunk)]
             expect(f"chunked prefill {chunk} {var}", torch.cat(outs), full)
@@ -169,12 +184,14 @@ def check_shape(idx: int) -> dict:
     for lens, n_new in comps:
         qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
         want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
-        expect(f"batch {n_new} default", run(qb, lens, n_new), want)
-        for var in [CHECK_VARIANTS[i] for i in BATCH_CHECKS]:
+        for var in mine([None] + [CHECK_VARIANTS[i] for i in BATCH_CHECKS]):
             expect(f"batch {n_new} {var}", run(qb, lens, n_new, launch=var), want)
+    old_diag = {}
+    if part:
+        return dict(shape=SHAPES[idx], checks=n_checks, failures=fails, rel_err=rel,
+                    tl_sum_equal=old_diag)
     # Diagnostic: is the round-3 formulation (tl.sum) invariant across tiles too?
     old = run(q, [length], [length], launch=REF, l_by_dot=False)
-    old_diag = {}
     for var in (CHECK_VARIANTS[0], CHECK_VARIANTS[3], CHECK_VARIANTS[6]):
         other = run(q, [length], [length], launch=var, l_by_dot=False)
         old_diag[str(var)] = bool(torch.equal(other, old))
@@ -190,8 +207,9 @@ def _paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
     return make(num_seqs, ctx, new, hq, hkv, dh, torch.bfloat16)
 
 
-def time_cases(warm_only: bool) -> list[dict]:
-    """Every timed variant of every case (and SDPA flash); warm_only: one call each."""
+def time_cases(warm_only: bool, budget_s: float = 1e9) -> list[dict]:
+    """Every timed variant of every case (and SDPA flash); warm_only: one call each.
+    Variants still untimed after ``budget_s`` seconds are listed as skipped."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -201,46 +219,50 @@ def time_cases(warm_only: bool) -> list[dict]:
 
     hq, hkv, dh = 32, 8, 128
     rows = []
+    t_end = time.time() + budget_s
     for name, seqs, ctx, new in CASES:
         q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh)
         scale = dh**-0.5
-        variants = [("default", None)] + (DECODE_VARIANTS if name == "decode"
-                                          else PREFILL_VARIANTS)
-        variants.append(("round-3 formulation r64", "old"))
+        case = f"{name} S={seqs} ctx={ctx} new={new}"
+        variants = [("default", None, True)] + (DECODE_VARIANTS if name == "decode"
+                                                else PREFILL_VARIANTS)
         qd = q.view(seqs, new, hq, dh).transpose(1, 2)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             sdpa = (0.0 if warm_only else _time_ms(lambda: F.scaled_dot_product_attention(
                 qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True)))
         base = None
-        for vname, var in variants:
-            if var == "old":
-                fn = lambda: paged_attention(q, kc, vc, table, lens, qsl, scale,  # noqa: E731
-                                             launch=AttentionLaunch(**REF), l_by_dot=False)
-            else:
-                launch = None if var is None else AttentionLaunch(**var)
-                fn = lambda launch=launch: paged_attention(  # noqa: E731
-                    q, kc, vc, table, lens, qsl, scale, launch=launch)
-            out = fn()
-            if base is None:
-                base = out
-            same = bool(torch.equal(out, base)) if var != "old" else None
-            us = 0.0 if warm_only else _time_ms(fn) * 1e3
-            rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}", variant=vname,
-                             us=us, sdpa_us=sdpa * 1e3, ratio=(sdpa * 1e3 / us) if us else 0,
-                             same_bits=same))
+        for vname, var, exp2 in variants:
+            if not warm_only and time.time() > t_end:
+                print(f"  {case} {vname}: skipped (sweep budget)", flush=True)
+                continue
+            launch = None if var is None else AttentionLaunch(**var)
+            fn = lambda launch=launch, exp2=exp2: paged_attention(  # noqa: E731
+                q, kc, vc, table, lens, qsl, scale, launch=launch, exp2=exp2)
+            try:
+                out = fn()
+                if base is None:
+                    base = out
+                us = 0.0 if warm_only else _time_ms(fn) * 1e3
+                p_us = None
+                if vname in PARTS_TIMED:  # the parts kernel alone; the fold is the rest
+                    parts = lambda launch=launch: paged_attention(  # noqa: E731
+                        q, kc, vc, table, lens, qsl, scale, launch=launch, parts_only=True)
+                    parts()
+                    p_us = 0.0 if warm_only else _time_ms(parts) * 1e3
+            except Exception as exc:  # a launch the GPU cannot run (e.g. shared memory)
+                print(f"  {case} {vname}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            row = dict(case=case, variant=vname, us=us, sdpa_us=sdpa * 1e3,
+                       ratio=(sdpa * 1e3 / us) if us else 0, launch=var, exp2=exp2,
+                       same_bits=bool(torch.equal(out, base)) if exp2 else None)
+            if p_us is not None:
+                row.update(parts_us=p_us, fold_us=us - p_us)
+            rows.append(row)
             if not warm_only:
-                print(f"  {rows[-1]['case']} {vname}: {us:.1f} us (flash {sdpa * 1e3:.1f})",
-                      flush=True)
-            if vname in PARTS_TIMED:  # the parts kernel alone; the fold is the rest
-                launch = AttentionLaunch(**var)
-                parts = lambda launch=launch: paged_attention(  # noqa: E731
-                    q, kc, vc, table, lens, qsl, scale, launch=launch, parts_only=True)
-                parts()
-                p_us = 0.0 if warm_only else _time_ms(parts) * 1e3
-                rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}",
-                                 variant=f"  parts kernel of: {vname}", us=p_us,
-                                 sdpa_us=sdpa * 1e3, ratio=0.0, same_bits=None,
-                                 fold_us=us - p_us))
+                extra = (f"  (parts {p_us:.1f}, fold {us - p_us:.1f})"
+                         if p_us is not None else "")
+                print(f"  {case} {vname}: {us:.1f} us (flash {sdpa * 1e3:.1f}, ratio "
+                      f"{row['ratio']:.2f}){extra}", flush=True)
         del q, kc, vc, kd, vd
         torch.cuda.empty_cache()
     return rows
@@ -250,16 +272,44 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--child", default="")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="seconds for the timing phase; later variants are skipped")
+    parser.add_argument("--phase", choices=["all", "checks", "timings"], default="all",
+                        help="checks (+ compile warm-up) only, timings only, or both")
+    parser.add_argument("--parts", type=int, default=2, help="check children per shape")
     args = parser.parse_args()
     if args.child:
-        kind, _, idx = args.child.partition(":")
-        res = check_shape(int(idx)) if kind == "check" else time_cases(warm_only=True)
+        kind, idx, part = (args.child.split(":") + ["0"])[:3]
+        res = (check_shape(int(idx), int(part), args.parts) if kind == "check"
+               else time_cases(warm_only=True))
         print("RESULT " + json.dumps(res if kind == "check" else {"warm": len(res)}))
         return 0
     t0 = time.time()
-    children = [f"check:{i}" for i in range(len(SHAPES))] + ["warm:0"]
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", c], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in children]
+    ok = True
+    if args.phase != "timings":
+        ok = _checks(args.parts)
+    if args.phase == "checks":
+        return 0 if ok else 1
+    rows = time_cases(warm_only=False, budget_s=args.budget_s)
+    with open(os.path.join(args.out, "attn_sweep.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name()}; times: median of CUDA-graph replays; "
+          f"'default' = choose_launch's pick; flash timed in the same process")
+    print(f"total {time.time() - t0:.0f}s")
+    return 0 if ok else 1
+
+
+def _checks(parts: int) -> bool:
+    """Phase 1: every shape's checks, ``parts`` children per shape, and a compile
+    warm-up of the timed variants, all in parallel; prints a line per child."""
+    t0 = time.time()
+    children = [f"check:{i}:{p}" for i in range(len(SHAPES)) for p in range(parts)]
+    children.append("warm:0")
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", c, "--parts", str(parts)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in children]
     ok = True
     for c, p in zip(children, procs):
         text, _ = p.communicate()
@@ -278,18 +328,7 @@ def main() -> int:
                 print(f"   FAIL {f}")
     print(f"phase 1 (checks, parallel) {time.time() - t0:.0f}s; all bitwise checks "
           f"{'PASSED' if ok else 'FAILED'}", flush=True)
-    rows = time_cases(warm_only=False)
-    with open(os.path.join(args.out, "attn_sweep.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    import torch
-
-    print(f"device: {torch.cuda.get_device_name()}; times: median of CUDA-graph replays")
-    for r in rows:
-        extra = f"  (fold = total - parts: {r['fold_us']:.1f} us)" if "fold_us" in r else ""
-        print(f"{r['case']:<30} {r['variant']:<40} {r['us']:>8.1f} us  flash {r['sdpa_us']:>7.1f}"
-              f"  ratio {r['ratio']:.2f}  same-bits-as-default {r['same_bits']}{extra}")
-    print(f"total {time.time() - t0:.0f}s")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

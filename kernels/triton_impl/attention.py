@@ -8,9 +8,10 @@ KV head; its BLOCK_M = BLOCK_Q * G_PAD rows are (token, query head of the group)
 
     row r  →  token  r // G_PAD,  query head  kv_head * G + r % G_PAD   (r % G_PAD < G)
 
-For each split of C keys (ascending), a row computes, exactly as kernels.cpu does,
+For each split of C keys (ascending), a row computes, as kernels.cpu does,
 ``m_s = max(scores)``, ``p = exp(scores - m_s)``, ``l_s = Σp``, ``o_s = p @ V`` and folds
-``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))``. Split 0 always holds key 0, so ``m`` is
+``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))`` (since round 6 in log2 units: exp2,
+log2(e) folded into the scale, explicit FMAs; see attention_kernels). Split 0 always holds key 0, so ``m`` is
 finite after it and a split lying wholly past a row's position merges as an exact
 identity (alpha = 1, beta = 0): a row's bits depend on its own position and context only.
 
@@ -51,6 +52,7 @@ from kernels.triton_impl.attention_kernels import (
 _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
 _SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
+_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class AttentionLaunch:
     prefetch: bool = False  # block ids of the next split loaded one iteration ahead
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
     fold_block_d: int = 0  # split mode: head_dim columns per fold program; 0 = all
+    fold_warps: int = 4  # split mode: warps per fold program
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split"):
@@ -77,7 +80,7 @@ class AttentionLaunch:
         if fbd and (fbd < 16 or fbd & (fbd - 1)):
             raise ValueError(f"AttentionLaunch: fold_block_d={self.fold_block_d} must be 0 "
                              "or a power of two >= 16")
-        for name in ("rows", "num_warps", "fold_tokens", "fold_unroll"):
+        for name in ("rows", "num_warps", "fold_tokens", "fold_unroll", "fold_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
@@ -157,7 +160,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, *,
                     mode: str | None = None, splits_per_program: int | None = None,
                     launch: AttentionLaunch | None = None,
-                    l_by_dot: bool = True, parts_only: bool = False) -> torch.Tensor:
+                    l_by_dot: bool = True, exp2: bool = True,
+                    parts_only: bool = False) -> torch.Tensor:
     """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
@@ -168,8 +172,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch choice changes the bits (same per-split arithmetic, same merge order; checked
     by the GPU tests and scripts/attn_sweep.py). ``l_by_dot=False`` is the round-3
     formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only;
-    ``parts_only`` (split mode) skips the fold, so the sweep can time the two kernels
-    apart (the output is then unwritten).
+    ``exp2=False`` is the round-5 arithmetic (``exp``, compiler-chosen contractions; other
+    bits, the same for every launch), kept for the sweep only; ``parts_only`` (split
+    mode) skips the fold, so the sweep can time the two kernels apart (the output is then
+    unwritten).
     """
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -198,12 +204,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = dict(GROUP=group, G_PAD=g_pad, SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
                   BLOCK_D=block_d)
     loop = dict(MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
-                LONG_FIRST=launch.long_first)
+                LONG_FIRST=launch.long_first, EXP2=exp2)
+    # EXP2 (attention_kernels docstring): scores in log2 units, log2(e) folded into scale.
+    scale = float(scale) * _LOG2E if exp2 else float(scale)
     kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if launch.mode == "serial":
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
-            num_seqs, float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            num_seqs, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
         return out
@@ -214,7 +222,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
     _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
-        num_seqs, t, float(scale), q.stride(0), q.stride(1), *kv_args,
+        num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
         NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
         BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **common, **loop)
@@ -225,5 +233,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
             context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
             out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
-            UNROLL=launch.fold_unroll, num_warps=4, **common)
+            UNROLL=launch.fold_unroll, EXP2=exp2, num_warps=launch.fold_warps, **common)
     return out

@@ -15,6 +15,13 @@ Launch-only switches (constexpr, never the bits):
   iteration (Triton's pipeliner then double-buffers them instead of chaining
   block-table load -> gather -> compute inside one iteration).
 * ``LONG_FIRST``: tiles are numbered from the last, so long causal rows start first.
+
+One arithmetic switch, ``EXP2`` (round 6, the default; it changes the bits of every launch
+alike, never between launches): ``scale`` arrives with log2(e) folded in, the split's max
+is taken over the raw dot products and scaled once per row (rounding is monotone, so this
+is the max of the scaled scores), ``p = exp2(fma(dot, scale, -m))`` with an explicit FMA,
+and the merge uses ``exp2`` and explicit FMAs. Nothing is left for the compiler to contract
+differently in the masked and unmasked paths, so no select is needed there.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def _block_ids(bt, split, ctx_len, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr
 def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
                 stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
                 SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr):
+                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr):
     """(m_s, l_s, o_s) of one split for the tile's rows; see the NOTE in attention.py.
     ``MASKED=False`` only for splits every row sees whole (module docstring)."""
     keys = split * SPLIT + tl.arange(0, SPLIT)
@@ -67,17 +74,25 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
             dm = (d < HEAD_DIM)[None, :]
             k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
             v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
-    scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
-    if MASKED:
-        scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+    if EXP2:  # module docstring; scale includes log2(e)
+        raw = tl.dot(q, tl.trans(k))  # [BLOCK_M, SPLIT] fp32
+        if MASKED:
+            raw = tl.where(keys[None, :] <= pos[:, None], raw, float("-inf"))
+        m_s = tl.max(raw, axis=1) * scale  # max exact in any order; -inf stays -inf
+        m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
+        p = tl.exp2(tl.fma(raw, scale, -m_safe[:, None])).to(v.dtype)
     else:
-        # Keep a select between ``* scale`` and ``- m``: without one the compiler fused
-        # them into an FMA for head_dim 128 and the bits changed (H200, round 5). This
-        # per-row predicate is always true (checked bitwise on an H200, round 6).
-        scores = tl.where(pos[:, None] >= 0, scores, float("-inf"))
-    m_s = tl.max(scores, axis=1)  # exact in any order
-    m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
-    p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
+        if MASKED:
+            scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
+        else:
+            # Keep a select between ``* scale`` and ``- m``: without one the compiler
+            # fused them into an FMA for head_dim 128 and the bits changed (H200, round
+            # 5). This per-row predicate is always true (bitwise on an H200, round 6).
+            scores = tl.where(pos[:, None] >= 0, scores, float("-inf"))
+        m_s = tl.max(scores, axis=1)  # exact in any order
+        m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
+        p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
     o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
     if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
         l_s = tl.max(tl.dot(p, tl.full([SPLIT, 16], 1.0, v.dtype)), axis=1)
@@ -123,13 +138,19 @@ def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _merge(m, l, o, m_s, l_s, o_s):
+def _merge(m, l, o, m_s, l_s, o_s, EXP2: tl.constexpr):
     """Fold split s into the running (m, l, o); the one merge both launch modes use."""
     m_new = tl.maximum(m, m_s)
-    alpha = tl.exp(m - m_new)
-    beta = tl.exp(m_s - m_new)
-    o = o * alpha[:, None] + o_s * beta[:, None]
-    l = l * alpha + l_s * beta
+    if EXP2:
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)
+        o = tl.fma(o, alpha[:, None], o_s * beta[:, None])
+        l = tl.fma(l, alpha, l_s * beta)
+    else:
+        alpha = tl.exp(m - m_new)
+        beta = tl.exp(m_s - m_new)
+        o = o * alpha[:, None] + o_s * beta[:, None]
+        l = l * alpha + l_s * beta
     return m_new, l, o
 
 
@@ -152,7 +173,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
-                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr):
+                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
+                            EXP2: tl.constexpr):
     """Serial mode: one program walks all of its tile's splits."""
     kv_head = tl.program_id(1)
     pid = tl.program_id(0)
@@ -183,8 +205,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False)
-                m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+                                            False, EXP2)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
                 if PREFETCH:
                     ids = nxt
         ids = _block_ids(bt, lo, ctx_len, BLOCK_SIZE, SPLIT)
@@ -195,8 +217,9 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
             m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                         pos, stride_kb, stride_ks, stride_kh, scale,
-                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True)
-            m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True,
+                                        EXP2)
+            m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
             if PREFETCH:
                 ids = nxt
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, 0,
@@ -225,7 +248,8 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
-                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr):
+                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
+                            EXP2: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
@@ -253,7 +277,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False)
+                                            False, EXP2)
                 _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
                              tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM,
                              BLOCK_D)
@@ -267,7 +291,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                 ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
             m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
                                         stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True)
+                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2)
             _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
                          tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM, BLOCK_D)
             if PREFETCH:
@@ -280,7 +304,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           UNROLL: tl.constexpr):
+                           UNROLL: tl.constexpr, EXP2: tl.constexpr):
     """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
     serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
     split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
@@ -309,6 +333,6 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                 l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
                 o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
                               mask=reach[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-                m, l, o = _merge(m, l, o, m_s, l_s, o_s)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                     HEAD_DIM, BLOCK_D)

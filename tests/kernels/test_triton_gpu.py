@@ -151,11 +151,20 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
                    AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=32),
                    AttentionLaunch("split", 16, 4, 4, 4, mask_tail=True, prefetch=True,
-                                   long_first=True)):
+                                   long_first=True),
+                   # round 6: prefill 128-row tiles with unmasked full splits, decode
+                   # serial 4 stages, folds over 16 columns with one warp
+                   AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
+                   AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
+                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                                   prefetch=True, fold_block_d=16, fold_warps=1)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
         assert torch.equal(got, serial), f"{launch}: mixed batch differs"
+    # The round-5 arithmetic (exp; kept for the sweep) agrees to within bf16 rounding.
+    old = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, exp2=False)
+    assert (old.float() - full.float()).abs().max().item() < 3e-2
 
 
 def test_moe_and_sampling() -> None:
