@@ -7,6 +7,8 @@ against SDPA flash in this process and prints a line per variant. Checks, per sh
 the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
 decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
 sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
+The checks use paged_attention's default arithmetic: run with ``MEGASERVE_ATTN_EXP2=1`` to
+check the round-6 EXP2 form (the timed variants name theirs).
 """
 
 from __future__ import annotations
@@ -324,9 +326,16 @@ def _checks(parts: int) -> bool:
             print(f"{c} shape={res['shape']} checks={res['checks']} failures="
                   f"{len(res['failures'])} rel_err={res['rel_err']:.2e} "
                   f"tl.sum-equal={res['tl_sum_equal']}")
+            n_split = sum("'split'" in f for f in res["failures"])
+            if res["failures"]:
+                print(f"   failures with split launches: {n_split}, others: "
+                      f"{len(res['failures']) - n_split}")
             for f in res["failures"][:8]:
                 print(f"   FAIL {f}")
-    print(f"phase 1 (checks, parallel) {time.time() - t0:.0f}s; all bitwise checks "
+    from kernels.triton_impl.attention import exp2_default
+
+    print(f"phase 1 (checks, parallel, exp2={exp2_default()}) {time.time() - t0:.0f}s; "
+          "all bitwise checks "
           f"{'PASSED' if ok else 'FAILED'}", flush=True)
     return ok
 

@@ -10,8 +10,9 @@ KV head; its BLOCK_M = BLOCK_Q * G_PAD rows are (token, query head of the group)
 
 For each split of C keys (ascending), a row computes, as kernels.cpu does,
 ``m_s = max(scores)``, ``p = exp(scores - m_s)``, ``l_s = Σp``, ``o_s = p @ V`` and folds
-``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))`` (since round 6 in log2 units: exp2,
-log2(e) folded into the scale, explicit FMAs; see attention_kernels). Split 0 always holds key 0, so ``m`` is
+``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))`` (the opt-in round-6 EXP2 form does
+the same in log2 units: exp2, log2(e) folded into the scale, explicit FMAs; see
+attention_kernels and :func:`exp2_default`). Split 0 always holds key 0, so ``m`` is
 finite after it and a split lying wholly past a row's position merges as an exact
 identity (alpha = 1, beta = 0): a row's bits depend on its own position and context only.
 
@@ -34,6 +35,7 @@ first), launch choices like the tile.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +150,14 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
 
 
+def exp2_default() -> bool:
+    """The arithmetic :func:`paged_attention` uses when ``exp2`` is not given: the round-5
+    ``exp`` form, or the round-6 EXP2 form with ``MEGASERVE_ATTN_EXP2=1``. EXP2 is ~1.3x
+    faster on prefill but its split mode is not yet checked bitwise against its serial
+    mode on a device (docs/benchmarks.md, Kernels, round 6), so it is opt-in."""
+    return os.environ.get("MEGASERVE_ATTN_EXP2", "0") == "1"
+
+
 def _splits_per_program(num_programs: int, max_splits: int) -> int:
     """Consecutive splits per split-mode program: a power of two that keeps about
     _SPLIT_MODE_PROGRAMS programs in the grid (launch shape only, never the bits)."""
@@ -160,7 +170,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, *,
                     mode: str | None = None, splits_per_program: int | None = None,
                     launch: AttentionLaunch | None = None,
-                    l_by_dot: bool = True, exp2: bool = True,
+                    l_by_dot: bool = True, exp2: bool | None = None,
                     parts_only: bool = False) -> torch.Tensor:
     """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
@@ -172,11 +182,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch choice changes the bits (same per-split arithmetic, same merge order; checked
     by the GPU tests and scripts/attn_sweep.py). ``l_by_dot=False`` is the round-3
     formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only;
-    ``exp2=False`` is the round-5 arithmetic (``exp``, compiler-chosen contractions; other
-    bits, the same for every launch), kept for the sweep only; ``parts_only`` (split
+    ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the round-6 EXP2
+    form (attention_kernels docstring), False the round-5 one (``exp``; other bits); ``parts_only`` (split
     mode) skips the fold, so the sweep can time the two kernels apart (the output is then
     unwritten).
     """
+    exp2 = exp2_default() if exp2 is None else exp2
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:

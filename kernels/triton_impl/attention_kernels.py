@@ -16,12 +16,13 @@ Launch-only switches (constexpr, never the bits):
   block-table load -> gather -> compute inside one iteration).
 * ``LONG_FIRST``: tiles are numbered from the last, so long causal rows start first.
 
-One arithmetic switch, ``EXP2`` (round 6, the default; it changes the bits of every launch
-alike, never between launches): ``scale`` arrives with log2(e) folded in, the split's max
+One arithmetic switch, ``EXP2`` (round 6, opt-in until checked on a device; it changes the
+bits of every launch alike, never between launches): ``scale`` arrives with log2(e) folded in, the split's max
 is taken over the raw dot products and scaled once per row (rounding is monotone, so this
 is the max of the scaled scores), ``p = exp2(fma(dot, scale, -m))`` with an explicit FMA,
 and the merge uses ``exp2`` and explicit FMAs. Nothing is left for the compiler to contract
-differently in the masked and unmasked paths, so no select is needed there.
+differently in the masked and unmasked paths, so no select is needed there; one per-row
+select keeps ``m_s`` out of the merge's subtraction (see ``_split_core``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
         raw = tl.dot(q, tl.trans(k))  # [BLOCK_M, SPLIT] fp32
         if MASKED:
             raw = tl.where(keys[None, :] <= pos[:, None], raw, float("-inf"))
-        m_s = tl.max(raw, axis=1) * scale  # max exact in any order; -inf stays -inf
+        # max exact in any order; -inf stays -inf. The (always true) per-row select
+        # keeps ``* scale`` a separate rounding: without it the serial kernel's merge
+        # contracted ``m_s - m_new`` into fma(max, scale, -m_new) while the fold, which
+        # loads m_s, subtracts; split and serial bits differed (H200, round 6; sm_90 PTX).
+        m_s = tl.where(pos >= 0, tl.max(raw, axis=1) * scale, float("-inf"))
         m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
         p = tl.exp2(tl.fma(raw, scale, -m_safe[:, None])).to(v.dtype)
     else:

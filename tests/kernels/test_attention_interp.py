@@ -48,36 +48,36 @@ def _child() -> None:
     write_kv_cache(k, v, kc, vc, table.long()[pos // bs] * bs + pos % bs)
     q = torch.randn(length, hq, dh, dtype=torch.float16)
 
-    def run(rows, lens, n_new, launch, exp2=True):
+    def run(rows, lens, n_new, launch, exp2):
         qsl = torch.tensor([0, *itertools.accumulate(n_new)]).int()
         tables = table[None].expand(len(lens), -1).contiguous()
         return paged_attention(rows, kc, vc, tables, torch.tensor(lens).int(), qsl, 0.25,
                                launch=launch, exp2=exp2)
 
     ref = AttentionLaunch("serial", 64, 4, 2)
-    full = run(q, [length], [length], ref)
     lens, n_new = [length, 1, 65, 64, 100], [1, 1, 3, 64, 30]
     qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
-    want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
     fails = []
-    for launch in (AttentionLaunch("serial", 16, 2, 3, mask_tail=True, prefetch=True),
-                   AttentionLaunch("serial", 32, 4, 3, mask_tail=True, prefetch=True,
-                                   long_first=True),
-                   AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, prefetch=True,
-                                   long_first=True, fold_block_d=16, fold_unroll=4,
-                                   fold_warps=1)):
-        if not torch.equal(run(q, [length], [length], launch), full):
-            fails.append(f"prefill {launch}")
-        if not torch.equal(run(qb, lens, n_new, launch), want):
-            fails.append(f"batch {launch}")
-        for t in (63, 64, 128, length - 1):
-            if not torch.equal(run(q[t : t + 1], [t + 1], [1], launch)[0], full[t]):
-                fails.append(f"decode {t} {launch}")
-    # The round-5 arithmetic (exp, no explicit FMAs) is kept for the sweep: other bits,
-    # same values to within rounding.
-    old = run(q, [length], [length], ref, exp2=False)
-    if not (old.float() - full.float()).abs().max().item() < 1e-2:
-        fails.append("exp2=False differs from exp2 by more than rounding")
+    fulls = {}
+    for exp2 in (False, True):  # the round-5 and the round-6 (EXP2) arithmetic
+        full = fulls[exp2] = run(q, [length], [length], ref, exp2)
+        want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
+        for launch in (AttentionLaunch("serial", 16, 2, 3, mask_tail=True, prefetch=True),
+                       AttentionLaunch("serial", 32, 4, 3, mask_tail=True, prefetch=True,
+                                       long_first=True),
+                       AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, prefetch=True,
+                                       long_first=True, fold_block_d=16, fold_unroll=4,
+                                       fold_warps=1)):
+            if not torch.equal(run(q, [length], [length], launch, exp2), full):
+                fails.append(f"prefill {launch} exp2={exp2}")
+            if not torch.equal(run(qb, lens, n_new, launch, exp2), want):
+                fails.append(f"batch {launch} exp2={exp2}")
+            for t in (63, 64, 128, length - 1):
+                if not torch.equal(run(q[t : t + 1], [t + 1], [1], launch, exp2)[0], full[t]):
+                    fails.append(f"decode {t} {launch} exp2={exp2}")
+    # Both arithmetics give the same values to within rounding.
+    if not (fulls[False].float() - fulls[True].float()).abs().max().item() < 1e-2:
+        fails.append("exp2=False differs from exp2=True by more than rounding")
     print(json.dumps({"fails": fails}), flush=True)
 
 

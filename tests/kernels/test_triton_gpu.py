@@ -162,9 +162,38 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
         assert torch.equal(got, serial), f"{launch}: mixed batch differs"
-    # The round-5 arithmetic (exp; kept for the sweep) agrees to within bf16 rounding.
-    old = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, exp2=False)
-    assert (old.float() - full.float()).abs().max().item() < 3e-2
+
+
+def test_paged_attention_exp2_split_equals_serial() -> None:
+    """The opt-in EXP2 arithmetic (round 6): within bf16 rounding of the default, and its
+    serial and split modes give the same bits (the round-6 device run found them 1 ulp
+    apart before ``m_s`` got its select; this checks that fix)."""
+    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+    torch.manual_seed(1)
+    hq, hkv, dh, bs, length = 32, 8, 128, 16, 1000
+    kc = torch.randn(100, bs, hkv, dh, device="cuda", dtype=BF16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(100, device="cuda")[: -(-length // bs)].int()[None]
+    q = torch.randn(length, hq, dh, device="cuda", dtype=BF16)
+    scale = dh**-0.5
+
+    def run(rows, ctx, **kw):
+        lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+        qsl = torch.tensor([0, rows.shape[0]], device="cuda", dtype=torch.int32)
+        return paged_attention(rows, kc, vc, table, lens, qsl, scale, exp2=True, **kw)
+
+    new = run(q, length, mode="serial")
+    old = paged_attention(q, kc, vc, table, torch.tensor([length], device="cuda").int(),
+                          torch.tensor([0, length], device="cuda").int(), scale, exp2=False)
+    assert (new.float() - old.float()).abs().max().item() < 3e-2
+    for launch in (AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                                   prefetch=True, fold_block_d=32, fold_warps=1),
+                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8),
+                   AttentionLaunch("serial", 128, 8, 2, mask_tail=True)):
+        assert torch.equal(run(q, length, launch=launch), new), f"EXP2 {launch}"
+    for t in (0, 63, 64, 500, length - 1):
+        assert torch.equal(run(q[t : t + 1], t + 1, mode="split")[0], new[t]), f"decode {t}"
 
 
 def test_moe_and_sampling() -> None:
