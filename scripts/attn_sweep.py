@@ -7,8 +7,8 @@ against SDPA flash in this process and prints a line per variant. Checks, per sh
 the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
 decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
 sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
-The checks use paged_attention's default arithmetic: run with ``MEGASERVE_ATTN_EXP2=1`` to
-check the round-6 EXP2 form (the timed variants name theirs).
+The checks use paged_attention's default arithmetic (the round-6 EXP2 form; run with
+``MEGASERVE_ATTN_EXP2=0`` to check the round-5 form); the timed variants name theirs.
 """
 
 from __future__ import annotations
