@@ -38,34 +38,6 @@ class _Dispatch:
     routes: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def split_by_worker(owners: torch.Tensor, num_workers: int) -> list[tuple[torch.Tensor, ...]]:
-    """owners: `[T, k]` expert worker of each (token, rank) pair. Per worker: (tokens `[P]`,
-    ranks `[P]`) of its pairs in row-major order, its distinct tokens `[U]` ascending, and
-    each pair's index into them `[P]`. One host synchronisation (the sizes) for all."""
-    top_k = owners.shape[1]
-    owners = owners.reshape(-1)  # [T*k]
-    order = torch.sort(owners, stable=True).indices  # grouped by worker, row-major inside
-    sorted_owner = owners[order]
-    tokens, ranks = order // top_k, order % top_k
-    # A pair starts a new distinct token where its worker or its token changes.
-    new = torch.ones_like(order, dtype=torch.bool)
-    new[1:] = (sorted_owner[1:] != sorted_owner[:-1]) | (tokens[1:] != tokens[:-1])
-    workers = torch.arange(num_workers, device=owners.device)
-    pairs_per_worker = (sorted_owner[None, :] == workers[:, None]).sum(1)
-    uniques_per_worker = torch.zeros_like(pairs_per_worker).index_add_(0, sorted_owner, new.long())
-    sizes = torch.stack([pairs_per_worker, uniques_per_worker]).tolist()  # the one sync
-    unique_index = torch.cumsum(new.long(), 0) - 1  # index among all workers' uniques
-    unique_tokens = tokens[new]
-    out = []
-    start = ustart = 0
-    for count, ucount in zip(*sizes):
-        out.append((tokens[start:start + count], ranks[start:start + count],
-                    unique_tokens[ustart:ustart + ucount],
-                    unique_index[start:start + count] - ustart))
-        start, ustart = start + count, ustart + ucount
-    return out
-
-
 class RemoteExperts:
     """Send routed rows to the expert workers and collect their outputs.
 
@@ -125,13 +97,14 @@ class RemoteExperts:
         num_tokens, top_k = topk_ids.shape
         if self._owner.device != topk_ids.device:
             self._owner = self._owner.to(topk_ids.device)  # once, not per dispatch
+        owners = self._owner[topk_ids]  # [T, k]
         routes = {}
         lockstep = self._lockstep is not None
-        split = split_by_worker(self._owner[topk_ids], len(self.expert_ranks))
         for worker, rank in enumerate(self.expert_ranks):
-            tokens, ranks, unique_tokens, row_of_pair = split[worker]
+            tokens, ranks = (owners == worker).nonzero(as_tuple=True)  # row-major: by token
             if tokens.numel() == 0 and not lockstep:
                 continue
+            unique_tokens, row_of_pair = torch.unique_consecutive(tokens, return_inverse=True)
             pairs = torch.stack([row_of_pair, topk_ids[tokens, ranks]], dim=1)  # [P, 2]
             frame = encode_dispatch(x[unique_tokens], pairs, self._host, self._participants)
             self.endpoint.send(rank, frame, layer=layer, microbatch=microbatch, tag=TAG_DISPATCH)

@@ -8,14 +8,12 @@ import signal
 import time
 
 import pytest
-import torch
 
 from comm.rdma import rdma_unavailable
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
 from megaserve.runtime.placement import ExpertPlacement
-from megaserve.runtime.remote_experts import split_by_worker
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
 PARAMS = [
@@ -185,21 +183,6 @@ def test_workers_exit_when_the_front_end_is_killed(tmp_path):
 
 LOCKSTEP_LAYOUTS = [("inproc", 2, 3, 2), ("inproc", 3, 1, 1), ("tcp", 1, 2, 4), ("tcp", 3, 8, 2),
                     ("tcp", 2, 3, 4)]
-
-
-def test_split_by_worker_matches_per_worker_selection():
-    """The one-sync split equals selecting each worker's pairs on its own (nonzero in
-    row-major order, then unique_consecutive), idle workers and empty batches included."""
-    g = torch.Generator().manual_seed(0)
-    for trial in range(30):
-        tokens, top_k, workers = trial % 7, 1 + trial % 4, 1 + trial % 5
-        owners = torch.randint(0, max(1, workers - trial % 2), (tokens, top_k), generator=g)
-        got = split_by_worker(owners, workers)
-        for w in range(workers):
-            t, r = (owners == w).nonzero(as_tuple=True)
-            uniq, inverse = torch.unique_consecutive(t, return_inverse=True)
-            for a, b in zip(got[w], (t, r, uniq, inverse)):
-                assert torch.equal(a, b), (trial, w)
 
 
 @pytest.mark.timeout(60)
