@@ -29,7 +29,6 @@ class ExpertPart:
         if len(set(expert_ids)) != len(expert_ids):
             raise ValueError(f"expert ids must be distinct, got {expert_ids}")
         self.expert_ids = list(expert_ids)
-        self.num_experts = num_experts  # experts of the whole model (global id range)
         self.w_gate_up = w_gate_up
         self.w_down = w_down
         # Global expert id → index in the local stacks; experts not held map to a value

@@ -59,28 +59,14 @@ class _Frame:
 
 class ExpertWorker:
     def __init__(self, experts: ExpertPart, endpoint: Endpoint, device: torch.device,
-                 aggregation_wait_s: float = 0.0005, num_replicas: int = 0) -> None:
-        """``num_replicas``: attention replicas sending to this worker; per-layer
-        aggregation stops waiting once each has a frame in the batch (0: unknown, wait the
-        whole ``aggregation_wait_s``)."""
+                 aggregation_wait_s: float = 0.0005) -> None:
         self.experts = experts
         self.endpoint = endpoint
         self.device = device
         self.aggregation_wait_s = aggregation_wait_s
-        self.num_replicas = num_replicas
-        self._stats = ExpertWorkerStats()
-        # (layer, expert) GEMMs, counted on the device: reading a count per pass would be
-        # a host synchronisation per pass.
-        self._gemms = torch.zeros((), dtype=torch.int64, device=device)
-        self._present = torch.zeros(experts.num_experts, dtype=torch.int64, device=device)
+        self.stats = ExpertWorkerStats()
         self._host = frames_on_host(endpoint)
         self._ticks: dict[tuple[int, int], list[_Frame]] = defaultdict(list)  # lockstep
-
-    @property
-    def stats(self) -> ExpertWorkerStats:
-        """Counters so far (synchronises with the device once)."""
-        self._stats.gemms = int(self._gemms)
-        return self._stats
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         """Serve frames until ``should_stop()``; comm errors (a lost peer) propagate."""
@@ -94,17 +80,12 @@ class ExpertWorker:
                 self._collect_tick(frame)
                 continue
             frames = [frame]
-            sources = {frame.src}
             deadline = time.monotonic() + self.aggregation_wait_s
-            # Waiting only pays while some replica may still send a frame to batch with;
-            # a replica's own next frame never needs this one's answer to be delayed.
-            while (len(sources) != self.num_replicas
-                   and (remaining := deadline - time.monotonic()) > 0):
+            while (remaining := deadline - time.monotonic()) > 0:
                 try:
                     frames.append(self._take(self.endpoint.poll(timeout=remaining)))
                 except CommTimeoutError:
                     break
-                sources.add(frames[-1].src)
             self._process(frames)
 
     def _take(self, completion: Completion) -> _Frame:
@@ -129,13 +110,13 @@ class ExpertWorker:
         if frames:
             self._process(frames)
         else:
-            self._stats.frames += len(tick)
+            self.stats.frames += len(tick)
 
     def _process(self, frames: list[_Frame]) -> None:
         by_layer: dict[int, list[_Frame]] = defaultdict(list)
         for f in frames:
             by_layer[f.layer].append(f)
-        self._stats.frames += len(frames)
+        self.stats.frames += len(frames)
         for layer, group in by_layer.items():
             # One pass over the rows of every frame of this layer: rows of frame j are
             # offset by the rows of the frames before it.
@@ -144,9 +125,9 @@ class ExpertWorker:
             row_index = torch.cat([f.pairs[:, 0] + offsets[j] for j, f in enumerate(group)])
             expert_ids = torch.cat([f.pairs[:, 1] for f in group]).to(self.device)
             out = self.experts.forward(layer, rows[row_index.to(self.device)], expert_ids)  # [P, D]
-            self._stats.passes += 1
-            self._stats.rows += int(expert_ids.numel())
-            self._gemms += self._present.zero_().index_fill_(0, expert_ids, 1).sum()
+            self.stats.passes += 1
+            self.stats.gemms += int(torch.unique(expert_ids).numel())
+            self.stats.rows += int(expert_ids.numel())
             start = 0
             for f in group:
                 count = f.pairs.shape[0]

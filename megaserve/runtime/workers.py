@@ -195,8 +195,7 @@ def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
         attention=False, expert_ids=list(spec.placement.workers[spec.index]),
     )
     worker = ExpertWorker(model.experts, endpoint, torch.device(spec.device),
-                          aggregation_wait_s=spec.engine.expert_aggregation_wait_ms / 1000,
-                          num_replicas=spec.num_replicas)
+                          aggregation_wait_s=spec.engine.expert_aggregation_wait_ms / 1000)
     outbox.put(("ready", spec.role, spec.index))
     stop = False
 

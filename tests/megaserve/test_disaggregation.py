@@ -185,18 +185,6 @@ LOCKSTEP_LAYOUTS = [("inproc", 2, 3, 2), ("inproc", 3, 1, 1), ("tcp", 1, 2, 4), 
                     ("tcp", 2, 3, 4)]
 
 
-@pytest.mark.timeout(60)
-def test_one_replica_never_waits_to_aggregate():
-    """With one replica there is nobody to batch with: each frame is served at once, even
-    under a long aggregation window (a wait per frame would take minutes here)."""
-    with LLM(dtype="float32", attention_replicas=1, expert_workers=2, microbatches=2,
-             transport="inproc", expert_aggregation_wait_ms=5000) as llm:
-        llm.generate(PROMPTS, PARAMS)
-        engine = llm.engine
-    for stats in engine.expert_stats.values():
-        assert stats.frames > 0 and stats.passes == stats.frames
-
-
 @pytest.mark.parametrize("transport, replicas, experts, microbatches", LOCKSTEP_LAYOUTS,
                          ids=[f"{t}-R{r}-E{e}-m{m}" for t, r, e, m in LOCKSTEP_LAYOUTS])
 def test_lockstep_outputs_equal_single_worker_bitwise(single_worker, transport, replicas, experts,
