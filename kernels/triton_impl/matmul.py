@@ -251,6 +251,9 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+# Buffers replaced by larger ones stay alive (and zeroed): a captured CUDA graph keeps
+# launching with the address it was captured with.
+_retired_counters: list[torch.Tensor] = []
 
 
 def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
@@ -261,6 +264,8 @@ def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     """
     buf = _counters.get(device)
     if buf is None or buf.numel() < num_tiles:
+        if buf is not None:
+            _retired_counters.append(buf)
         buf = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=device)
         _counters[device] = buf
     return buf

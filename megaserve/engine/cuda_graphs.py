@@ -83,8 +83,6 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._copied = torch.cuda.Event() if capture else None
-        # Buffers the captured kernels point at but do not own (see _capture).
-        self._kept: list[torch.Tensor] = []
         self.num_steps = 0  # decode steps served (padded forwards run)
 
     @property
@@ -161,21 +159,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._forward(b)
-        self._kept.extend(_shared_kernel_buffers())
         self._graphs[b] = (graph, out)
         logger.info("captured a decode CUDA graph for batch size %d", b)
         return graph, out
 
-
-def _shared_kernel_buffers() -> list[torch.Tensor]:
-    """Module-level buffers of the CUDA kernels that captured launches point at.
-
-    NOTE: the matmul's split/swap modes use one per-device tile-counter tensor that it
-    replaces when a larger launch needs more tiles; a graph keeps the old address, so the
-    tensor must stay alive as long as the graph does.
-    """
-    try:
-        from kernels.triton_impl import matmul
-    except ImportError:  # no Triton: nothing was captured with it
-        return []
-    return list(getattr(matmul, "_counters", {}).values())
