@@ -20,10 +20,9 @@ import pickle
 import time
 from typing import Any
 
-from comm.errors import PeerLostError
 from comm.protocol import ChannelConfig
-from comm.tcp import TcpEndpoint, _InPeer, _send_all
-from comm.wire import Hello, Kind, pack_header
+from comm.tcp import TcpEndpoint, _InPeer
+from comm.wire import Hello
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +109,8 @@ class CudaIpcEndpoint(TcpEndpoint):
                 peer.remote[base:base + n].copy_(flat, non_blocking=True)
                 base += n
         stream.synchronize()  # the slot is complete before the receiver can learn of it
-        try:
-            with peer.lock:
-                _send_all(peer.sock, [pack_header(Kind.NOTIFY, imm, nbytes)])
-        except OSError as e:
-            self._break(peer, str(e))
-            raise PeerLostError(dst, f"notify failed ({e})") from e
+        with peer.lock:
+            self._notify(peer, imm, nbytes)
 
     def _on_notify(self, peer: _InPeer, slot: int, nbytes: int) -> Any:
         sb = self.config.slot_bytes

@@ -53,8 +53,8 @@ import numpy as np
 
 from comm.errors import PeerLostError, ProtocolError
 from comm.protocol import ChannelConfig, as_byte_views
-from comm.tcp import TcpEndpoint, _Eof, _InPeer, _send_all, parse_address
-from comm.wire import Hello, Kind, pack_header
+from comm.tcp import TcpEndpoint, _Eof, _InPeer, parse_address
+from comm.wire import Hello
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +207,7 @@ class NcclEndpoint(TcpEndpoint):
     def _write(self, dst: int, slot: int, imm: int, obj: Any, nbytes: int) -> None:
         peer = self._out[dst]
         with peer.lock:
-            try:
-                _send_all(peer.sock, [pack_header(Kind.NOTIFY, imm, nbytes)])
-            except OSError as e:
-                self._break(peer, str(e))
-                raise PeerLostError(dst, f"notify failed ({e})") from e
+            self._notify(peer, imm, nbytes)
             if not nbytes:
                 return
             try:

@@ -307,6 +307,17 @@ class TcpEndpoint(Endpoint):
             self._break(peer, str(e))
             raise PeerLostError(dst, f"send failed ({e})") from e
 
+    def _notify(self, peer: _OutPeer, imm: int, nbytes: int) -> None:
+        """Tell ``peer`` that slot data (moved out of band) is there: a NOTIFY frame.
+
+        The caller holds ``peer.lock``. PeerLostError (and a broken channel) if it fails.
+        """
+        try:
+            _send_all(peer.sock, [pack_header(Kind.NOTIFY, imm, nbytes)])
+        except OSError as e:
+            self._break(peer, str(e))
+            raise PeerLostError(peer.dst, f"notify failed ({e})") from e
+
     def _break(self, peer: _OutPeer, why: str) -> None:
         """A half-sent frame desynchronises the stream: the channel is dead from here on."""
         peer.pool.fail(PeerLostError(peer.dst, why))
