@@ -26,23 +26,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _stock_expert_ffn_captures() -> str:
-    """Whether kernels.expert_ffn (the stock path) can be captured in a CUDA graph."""
-    import kernels
-
-    x = torch.randn(8, 256, device="cuda").bfloat16()
-    ids = torch.randint(0, 4, (8,), device="cuda")
-    w_gu = torch.randn(4, 256, 256, device="cuda").bfloat16()
-    w_down = torch.randn(4, 256, 128, device="cuda").bfloat16()
-    kernels.expert_ffn(x, ids, w_gu, w_down)
-    try:
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            kernels.expert_ffn(x, ids, w_gu, w_down)
-    except Exception as e:  # noqa: BLE001 - report whatever capture raises
-        return f"no ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    return "yes"
-
-
 def _generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -70,8 +53,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     if args.device == "cuda":
-        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-        print(f"stock kernels.expert_ffn capturable: {_stock_expert_ffn_captures()}", flush=True)
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     for model in args.models:
         path = model
         if model.startswith("random:"):
