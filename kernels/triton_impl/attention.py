@@ -48,6 +48,7 @@ from kernels.triton_impl.attention_kernels import (
     _attention_parts_kernel,
     _paged_attention_kernel,
 )
+from kernels.triton_impl.matmul import tile_counters
 
 # Split mode below this many serial programs (about two per SM of an H100/H200), while
 # its fp32 parts fit in this many bytes.
@@ -55,6 +56,10 @@ _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
 _SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
 _LOG2E = 1.4426950408889634
+# Tests set this: the output and split-mode workspaces start as NaN, so an element no
+# program wrote, or a part read before it was written, shows up instead of a previous
+# call's leftovers.
+POISON_BUFFERS = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,9 @@ class AttentionLaunch:
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
     fold_block_d: int = 0  # split mode: head_dim columns per fold program; 0 = all
     fold_warps: int = 4  # split mode: warps per fold program
+    # Split mode: the last parts program of a (tile, KV head) folds (an atomic counter;
+    # no fold kernel, so fold_tokens / fold_block_d / fold_warps do not apply).
+    fold_last: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split"):
@@ -198,7 +206,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     g_pad = triton.next_power_of_2(group)
     num_seqs = context_lens.shape[0]
     q = q if q.stride(2) == 1 else q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.full_like(q, float("nan")) if POISON_BUFFERS else torch.empty_like(q)
     if t == 0:
         return out
     # Upper bound on any sequence's splits, from shapes only (no host sync).
@@ -226,18 +234,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
         return out
-    ws_m = torch.empty(max_splits, t, num_q_heads, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_o = torch.empty(max_splits, t, num_q_heads, head_dim, dtype=torch.float32,
-                       device=q.device)
+    new_ws = torch.full if POISON_BUFFERS else torch.empty
+    kw = dict(dtype=torch.float32, device=q.device)
+    if POISON_BUFFERS:
+        kw["fill_value"] = float("nan")
+    ws_m = new_ws((max_splits, t, num_q_heads), **kw)
+    ws_l = new_ws((max_splits, t, num_q_heads), **kw)
+    ws_o = new_ws((max_splits, t, num_q_heads, head_dim), **kw)
     spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
+    # fold_last was checked on a device with the EXP2 arithmetic; the round-5 form (whose
+    # merge leaves FMA contraction to the compiler) keeps the fold kernel.
+    fold_last = launch.fold_last and exp2 and not parts_only
+    counters = tile_counters(q.device, grid[0] * grid[1]) if fold_last else ws_m
     _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
-        num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
-        BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
+        out, counters, num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), *kv_args, NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp,
+        BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
+        FOLD_LAST=fold_last, FOLD_UNROLL=launch.fold_unroll, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **common, **loop)
-    if not parts_only:
+    if not (parts_only or fold_last):
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d

@@ -92,9 +92,10 @@ def test_rms_norm_and_rowwise() -> None:
     assert torch.equal(log_softmax(logits[3:4]), lsm[3:4])
 
 
-def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
-    from kernels.triton_impl import paged_attention, write_kv_cache
+def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
+    from kernels.triton_impl import attention, paged_attention, write_kv_cache
 
+    monkeypatch.setattr(attention, "POISON_BUFFERS", True)  # unwritten elements -> NaN
     torch.manual_seed(0)
     hq, hkv, dh, bs, length = 32, 8, 128, 16, 1000
     kc = torch.randn(200, bs, hkv, dh, device="cuda", dtype=BF16)
@@ -157,7 +158,11 @@ def test_paged_attention_decode_equals_prefill_and_chunks() -> None:
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
                    AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
                    AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
-                                   prefetch=True, fold_block_d=16, fold_warps=1)):
+                                   prefetch=True, fold_block_d=16, fold_warps=1),
+                   # round 7: the last parts program of a (tile, KV head) folds
+                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                                   prefetch=True, fold_last=True),
+                   AttentionLaunch("split", 64, 4, 2, 2, long_first=True, fold_last=True)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
