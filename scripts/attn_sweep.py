@@ -52,16 +52,14 @@ D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # the split default since round 6
 FL = dict(R4_DECODE, fold_last=True, **NEW)  # the last parts program folds (no fold kernel)
 DECODE_VARIANTS = [
     ("split new fold_d16 fw1", dict(D32, fold_block_d=16, fold_warps=1), True),
-    ("split new fold_d16 fw1 u8", dict(D32, fold_block_d=16, fold_warps=1, fold_unroll=8),
-     True),
-    ("split new fold_d32 fw1", dict(D32, fold_warps=1), True),
-    ("split new fold_d64 fw2 u8", dict(D32, fold_block_d=64, fold_warps=2, fold_unroll=8),
-     True),
     ("fold_last u16", FL, True),
     ("fold_last u8", dict(FL, fold_unroll=8), True),
-    ("fold_last u4", dict(FL, fold_unroll=4), True),
+    ("fold_last u32", dict(FL, fold_unroll=32), True),
+    ("fold_last spp8", dict(FL, splits_per_program=8), True),
     ("fold_last spp32", dict(FL, splits_per_program=32), True),
+    ("fold_last s4", dict(FL, num_stages=4), True),
     ("fold_last w4", dict(FL, num_warps=4), True),
+    ("fold_last w4 s4", dict(FL, num_warps=4, num_stages=4), True),
 ]
 # Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
 PARTS_TIMED = {"split new fold_d16 fw1", "fold_last u16"}

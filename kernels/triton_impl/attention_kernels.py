@@ -160,40 +160,6 @@ def _merge(m, l, o, m_s, l_s, o_s, EXP2: tl.constexpr):
 
 
 @triton.jit
-def _pick(x, sel):
-    """The one element ``sel`` selects along axis 1 of ``x``, exactly: the others become
-    -0.0, and x + (-0.0) == x for every x (signed zeros included)."""
-    return tl.sum(tl.where(sel, x, -0.0), axis=1)
-
-
-@triton.jit
-def _fold_parts(m, l, o, ws_m_ptr, ws_l_ptr, ws_o_ptr, base, num_tokens, tok, head, row_ok,
-                row_splits, d, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                UNROLL: tl.constexpr, EXP2: tl.constexpr):
-    """Merge the stored parts of splits ``base .. base + UNROLL - 1`` into the rows'
-    running (m, l, o), in ascending order with :func:`_merge`.
-
-    The UNROLL parts come in one wide load per array, so all of their memory requests are
-    in flight before the first merge (a load per split, next to its merge, left one L2
-    round trip per split on the critical path: about 20 us for 128 splits, H200 round 7).
-    A part past a row's last split is the identity (m_s = -inf, l_s = 0, o_s = 0)."""
-    u = tl.arange(0, UNROLL)
-    split = base + u
-    reach = row_ok[:, None] & (split[None, :] < row_splits[:, None])  # [rows, UNROLL]
-    idx = (split[None, :] * num_tokens + tok[:, None]) * NUM_Q_HEADS + head[:, None]
-    m_w = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"), cache_modifier=".cg")
-    l_w = tl.load(ws_l_ptr + idx, mask=reach, other=0.0, cache_modifier=".cg")
-    o_w = tl.load(ws_o_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
-                  mask=reach[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
-                  cache_modifier=".cg")  # [rows, UNROLL, cols]
-    for j in tl.static_range(UNROLL):
-        sel = u[None, :] == j
-        m, l, o = _merge(m, l, o, _pick(m_w, sel), _pick(l_w, sel),
-                         _pick(o_w, sel[:, :, None]), EXP2)
-    return m, l, o
-
-
-@triton.jit
 def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows' ``o / l`` at columns ``d0 + [0, BLOCK_D)`` (those < HEAD_DIM)."""
@@ -364,11 +330,20 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                         l = tl.load(ws_l_ptr + row0, mask=ok, other=1.0, cache_modifier=".cg")
                         o = tl.load(ws_o_ptr + row0[:, None] * HEAD_DIM + d[None, :],
                                     mask=o_mask, other=0.0, cache_modifier=".cg")
-                        n_splits = pos_j // SPLIT + 1 + r * 0
-                        for base in range(1, pos_j // SPLIT + 1, FOLD_UNROLL):
-                            m, l, o = _fold_parts(m, l, o, ws_m_ptr, ws_l_ptr, ws_o_ptr, base,
-                                                  num_tokens, tok_j, head_j, ok, n_splits, d,
-                                                  NUM_Q_HEADS, HEAD_DIM, FOLD_UNROLL, EXP2)
+                        n_splits = pos_j // SPLIT + 1
+                        for base in range(1, n_splits, FOLD_UNROLL):
+                            for u in tl.static_range(FOLD_UNROLL):
+                                split = base + u
+                                reach = ok & (split < n_splits)
+                                idx = (split * num_tokens + tok_j) * NUM_Q_HEADS + head_j
+                                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"),
+                                              cache_modifier=".cg")
+                                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0,
+                                              cache_modifier=".cg")
+                                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                                              mask=reach[:, None] & (d[None, :] < HEAD_DIM),
+                                              other=0.0, cache_modifier=".cg")
+                                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
                         _store_rows(out_ptr, o, l, tok_j, head_j, ok, stride_ot, stride_oh,
                                     0, HEAD_DIM, BLOCK_D)
                 tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
@@ -385,7 +360,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
     split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
     merges there, so the fold tile need not match the parts tile. UNROLL parts are
-    loaded per step (:func:`_fold_parts`), then merged one by one. Program axis 2
+    loaded per step (independent loads in flight), then merged one by one. Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
     kv_head = tl.program_id(1)
@@ -401,8 +376,14 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
         row_splits = pos // SPLIT + 1
         for base in range(1, last_pos // SPLIT + 1, UNROLL):
-            m, l, o = _fold_parts(m, l, o, ws_m_ptr, ws_l_ptr, ws_o_ptr, base, num_tokens,
-                                  tok_glob, head, row_ok, row_splits, d, NUM_Q_HEADS,
-                                  HEAD_DIM, UNROLL, EXP2)
+            for j in tl.static_range(UNROLL):
+                split = base + j
+                reach = row_ok & (split < row_splits)
+                idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
+                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
+                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
+                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                              mask=reach[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                     HEAD_DIM, BLOCK_D)
