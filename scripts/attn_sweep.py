@@ -50,16 +50,18 @@ CHECK_VARIANTS = [
 # Round 7 candidates (timed below; exp2=False: the round-5 arithmetic, timed only).
 D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # the split default since round 6
 FL = dict(R4_DECODE, fold_last=True, **NEW)  # the last parts program folds (no fold kernel)
+D16 = dict(D32, fold_block_d=16, fold_warps=1)  # round 6's fastest fold
 DECODE_VARIANTS = [
-    ("split new fold_d16 fw1", dict(D32, fold_block_d=16, fold_warps=1), True),
+    ("split new fold_d16 fw1", D16, True),
+    ("split fold_d16 fw1 fs1", dict(D16, fold_stages=1), True),
+    ("split fold_d16 fw1 fs6", dict(D16, fold_stages=6), True),
+    ("split fold_d16 fw1 u4 fs8", dict(D16, fold_unroll=4, fold_stages=8), True),
+    ("split fold_d16 fw1 u8 fs8", dict(D16, fold_unroll=8, fold_stages=8), True),
+    ("split fold_d32 fw1 u4 fs8", dict(D32, fold_warps=1, fold_unroll=4, fold_stages=8),
+     True),
     ("fold_last u16", FL, True),
-    ("fold_last u8", dict(FL, fold_unroll=8), True),
-    ("fold_last u32", dict(FL, fold_unroll=32), True),
-    ("fold_last spp8", dict(FL, splits_per_program=8), True),
-    ("fold_last spp32", dict(FL, splits_per_program=32), True),
-    ("fold_last s4", dict(FL, num_stages=4), True),
-    ("fold_last w4", dict(FL, num_warps=4), True),
-    ("fold_last w4 s4", dict(FL, num_warps=4, num_stages=4), True),
+    ("fold_last u4 fs8", dict(FL, fold_unroll=4, fold_stages=8), True),
+    ("fold_last u8 fs4", dict(FL, fold_unroll=8, fold_stages=4), True),
 ]
 # Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
 PARTS_TIMED = {"split new fold_d16 fw1", "fold_last u16"}

@@ -82,6 +82,7 @@ class AttentionLaunch:
     # Split mode: the last parts program of a (tile, KV head) folds (an atomic counter;
     # no fold kernel, so fold_tokens / fold_block_d / fold_warps do not apply).
     fold_last: bool = False
+    fold_stages: int = 3  # split mode: pipeline depth of the fold's loop over parts
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split"):
@@ -94,7 +95,8 @@ class AttentionLaunch:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
-        if self.rows < 16 or self.num_stages < 1 or self.splits_per_program < 0:
+        if (self.rows < 16 or self.num_stages < 1 or self.fold_stages < 1
+                or self.splits_per_program < 0):
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
 
 
@@ -251,7 +253,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out, counters, num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *kv_args, NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp,
         BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
-        FOLD_LAST=fold_last, FOLD_UNROLL=launch.fold_unroll, num_warps=launch.num_warps,
+        FOLD_LAST=fold_last, FOLD_UNROLL=launch.fold_unroll, FOLD_STAGES=launch.fold_stages,
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages, **common, **loop)
     if not (parts_only or fold_last):
         fold_q = launch.fold_tokens
@@ -260,5 +263,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
             context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
             out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
-            UNROLL=launch.fold_unroll, EXP2=exp2, num_warps=launch.fold_warps, **common)
+            UNROLL=launch.fold_unroll, FOLD_STAGES=launch.fold_stages, EXP2=exp2,
+            num_warps=launch.fold_warps, **common)
     return out

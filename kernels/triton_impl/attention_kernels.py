@@ -256,7 +256,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
                             PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
                             EXP2: tl.constexpr, FOLD_LAST: tl.constexpr,
-                            FOLD_UNROLL: tl.constexpr):
+                            FOLD_UNROLL: tl.constexpr, FOLD_STAGES: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
@@ -331,7 +331,8 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                         o = tl.load(ws_o_ptr + row0[:, None] * HEAD_DIM + d[None, :],
                                     mask=o_mask, other=0.0, cache_modifier=".cg")
                         n_splits = pos_j // SPLIT + 1
-                        for base in range(1, n_splits, FOLD_UNROLL):
+                        for base in tl.range(1, n_splits, FOLD_UNROLL,
+                                             num_stages=FOLD_STAGES):
                             for u in tl.static_range(FOLD_UNROLL):
                                 split = base + u
                                 reach = ok & (split < n_splits)
@@ -355,12 +356,15 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           UNROLL: tl.constexpr, EXP2: tl.constexpr):
+                           UNROLL: tl.constexpr, FOLD_STAGES: tl.constexpr,
+                           EXP2: tl.constexpr):
     """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
     serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
     split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
     merges there, so the fold tile need not match the parts tile. UNROLL parts are
-    loaded per step (independent loads in flight), then merged one by one. Program axis 2
+    loaded per step (independent loads in flight), then merged one by one; FOLD_STAGES is
+    the software pipeline depth of that loop (its loads issued that many steps ahead).
+    Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
     kv_head = tl.program_id(1)
@@ -375,7 +379,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
         o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
         row_splits = pos // SPLIT + 1
-        for base in range(1, last_pos // SPLIT + 1, UNROLL):
+        for base in tl.range(1, last_pos // SPLIT + 1, UNROLL, num_stages=FOLD_STAGES):
             for j in tl.static_range(UNROLL):
                 split = base + j
                 reach = row_ok & (split < row_splits)
