@@ -1,4 +1,4 @@
-"""Device sweep for paged attention (issue 3, rounds 4-7): bitwise checks, then timings.
+"""Device sweep for paged attention (issue 3, rounds 4-6): bitwise checks, then timings.
 
 Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR] [--phase P]``.
 Phase 1 runs the checks of each shape (``--parts`` children per shape) and a compile
@@ -47,26 +47,46 @@ CHECK_VARIANTS = [
          fold_block_d=32, long_first=True, **NEW),
     dict(mode="split", rows=64, num_warps=4, num_stages=3, prefetch=True, fold_tokens=4),
 ]
-# Round 7 candidates (timed below; exp2=False: the round-5 arithmetic, timed only).
-D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # the split default since round 6
-FL = dict(R4_DECODE, fold_last=True, **NEW)  # the last parts program folds (no fold kernel)
-D16 = dict(D32, fold_block_d=16, fold_warps=1)  # round 6's fastest fold
+# Round 6 candidates (timed below). exp2=False: the round-5 arithmetic (the step-1
+# defaults' bits, checked in the round-6 baseline run), timed only, never checked here.
+D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # step-1 split default
 DECODE_VARIANTS = [
-    ("split new fold_d16 fw1", D16, True),
-    ("split fold_d16 fw1 fs1", dict(D16, fold_stages=1), True),
-    ("split fold_d16 fw1 fs6", dict(D16, fold_stages=6), True),
-    ("split fold_d16 fw1 u4 fs8", dict(D16, fold_unroll=4, fold_stages=8), True),
-    ("split fold_d16 fw1 u8 fs8", dict(D16, fold_unroll=8, fold_stages=8), True),
-    ("split fold_d32 fw1 u4 fs8", dict(D32, fold_warps=1, fold_unroll=4, fold_stages=8),
+    ("step-1 default, round-5 arithmetic", None, False),
+    ("serial r16 w2 s4 new", dict(mode="serial", rows=16, num_warps=2, num_stages=4, **NEW),
      True),
-    ("fold_last u16", FL, True),
-    ("fold_last u4 fs8", dict(FL, fold_unroll=4, fold_stages=8), True),
-    ("fold_last u8 fs4", dict(FL, fold_unroll=8, fold_stages=4), True),
+    ("serial r16 w2 s3 new", dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW),
+     True),
+    ("serial r16 w2 s5 new", dict(mode="serial", rows=16, num_warps=2, num_stages=5, **NEW),
+     True),
+    ("split new fold_d32", D32, True),
+    ("split new fold_d32 fw1", dict(D32, fold_warps=1), True),
+    ("split new fold_d32 fw2", dict(D32, fold_warps=2), True),
+    ("split new fold_d16 fw1", dict(D32, fold_block_d=16, fold_warps=1), True),
+    ("split new fold_d16 fw2", dict(D32, fold_block_d=16, fold_warps=2), True),
+    ("split new fold_d32 fw1 u32", dict(D32, fold_warps=1, fold_unroll=32), True),
+    ("split s2 new fold_d32 fw1", dict(D32, num_stages=2, fold_warps=1), True),
+    ("split spp8 new fold_d32 fw1", dict(D32, splits_per_program=8, fold_warps=1), True),
+    ("split w1 new fold_d32 fw1", dict(D32, num_warps=1, fold_warps=1), True),
 ]
 # Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
-PARTS_TIMED = {"split new fold_d16 fw1", "fold_last u16"}
-# Prefill met its floor in round 6 (1.00x flash): only the default is timed now.
-PREFILL_VARIANTS: list = []
+PARTS_TIMED = {"split new fold_d32", "split s2 new fold_d32 fw1"}
+MT = dict(mode="serial", mask_tail=True)
+PREFILL_VARIANTS = [
+    ("step-1 default, round-5 arithmetic", None, False),
+    ("r64 w4 s2 mask_tail prefetch", dict(MT, rows=64, num_warps=4, num_stages=2,
+                                          prefetch=True), True),
+    ("r64 w4 s2 mask_tail long_first", dict(MT, rows=64, num_warps=4, num_stages=2,
+                                            long_first=True), True),
+    ("r128 w8 s2 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=2), True),
+    ("r128 w8 s2 mask_tail long_first", dict(MT, rows=128, num_warps=8, num_stages=2,
+                                             long_first=True), True),
+    ("r128 w8 s2 new", dict(MT, rows=128, num_warps=8, num_stages=2, prefetch=True), True),
+    ("r128 w8 s3 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=3), True),
+    ("r128 w8 s3 new long_first", dict(MT, rows=128, num_warps=8, num_stages=3,
+                                       prefetch=True, long_first=True), True),
+    ("r128 w8 s3 mask_tail, round-5 arithmetic", dict(MT, rows=128, num_warps=8,
+                                                      num_stages=3), False),
+]
 # Every timed launch with the default arithmetic is also checked bitwise (prefill, single
 # decodes for decode candidates, batches), so a winner can become the default.
 for _vs in (DECODE_VARIANTS, PREFILL_VARIANTS):

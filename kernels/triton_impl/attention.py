@@ -35,6 +35,7 @@ first), launch choices like the tile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -48,7 +49,6 @@ from kernels.triton_impl.attention_kernels import (
     _attention_parts_kernel,
     _paged_attention_kernel,
 )
-from kernels.triton_impl.matmul import tile_counters
 
 # Split mode below this many serial programs (about two per SM of an H100/H200), while
 # its fp32 parts fit in this many bytes.
@@ -79,10 +79,6 @@ class AttentionLaunch:
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
     fold_block_d: int = 0  # split mode: head_dim columns per fold program; 0 = all
     fold_warps: int = 4  # split mode: warps per fold program
-    # Split mode: the last parts program of a (tile, KV head) folds (an atomic counter;
-    # no fold kernel, so fold_tokens / fold_block_d / fold_warps do not apply).
-    fold_last: bool = False
-    fold_stages: int = 3  # split mode: pipeline depth of the fold's loop over parts
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split"):
@@ -95,8 +91,7 @@ class AttentionLaunch:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
-        if (self.rows < 16 or self.num_stages < 1 or self.fold_stages < 1
-                or self.splits_per_program < 0):
+        if self.rows < 16 or self.num_stages < 1 or self.splits_per_program < 0:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
 
 
@@ -106,12 +101,14 @@ class AttentionLaunch:
 # (S=4 x 4096: 2554 -> 2336 us); decode runs serial 16-row tiles with 4 stages and both
 # loop switches whenever the serial grid fills the GPU (S=64 x 4096: split 338 -> serial
 # 291 us; S=32 x 2048: 96 -> 81), and split mode with both switches and the fold over
-# 32-column chunks for few long sequences (S=8 x 8192: 120 -> 114 us).
+# 32-column chunks for few long sequences (S=8 x 8192: 120 -> 114 us). Round 7: that fold
+# over 16-column chunks with one warp per program, 111-112 -> 100-101 us in three H200
+# runs (the launch is in the sweep's bitwise checks, 0 failures in round 6 and round 7).
 ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
 DECODE_SPLIT_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
 DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_stages=4)
 PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2, mask_tail=True)
-_FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 32
+_FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
 
 
 @triton.jit
@@ -155,8 +152,9 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES:
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
-        fold_d = 32 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else 0
-        return AttentionLaunch("split", **tile, fold_block_d=fold_d)
+        if decode_like and fold_programs < _FOLD_CHUNK_BELOW:
+            return AttentionLaunch("split", **tile, fold_block_d=16, fold_warps=1)
+        return AttentionLaunch("split", **tile)
     return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
 
 
@@ -236,33 +234,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
         return out
-    new_ws = torch.full if POISON_BUFFERS else torch.empty
-    kw = dict(dtype=torch.float32, device=q.device)
-    if POISON_BUFFERS:
-        kw["fill_value"] = float("nan")
-    ws_m = new_ws((max_splits, t, num_q_heads), **kw)
-    ws_l = new_ws((max_splits, t, num_q_heads), **kw)
-    ws_o = new_ws((max_splits, t, num_q_heads, head_dim), **kw)
+    new_ws = functools.partial(torch.full, fill_value=float("nan")) if POISON_BUFFERS \
+        else torch.empty
+    ws_m = new_ws((max_splits, t, num_q_heads), dtype=torch.float32, device=q.device)
+    ws_l = new_ws((max_splits, t, num_q_heads), dtype=torch.float32, device=q.device)
+    ws_o = new_ws((max_splits, t, num_q_heads, head_dim), dtype=torch.float32,
+                  device=q.device)
     spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
-    # fold_last was checked on a device with the EXP2 arithmetic; the round-5 form (whose
-    # merge leaves FMA contraction to the compiler) keeps the fold kernel.
-    fold_last = launch.fold_last and exp2 and not parts_only
-    counters = tile_counters(q.device, grid[0] * grid[1]) if fold_last else ws_m
     _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
-        out, counters, num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), *kv_args, NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp,
-        BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
-        FOLD_LAST=fold_last, FOLD_UNROLL=launch.fold_unroll, FOLD_STAGES=launch.fold_stages,
-        num_warps=launch.num_warps,
+        num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
+        NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
+        BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **common, **loop)
-    if not (parts_only or fold_last):
+    if not parts_only:
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
         _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
             context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
             out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
-            UNROLL=launch.fold_unroll, FOLD_STAGES=launch.fold_stages, EXP2=exp2,
-            num_warps=launch.fold_warps, **common)
+            UNROLL=launch.fold_unroll, EXP2=exp2, num_warps=launch.fold_warps, **common)
     return out

@@ -246,26 +246,19 @@ def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
 
 @triton.jit
 def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
-                            ws_l_ptr, ws_o_ptr, out_ptr, count_ptr, num_seqs, num_tokens,
-                            scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
-                            stride_ks, stride_kh, stride_bt,
+                            ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
+                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
                             NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
                             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
                             PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr, FOLD_LAST: tl.constexpr,
-                            FOLD_UNROLL: tl.constexpr, FOLD_STAGES: tl.constexpr):
+                            EXP2: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
-    `[splits, T, Hq, Dh]`.
-
-    FOLD_LAST: the program of a (tile, KV head) that finishes last (an atomic counter per
-    pair, reset after use) folds the stored parts into ``out`` itself, token by token, in
-    ascending split order with the same :func:`_merge` as the fold kernel, which is then
-    not launched: the fold overlaps other tiles' parts and costs no second launch."""
+    `[splits, T, Hq, Dh]`."""
     kv_head = tl.program_id(1)
     first = tl.program_id(2) * SPLITS_PER_PROG
     pid = tl.program_id(0)
@@ -308,46 +301,6 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                          tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM, BLOCK_D)
             if PREFETCH:
                 ids = nxt
-        if FOLD_LAST:
-            # Every thread's stores precede the counter bump (barrier, gpu-scope acq_rel);
-            # the folding program reads the parts through L2 (.cg), not a stale L1.
-            tl.debug_barrier()
-            pair = pid * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(2) - 1:
-                r = tl.arange(0, G_PAD)
-                d = tl.arange(0, BLOCK_D)
-                ok = r < GROUP
-                head_j = kv_head * GROUP + r
-                tok0 = tl.min(tok_glob, axis=0)  # the tile's first token
-                for j in tl.static_range(BLOCK_Q):
-                    pos_j = first_pos + j
-                    if pos_j <= last_pos:
-                        tok_j = tok0 + j + r * 0
-                        row0 = tok_j * NUM_Q_HEADS + head_j  # split 0's parts
-                        o_mask = ok[:, None] & (d[None, :] < HEAD_DIM)
-                        m = tl.load(ws_m_ptr + row0, mask=ok, other=0.0, cache_modifier=".cg")
-                        l = tl.load(ws_l_ptr + row0, mask=ok, other=1.0, cache_modifier=".cg")
-                        o = tl.load(ws_o_ptr + row0[:, None] * HEAD_DIM + d[None, :],
-                                    mask=o_mask, other=0.0, cache_modifier=".cg")
-                        n_splits = pos_j // SPLIT + 1
-                        for base in tl.range(1, n_splits, FOLD_UNROLL,
-                                             num_stages=FOLD_STAGES):
-                            for u in tl.static_range(FOLD_UNROLL):
-                                split = base + u
-                                reach = ok & (split < n_splits)
-                                idx = (split * num_tokens + tok_j) * NUM_Q_HEADS + head_j
-                                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"),
-                                              cache_modifier=".cg")
-                                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0,
-                                              cache_modifier=".cg")
-                                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
-                                              mask=reach[:, None] & (d[None, :] < HEAD_DIM),
-                                              other=0.0, cache_modifier=".cg")
-                                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
-                        _store_rows(out_ptr, o, l, tok_j, head_j, ok, stride_ot, stride_oh,
-                                    0, HEAD_DIM, BLOCK_D)
-                tl.atomic_xchg(count_ptr + pair, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -356,15 +309,12 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           UNROLL: tl.constexpr, FOLD_STAGES: tl.constexpr,
-                           EXP2: tl.constexpr):
+                           UNROLL: tl.constexpr, EXP2: tl.constexpr):
     """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
     serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
     split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
     merges there, so the fold tile need not match the parts tile. UNROLL parts are
-    loaded per step (independent loads in flight), then merged one by one; FOLD_STAGES is
-    the software pipeline depth of that loop (its loads issued that many steps ahead).
-    Program axis 2
+    loaded per step (independent loads in flight), then merged one by one. Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
     kv_head = tl.program_id(1)
@@ -379,7 +329,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
         o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
         row_splits = pos // SPLIT + 1
-        for base in tl.range(1, last_pos // SPLIT + 1, UNROLL, num_stages=FOLD_STAGES):
+        for base in range(1, last_pos // SPLIT + 1, UNROLL):
             for j in tl.static_range(UNROLL):
                 split = base + j
                 reach = row_ok & (split < row_splits)

@@ -256,11 +256,11 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _retired_counters: list[torch.Tensor] = []
 
 
-def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
+def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     """Zeroed int32 counters, reset by the kernel itself after use.
 
-    NOTE: shared per device (split matmuls and attention's fold-last launches): two such
-    launches must not run concurrently on different streams of one device.
+    NOTE: shared per device: two split launches must not run concurrently on different
+    streams of one device.
     """
     buf = _counters.get(device)
     if buf is None or buf.numel() < num_tiles:
@@ -332,7 +332,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # One split: the part is the total, stored directly (no workspace, no fold).
         ws = (torch.empty(num_splits, n, m, dtype=torch.float32, device=x.device)
               if num_splits > 1 else out)
-        counters = tile_counters(x.device, tiles_f)
+        counters = _tile_counters(x.device, tiles_f)
         mk.linear_swap_kernel[(tiles_f, num_splits)](
             w_desc, x_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
             NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, HAS_BIAS=bias is not None,
@@ -356,7 +356,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                         SPLIT_LEN=cfg.split_len, FLAT=lp.flat, **common)
     else:
         ws = torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
-        counters = tile_counters(x.device, tiles)
+        counters = _tile_counters(x.device, tiles)
         mk.linear_split_kernel[(tiles, num_splits)](
             a_desc, b_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
             NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, FOLD_LAST=lp.fold_last, **common)
