@@ -62,6 +62,24 @@ def _worker_device(device: str, rank: int) -> str:
     return f"cuda:{rank % max(1, torch.cuda.device_count())}"
 
 
+def nccl_gpu_clash(device: str, replicas: int, experts: int) -> str | None:
+    """Why the ``nccl`` transport cannot connect this layout, or None.
+
+    NCCL refuses a communicator with two ranks on one GPU ("invalid usage"), and every
+    attention replica exchanges with every expert worker, so no replica may share a GPU
+    with an expert worker (expert workers may share one: they never exchange). On the
+    CPU the data plane is gloo, which has no such limit."""
+    if not device.startswith("cuda"):
+        return None
+    devices = [_worker_device(device, rank) for rank in range(replicas + experts)]
+    for a in range(replicas):
+        for e in range(experts):
+            if devices[a] == devices[replicas + e]:
+                return (f"attention replica {a} and expert worker {e} would both run on "
+                        f"{devices[a]}, and NCCL does not connect two processes on one GPU")
+    return None
+
+
 class WorkerError(RuntimeError):
     """A worker failed or disappeared; the engine cannot continue."""
 
@@ -88,6 +106,12 @@ class DisaggregatedEngine:
             reason = rdma_unavailable()
             if reason is not None:
                 raise ValueError(f"transport 'rdma': {reason}; use tcp")
+        if config.transport == "nccl":
+            clash = nccl_gpu_clash(config.device, config.attention_replicas,
+                                   config.expert_workers)
+            if clash is not None:
+                raise ValueError(f"transport 'nccl': {clash}; use cuda_ipc, or give the "
+                                 "attention replicas and expert workers separate GPUs")
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(path)
         num_experts = self.model_config.num_experts

@@ -12,7 +12,7 @@ import pytest
 from comm.rdma import rdma_unavailable
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
-from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
+from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError, nccl_gpu_clash
 from megaserve.runtime.placement import ExpertPlacement
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
@@ -149,6 +149,12 @@ def test_placement_validation_and_uneven_split():
             LLM(dtype="float32", expert_workers=2, transport="rdma")
     with pytest.raises(ValueError, match="aggregation"):
         EngineConfig(aggregation="whenever")
+    # NCCL cannot put two ranks on one GPU: refused before any worker or GPU is touched.
+    with pytest.raises(ValueError, match="transport 'nccl': attention replica 0 and expert "
+                                         "worker 0 would both run on cuda:0"):
+        LLM(dtype="float32", device="cuda:0", expert_workers=2, transport="nccl")
+    assert nccl_gpu_clash("cpu", 2, 3) is None  # gloo on the CPU
+    assert nccl_gpu_clash("cuda:1", 1, 2) is not None
 
 
 FRONT_END = """

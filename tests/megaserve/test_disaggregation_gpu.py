@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megaserve import LLM, SamplingParams
+from megaserve.runtime.cluster import nccl_gpu_clash
 
 pytestmark = pytest.mark.gpu
 
@@ -37,6 +38,13 @@ def test_disaggregated_gpus_equal_single_gpu(single_gpu, transport, replicas, ex
         pytest.skip("needs at least 2 GPUs")
     if (replicas, experts, microbatches) == (1, 3, 4) and gpus < 4:
         pytest.skip("the experts-on-GPUs-1-3 layout needs 4 GPUs")
+    if transport == "nccl" and nccl_gpu_clash("cuda", replicas, experts):
+        # A replica shares a GPU with an expert worker: NCCL cannot connect them (its
+        # "invalid usage", 2x H200), so the layout is refused up front with a clear error.
+        with pytest.raises(ValueError, match="transport 'nccl': .* on one GPU"):
+            LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas,
+                expert_workers=experts, microbatches=microbatches, transport=transport)
+        return
     with LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas, expert_workers=experts,
              microbatches=microbatches, transport=transport) as llm:
         got = _signature(llm.generate(PROMPTS, PARAMS))
