@@ -35,7 +35,6 @@ first), launch choices like the tile.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 
@@ -166,6 +165,13 @@ def exp2_default() -> bool:
     return os.environ.get("MEGASERVE_ATTN_EXP2", "1") != "0"
 
 
+def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fp32 split-mode scratch: uninitialised, or NaN under ``POISON_BUFFERS``."""
+    if POISON_BUFFERS:
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def _splits_per_program(num_programs: int, max_splits: int) -> int:
     """Consecutive splits per split-mode program: a power of two that keeps about
     _SPLIT_MODE_PROGRAMS programs in the grid (launch shape only, never the bits)."""
@@ -234,12 +240,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
         return out
-    new_ws = functools.partial(torch.full, fill_value=float("nan")) if POISON_BUFFERS \
-        else torch.empty
-    ws_m = new_ws((max_splits, t, num_q_heads), dtype=torch.float32, device=q.device)
-    ws_l = new_ws((max_splits, t, num_q_heads), dtype=torch.float32, device=q.device)
-    ws_o = new_ws((max_splits, t, num_q_heads, head_dim), dtype=torch.float32,
-                  device=q.device)
+    ws_m = _workspace((max_splits, t, num_q_heads), q.device)
+    ws_l = _workspace((max_splits, t, num_q_heads), q.device)
+    ws_o = _workspace((max_splits, t, num_q_heads, head_dim), q.device)
     spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
     _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,

@@ -33,8 +33,7 @@ def _child() -> None:
     interp._patch_lang_tensor = patched
     import torch
 
-    from kernels.triton_impl import write_kv_cache
-    from kernels.triton_impl import attention
+    from kernels.triton_impl import attention, write_kv_cache
     from kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     attention.POISON_BUFFERS = True  # unwritten elements and unread parts -> NaN
