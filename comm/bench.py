@@ -205,14 +205,19 @@ def run_pattern(spec: dict, timeout_s: float = 280.0) -> dict[str, dict[int, lis
                     for size, samples in times.items():
                         out[name].setdefault(size, []).extend(samples)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs)
         for rdv in rdvs:
             rdv.close()
     return out
+
+
+def reap(procs: list, timeout_s: float = 10.0) -> None:
+    """Join each process, killing (and then joining) one still alive after ``timeout_s``."""
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def default_patterns(gpus: int) -> list[tuple[int, int]]:

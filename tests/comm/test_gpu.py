@@ -7,6 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from comm import RendezvousServer
+from comm.bench import reap
 from tests.comm import workers
 
 CTX = mp.get_context("spawn")
@@ -27,10 +28,7 @@ def _pair(provider: str, backend: str) -> dict:
             out[r["rank"]] = r
         return out
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
         rdv.close()
 
 

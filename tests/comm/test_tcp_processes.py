@@ -11,6 +11,7 @@ import time
 import pytest
 
 from comm import ChannelConfig, RendezvousServer
+from comm.bench import reap
 from tests.comm import workers
 
 MiB = 1 << 20
@@ -29,11 +30,7 @@ def _collect(results, n, timeout):
 
 
 def _reap(procs):
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    reap(procs)
     assert all(p.exitcode is not None for p in procs)
     assert not [p for p in CTX.active_children() if p in procs]
 
