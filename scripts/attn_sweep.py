@@ -1,4 +1,4 @@
-"""Device sweep for paged attention (issue 3, rounds 4-6): bitwise checks, then timings.
+"""Device sweep for paged attention (issue 3, rounds 4-8): bitwise checks, then timings.
 
 Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR] [--phase P]``.
 Phase 1 runs the checks of each shape (``--parts`` children per shape) and a compile
@@ -47,45 +47,38 @@ CHECK_VARIANTS = [
          fold_block_d=32, long_first=True, **NEW),
     dict(mode="split", rows=64, num_warps=4, num_stages=3, prefetch=True, fold_tokens=4),
 ]
-# Round 6 candidates (timed below). exp2=False: the round-5 arithmetic (the step-1
-# defaults' bits, checked in the round-6 baseline run), timed only, never checked here.
-D32 = dict(R4_DECODE, fold_block_d=32, **NEW)  # step-1 split default
+# Round 8 candidates (timed below): the two-level reduction (attention NOTE) with chunk
+# mode, decode tiles of 2 and 4 warps (the mma layout now splits head_dim across warps),
+# prefill tiles of 8 warps (the chunk accumulator made 4-warp 64-row tiles spill).
+D16 = dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16, fold_block_d=16,
+           fold_warps=1, **NEW)  # round-7 decode split default
+CH = dict(D16, mode="chunk")
 DECODE_VARIANTS = [
-    ("step-1 default, round-5 arithmetic", None, False),
-    ("serial r16 w2 s4 new", dict(mode="serial", rows=16, num_warps=2, num_stages=4, **NEW),
-     True),
-    ("serial r16 w2 s3 new", dict(mode="serial", rows=16, num_warps=2, num_stages=3, **NEW),
-     True),
-    ("serial r16 w2 s5 new", dict(mode="serial", rows=16, num_warps=2, num_stages=5, **NEW),
-     True),
-    ("split new fold_d32", D32, True),
-    ("split new fold_d32 fw1", dict(D32, fold_warps=1), True),
-    ("split new fold_d32 fw2", dict(D32, fold_warps=2), True),
-    ("split new fold_d16 fw1", dict(D32, fold_block_d=16, fold_warps=1), True),
-    ("split new fold_d16 fw2", dict(D32, fold_block_d=16, fold_warps=2), True),
-    ("split new fold_d32 fw1 u32", dict(D32, fold_warps=1, fold_unroll=32), True),
-    ("split s2 new fold_d32 fw1", dict(D32, num_stages=2, fold_warps=1), True),
-    ("split spp8 new fold_d32 fw1", dict(D32, splits_per_program=8, fold_warps=1), True),
-    ("split w1 new fold_d32 fw1", dict(D32, num_warps=1, fold_warps=1), True),
+    ("split r16 w2 s3 fold_d16 fw1 (round-7 default)", D16, True),
+    ("chunk r16 w2 s2", dict(CH, num_stages=2), True),
+    ("chunk r16 w2 s3", CH, True),
+    ("chunk r16 w2 s4", dict(CH, num_stages=4), True),
+    ("chunk r16 w4 s2", dict(CH, num_warps=4, num_stages=2), True),
+    ("chunk r16 w4 s3", dict(CH, num_warps=4), True),
+    ("chunk r16 w4 s4", dict(CH, num_warps=4, num_stages=4), True),
+    ("chunk r16 w1 s3", dict(CH, num_warps=1), True),
+    ("chunk r16 w4 s3 fold_d32 fw1", dict(CH, num_warps=4, fold_block_d=32), True),
+    ("serial r16 w2 s4 (round-7 serial)", dict(mode="serial", rows=16, num_warps=2,
+                                              num_stages=4, **NEW), True),
+    ("serial r16 w4 s3", dict(mode="serial", rows=16, num_warps=4, num_stages=3, **NEW), True),
+    ("serial r16 w4 s4", dict(mode="serial", rows=16, num_warps=4, num_stages=4, **NEW), True),
 ]
-# Split-mode variants whose parts kernel is also timed alone (fold = total - parts).
-PARTS_TIMED = {"split new fold_d32", "split s2 new fold_d32 fw1"}
+# Split- and chunk-mode variants whose parts kernel is also timed alone (fold = rest).
+PARTS_TIMED = {n for n, v, _ in DECODE_VARIANTS if v["mode"] != "serial"}
 MT = dict(mode="serial", mask_tail=True)
 PREFILL_VARIANTS = [
-    ("step-1 default, round-5 arithmetic", None, False),
-    ("r64 w4 s2 mask_tail prefetch", dict(MT, rows=64, num_warps=4, num_stages=2,
-                                          prefetch=True), True),
-    ("r64 w4 s2 mask_tail long_first", dict(MT, rows=64, num_warps=4, num_stages=2,
-                                            long_first=True), True),
+    ("r64 w4 s2 mask_tail (round-7 default)", dict(MT, rows=64, num_warps=4, num_stages=2),
+     True),
+    ("r64 w8 s2 mask_tail", dict(MT, rows=64, num_warps=8, num_stages=2), True),
+    ("r64 w8 s3 mask_tail", dict(MT, rows=64, num_warps=8, num_stages=3), True),
     ("r128 w8 s2 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=2), True),
     ("r128 w8 s2 mask_tail long_first", dict(MT, rows=128, num_warps=8, num_stages=2,
                                              long_first=True), True),
-    ("r128 w8 s2 new", dict(MT, rows=128, num_warps=8, num_stages=2, prefetch=True), True),
-    ("r128 w8 s3 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=3), True),
-    ("r128 w8 s3 new long_first", dict(MT, rows=128, num_warps=8, num_stages=3,
-                                       prefetch=True, long_first=True), True),
-    ("r128 w8 s3 mask_tail, round-5 arithmetic", dict(MT, rows=128, num_warps=8,
-                                                      num_stages=3), False),
 ]
 # Every timed launch with the default arithmetic is also checked bitwise (prefill, single
 # decodes for decode candidates, batches), so a winner can become the default.
@@ -97,8 +90,8 @@ _NEW_CHECKS = list(range(16, len(CHECK_VARIANTS)))
 DECODE_CHECKS = [0, 1, 6, 8, 12, 13, 14] + [
     i for i in _NEW_CHECKS if CHECK_VARIANTS[i]["rows"] == 16]  # also on single decodes
 BATCH_CHECKS = [0, 3, 6, 8, 10, 11, 12, 13, 14, 15] + _NEW_CHECKS  # and on batches
-CASES = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("decode", 32, 2048, 1),
-         ("prefill", 4, 4096, 4096)]
+CASES = [("decode", 8, 8192, 1), ("decode", 64, 4096, 1), ("decode", 32, 2048, 1),
+         ("decode", 2, 8192, 1), ("decode", 1, 4096, 1), ("prefill", 4, 4096, 4096)]
 
 
 def _setup(hq, hkv, dh, bs, length, seed):

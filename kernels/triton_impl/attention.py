@@ -8,13 +8,16 @@ KV head; its BLOCK_M = BLOCK_Q * G_PAD rows are (token, query head of the group)
 
     row r  →  token  r // G_PAD,  query head  kv_head * G + r % G_PAD   (r % G_PAD < G)
 
-For each split of C keys (ascending), a row computes, as kernels.cpu does,
-``m_s = max(scores)``, ``p = exp(scores - m_s)``, ``l_s = Σp``, ``o_s = p @ V`` and folds
-``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))`` (the opt-in round-6 EXP2 form does
-the same in log2 units: exp2, log2(e) folded into the scale, explicit FMAs; see
-attention_kernels and :func:`exp2_default`). Split 0 always holds key 0, so ``m`` is
-finite after it and a split lying wholly past a row's position merges as an exact
-identity (alpha = 1, beta = 0): a row's bits depend on its own position and context only.
+Keys are reduced in two fixed levels. For each split of C keys, a row computes
+``m_s = max(scores)``, ``p = exp(scores - m_s)``, ``l_s = Σp``, ``o_s = p @ V`` (the
+round-6 EXP2 form does the same in log2 units: exp2, log2(e) folded into the scale,
+explicit FMAs; see attention_kernels and :func:`exp2_default`). The splits of each chunk
+of CHUNK_SPLITS splits are folded, ascending, from the empty state (-inf, 0, 0) with
+``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))``; the chunk states are then merged,
+ascending, the same way, and the row's output is ``o / l``. A split or chunk lying
+wholly past a row's position is the empty state and merges as an exact identity: a row's
+bits depend on its own position and context only. (kernels.cpu folds its splits in one
+level; each backend's bits are its own.)
 
 Every step is layout-independent, so the tile (rows, warps, pipeline depth) is a launch
 choice, free per call: ``max`` is exact in any order; the scores, ``o_s`` and ``l_s`` are
@@ -22,10 +25,13 @@ tensor-core dots (``l_s = p @ 1``, the same bf16 ``p`` that ``o_s`` uses), whose
 steps round each output element alike whatever the instruction's tile shape; ``exp``
 and ``merge`` are elementwise. (A ``tl.sum`` would reduce in an order set by the layout.)
 
-Two launch modes give the same bits: **serial** (one program per tile and KV head folds
-its splits in registers) and **split** (few programs: programs over (tile, KV head,
-group of splits) store each split's unmerged (m_s, l_s, o_s) in fp32, then a fold kernel
-merges them in the same ascending order with the same ``_merge``).
+Three launch modes give the same bits: **serial** (one program per tile and KV head
+walks its chunks in registers), **chunk** (one program per (tile, KV head, chunk)
+stores the chunk's state in fp32, then a fold kernel merges the chunks) and **split**
+(programs over (tile, KV head, group of splits) store each split's (m_s, l_s, o_s) in
+fp32, then the fold kernel folds them into chunks and merges those). The two levels are
+what makes the chunk mode possible: few long sequences get a program per chunk and a
+fold over a few chunk states, not over every split.
 
 The kernels are in :mod:`kernels.triton_impl.attention_kernels`; its docstring describes
 the loop switches (masks only on diagonal splits, block ids one split ahead, long rows
@@ -54,6 +60,11 @@ from kernels.triton_impl.attention_kernels import (
 _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
 _SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
+# Splits per chunk, the first level of the reduction (NOTE): part of the arithmetic, so
+# one value for every launch (tests lower it to reach chunk boundaries at small sizes).
+CHUNK_SPLITS = 16
+# Chunk mode (not split mode) when a chunk grid has at least this many programs.
+_CHUNK_MODE_PROGRAMS = 512
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and split-mode workspaces start as NaN, so an element no
 # program wrote, or a part read before it was written, shows up instead of a previous
@@ -65,7 +76,7 @@ POISON_BUFFERS = False
 class AttentionLaunch:
     """How one call is launched: tile and grid only, never the arithmetic (see NOTE)."""
 
-    mode: str = "serial"  # 'serial' | 'split'
+    mode: str = "serial"  # 'serial' | 'split' | 'chunk' (module NOTE)
     rows: int = 64  # tile rows (BLOCK_M), a power of two >= 16 (raised to G_PAD if larger)
     num_warps: int = 4
     num_stages: int = 2
@@ -80,8 +91,9 @@ class AttentionLaunch:
     fold_warps: int = 4  # split mode: warps per fold program
 
     def __post_init__(self) -> None:
-        if self.mode not in ("serial", "split"):
-            raise ValueError(f"AttentionLaunch: mode must be 'serial' or 'split', got {self.mode!r}")
+        if self.mode not in ("serial", "split", "chunk"):
+            raise ValueError("AttentionLaunch: mode must be 'serial', 'split' or 'chunk', "
+                             f"got {self.mode!r}")
         fbd = self.fold_block_d
         if fbd and (fbd < 16 or fbd & (fbd - 1)):
             raise ValueError(f"AttentionLaunch: fold_block_d={self.fold_block_d} must be 0 "
@@ -142,8 +154,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
-    decode-like batches (at most two new tokens per sequence), large ones otherwise; split
-    mode when the serial grid would leave most SMs idle and the fp32 parts stay small."""
+    decode-like batches (at most two new tokens per sequence), large ones otherwise; when
+    the serial grid would leave most SMs idle and the fp32 parts stay small, chunk mode if
+    a program per chunk fills the GPU, else split mode."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
@@ -151,9 +164,11 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
     if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES:
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
-        if decode_like and fold_programs < _FOLD_CHUNK_BELOW:
-            return AttentionLaunch("split", **tile, fold_block_d=16, fold_warps=1)
-        return AttentionLaunch("split", **tile)
+        fold = (dict(fold_block_d=16, fold_warps=1)
+                if decode_like and fold_programs < _FOLD_CHUNK_BELOW else {})
+        if programs * triton.cdiv(max_splits, CHUNK_SPLITS) >= _CHUNK_MODE_PROGRAMS:
+            return AttentionLaunch("chunk", **dict(tile, **fold))
+        return AttentionLaunch("split", **dict(tile, **fold))
     return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
 
 
@@ -233,29 +248,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # EXP2 (attention_kernels docstring): scores in log2 units, log2(e) folded into scale.
     scale = float(scale) * _LOG2E if exp2 else float(scale)
     kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
+    kernel_args = (context_lens, query_start_loc)
     if launch.mode == "serial":
-        _paged_attention_kernel[grid](
-            q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
-            num_seqs, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *kv_args, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot,
+        ws_m = ws_l = ws_o = out  # no parts (the kernel's PARTS is off)
+    else:
+        n_parts = max_splits if launch.mode == "split" else max_chunks
+        ws_m = _workspace((n_parts, t, num_q_heads), q.device)
+        ws_l = _workspace((n_parts, t, num_q_heads), q.device)
+        ws_o = _workspace((n_parts, t, num_q_heads, head_dim), q.device)
+    if launch.mode == "split":
+        spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
+        _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
+            q, k_cache, v_cache, block_tables, *kernel_args, ws_m, ws_l, ws_o,
+            num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
+            NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
+            BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **common, **loop)
+    else:
+        _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
+            q, k_cache, v_cache, block_tables, *kernel_args, out, ws_m, ws_l, ws_o,
+            num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *kv_args, NUM_Q_HEADS=num_q_heads, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1],
+            CHUNK=CHUNK_SPLITS, L_BY_DOT=l_by_dot, PARTS=launch.mode == "chunk",
             num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
-        return out
-    ws_m = _workspace((max_splits, t, num_q_heads), q.device)
-    ws_l = _workspace((max_splits, t, num_q_heads), q.device)
-    ws_o = _workspace((max_splits, t, num_q_heads, head_dim), q.device)
-    spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
-    _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, ws_m, ws_l, ws_o,
-        num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
-        NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
-        BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **common, **loop)
-    if not parts_only:
+    if launch.mode != "serial" and not parts_only:
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
         _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
-            context_lens, query_start_loc, ws_m, ws_l, ws_o, out, num_seqs, t,
-            out.stride(0), out.stride(1), NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
-            UNROLL=launch.fold_unroll, EXP2=exp2, num_warps=launch.fold_warps, **common)
+            *kernel_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, CHUNK=CHUNK_SPLITS,
+            UNROLL=min(launch.fold_unroll, CHUNK_SPLITS), EXP2=exp2,
+            PER_SPLIT=launch.mode == "split", num_warps=launch.fold_warps, **common)
     return out

@@ -100,7 +100,7 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
         p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
     o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
     if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
-        l_s = tl.max(tl.dot(p, tl.full([SPLIT, 16], 1.0, v.dtype)), axis=1)
+        l_s = tl.max(tl.dot(p, tl.full([SPLIT, 32], 1.0, v.dtype)), axis=1)
     else:
         l_s = tl.sum(p.to(tl.float32), axis=1)
     return m_s, l_s, o_s
@@ -144,16 +144,19 @@ def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.co
 
 @triton.jit
 def _merge(m, l, o, m_s, l_s, o_s, EXP2: tl.constexpr):
-    """Fold split s into the running (m, l, o); the one merge both launch modes use."""
+    """Fold split (or chunk) s into the running (m, l, o); the one merge every launch uses.
+    Two empty states (m = m_s = -inf: a row that has seen no key of a chunk yet) merge to
+    the empty state (-inf, 0, 0), not NaN; the select changes no finite case."""
     m_new = tl.maximum(m, m_s)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     if EXP2:
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_s - m_new)
+        alpha = tl.exp2(m - m_ref)
+        beta = tl.exp2(m_s - m_ref)
         o = tl.fma(o, alpha[:, None], o_s * beta[:, None])
         l = tl.fma(l, alpha, l_s * beta)
     else:
-        alpha = tl.exp(m - m_new)
-        beta = tl.exp(m_s - m_new)
+        alpha = tl.exp(m - m_ref)
+        beta = tl.exp(m_s - m_ref)
         o = o * alpha[:, None] + o_s * beta[:, None]
         l = l * alpha + l_s * beta
     return m_new, l, o
@@ -172,15 +175,22 @@ def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
-                            num_seqs, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                            ws_m_ptr, ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale,
+                            stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_kb, stride_ks, stride_kh, stride_bt,
-                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
-                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr):
-    """Serial mode: one program walks all of its tile's splits."""
+                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_D: tl.constexpr, L_BY_DOT: tl.constexpr,
+                            MASK_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
+                            LONG_FIRST: tl.constexpr, EXP2: tl.constexpr,
+                            PARTS: tl.constexpr):
+    """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), folds
+    each chunk's splits from the empty state, merges the chunks into the row's state and
+    writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
+    is stored unnormalised at ws_m / ws_l `[chunks, T, Hq]` and ws_o `[chunks, T, Hq, Dh]`
+    for the fold kernel (rows that reach the chunk only)."""
     kv_head = tl.program_id(1)
     pid = tl.program_id(0)
     if LONG_FIRST:
@@ -191,18 +201,29 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
         q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-        # From (-inf, 0, 0), merging split 0 is exact: alpha = 0, beta = 1.
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        n_splits = last_pos // SPLIT + 1
+        full = 0  # splits below this are wholly visible to every row (MASK_TAIL)
+        if MASK_TAIL:
+            full = (first_pos + 1) // SPLIT
+        c_lo = 0
+        c_hi = tl.cdiv(n_splits, CHUNK)
+        if PARTS:
+            c_lo = tl.program_id(2)
+            c_hi = tl.minimum(c_hi, c_lo + 1)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        n_splits = last_pos // SPLIT + 1
-        lo = 0
         # (Loops inline, not in a helper: the interpreter runs range() over tensor bounds
         # only in the kernel's own body.)
-        if MASK_TAIL:  # full splits, unmasked; PREFETCH: next block ids one ahead
-            lo = (first_pos + 1) // SPLIT
-            ids = _block_ids(bt, 0, ctx_len, BLOCK_SIZE, SPLIT)
-            for split in range(0, lo):
+        for chunk in range(c_lo, c_hi):
+            s0 = chunk * CHUNK
+            s1 = tl.minimum(s0 + CHUNK, n_splits)
+            mid = tl.maximum(s0, tl.minimum(s1, full))
+            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_c = tl.zeros([BLOCK_M], tl.float32)
+            o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            ids = _block_ids(bt, s0, ctx_len, BLOCK_SIZE, SPLIT)
+            for split in range(s0, mid):  # full splits, unmasked; PREFETCH: ids one ahead
                 if PREFETCH:
                     nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
                 else:
@@ -211,33 +232,42 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
                                             False, EXP2)
-                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
+                m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
                 if PREFETCH:
                     ids = nxt
-        ids = _block_ids(bt, lo, ctx_len, BLOCK_SIZE, SPLIT)
-        for split in range(lo, n_splits):  # the rest, masked
-            if PREFETCH:
-                nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+            ids = _block_ids(bt, mid, ctx_len, BLOCK_SIZE, SPLIT)
+            for split in range(mid, s1):  # the rest, masked
+                if PREFETCH:
+                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                else:
+                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, stride_kb, stride_ks, stride_kh, scale,
+                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
+                                            True, EXP2)
+                m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
+                if PREFETCH:
+                    ids = nxt
+            if PARTS:
+                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_c, l_c, o_c, chunk,
+                             s0 * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
+                             NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
             else:
-                ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
-            m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
-                                        pos, stride_kb, stride_ks, stride_kh, scale,
-                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True,
-                                        EXP2)
-            m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
-            if PREFETCH:
-                ids = nxt
-        _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, 0,
-                    HEAD_DIM, BLOCK_D)
+                m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
+        if not PARTS:
+            _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, 0,
+                        HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens, tok_glob,
-                 head, row_ok, pos, NUM_Q_HEADS: tl.constexpr, SPLIT: tl.constexpr,
+def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, part, first_key, num_tokens,
+                 tok_glob, head, row_ok, pos, NUM_Q_HEADS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Part ``part`` (a split or a chunk, starting at key ``first_key``) of the rows that
+    reach it, fp32, unnormalised."""
     d = tl.arange(0, BLOCK_D)
-    row_idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
-    reach = row_ok & (split * SPLIT <= pos)
+    row_idx = (part * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
+    reach = row_ok & (first_key <= pos)
     tl.store(ws_m_ptr + row_idx, m_s, mask=reach)
     tl.store(ws_l_ptr + row_idx, l_s, mask=reach)
     tl.store(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], o_s,
@@ -283,9 +313,9 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
                                             False, EXP2)
-                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
-                             tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM,
-                             BLOCK_D)
+                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split,
+                             split * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
+                             NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
                 if PREFETCH:
                     ids = nxt
         ids = _block_ids(bt, mid, ctx_len, BLOCK_SIZE, SPLIT)
@@ -297,8 +327,9 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
             m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
                                         stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
                                         SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2)
-            _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, num_tokens,
-                         tok_glob, head, row_ok, pos, NUM_Q_HEADS, SPLIT, HEAD_DIM, BLOCK_D)
+            _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, split * SPLIT,
+                         num_tokens, tok_glob, head, row_ok, pos, NUM_Q_HEADS, HEAD_DIM,
+                         BLOCK_D)
             if PREFETCH:
                 ids = nxt
 
@@ -308,12 +339,15 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            num_seqs, num_tokens, stride_ot, stride_oh,
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           UNROLL: tl.constexpr, EXP2: tl.constexpr):
-    """Split mode, step 2: fold the stored parts in ascending split order, exactly as the
-    serial kernel folds them in registers (same :func:`_merge`). A part past a row's last
-    split is the exact identity (m_s = -inf, l_s = 0, o_s = 0) that the serial kernel
-    merges there, so the fold tile need not match the parts tile. UNROLL parts are
+                           CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, EXP2: tl.constexpr,
+                           PER_SPLIT: tl.constexpr):
+    """Split and chunk modes, step 2: merge the stored parts exactly as the serial kernel
+    merges in registers (same :func:`_merge`, same order). ``PER_SPLIT``: the parts are
+    single splits, folded from the empty state per chunk of CHUNK splits, then the chunks
+    merged; else the parts are chunk states, merged in order. A part past a row's reach is
+    the empty state (m = -inf, l = 0, o = 0), which is what the serial kernel merges there,
+    so the fold tile need not match the parts tile. UNROLL parts (UNROLL divides CHUNK) are
     loaded per step (independent loads in flight), then merged one by one. Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
@@ -321,23 +355,43 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
         ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
     if live:
+        BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D
         d = d0 + tl.arange(0, BLOCK_D)
-        o_mask = row_ok[:, None] & (d[None, :] < HEAD_DIM)
-        row_idx = tok_glob * NUM_Q_HEADS + head
-        m = tl.load(ws_m_ptr + row_idx, mask=row_ok, other=0.0)
-        l = tl.load(ws_l_ptr + row_idx, mask=row_ok, other=1.0)
-        o = tl.load(ws_o_ptr + row_idx[:, None] * HEAD_DIM + d[None, :], mask=o_mask, other=0.0)
+        d_ok = (d < HEAD_DIM)[None, :]
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
+        l = tl.zeros([BLOCK_M], tl.float32)
+        o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        n_splits = last_pos // SPLIT + 1
         row_splits = pos // SPLIT + 1
-        for base in range(1, last_pos // SPLIT + 1, UNROLL):
-            for j in tl.static_range(UNROLL):
-                split = base + j
-                reach = row_ok & (split < row_splits)
-                idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
-                m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
-                l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
-                o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
-                              mask=reach[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
+        if PER_SPLIT:
+            for chunk in range(0, tl.cdiv(n_splits, CHUNK)):
+                m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_c = tl.zeros([BLOCK_M], tl.float32)
+                o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for base in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, n_splits),
+                                  UNROLL):
+                    for j in tl.static_range(UNROLL):
+                        split = base + j
+                        reach = row_ok & (split < row_splits)
+                        idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
+                        m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
+                        l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
+                        o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                                      mask=reach[:, None] & d_ok, other=0.0)
+                        m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
+                m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
+        else:
+            row_chunks = tl.cdiv(row_splits, CHUNK)
+            for base in range(0, tl.cdiv(n_splits, CHUNK), UNROLL):
+                for j in tl.static_range(UNROLL):
+                    chunk = base + j
+                    reach = row_ok & (chunk < row_chunks)
+                    idx = (chunk * num_tokens + tok_glob) * NUM_Q_HEADS + head
+                    m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
+                    l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
+                    o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                                  mask=reach[:, None] & d_ok, other=0.0)
+                    m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                     HEAD_DIM, BLOCK_D)

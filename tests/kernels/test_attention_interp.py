@@ -1,9 +1,10 @@
 """Paged-attention launch switches under the Triton interpreter (CPU, CI).
 
-The loop switches (unmasked full splits, block ids one split ahead, long rows first, a
-fold over head_dim chunks, fold warps) must not change a token's bits: every launch below
-equals the round-4 serial launch on a prefill, on single decodes at split boundaries and
-on a mixed batch. (The interpreter sums a dot at once, not in k16 steps, so this checks
+The launch modes (serial, split, chunk) and loop switches (unmasked full splits, block
+ids one split ahead, long rows first, a fold over head_dim chunks, fold warps) must not
+change a token's bits: every launch below equals the round-4 serial launch on a prefill,
+on single decodes at split and chunk boundaries and on a mixed batch. Chunks are lowered
+to 2 splits, so the two-level reduction crosses chunk boundaries at this small size. (The interpreter sums a dot at once, not in k16 steps, so this checks
 the index, mask and loop logic; the tile-shape claim is checked on the GPU.)
 TRITON_INTERPRET=1 must be set before kernels are defined: the checks run in a child.
 """
@@ -37,6 +38,7 @@ def _child() -> None:
     from kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     attention.POISON_BUFFERS = True  # unwritten elements and unread parts -> NaN
+    attention.CHUNK_SPLITS = 2  # chunk boundaries at 128 and 256 keys (3 splits here)
     torch.manual_seed(0)
     hq, hkv, dh, bs, length = 4, 2, 16, 4, 160
     nb = -(-length // bs)
@@ -68,12 +70,16 @@ def _child() -> None:
                                        long_first=True),
                        AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, prefetch=True,
                                        long_first=True, fold_block_d=16, fold_unroll=4,
-                                       fold_warps=1)):
+                                       fold_warps=1),
+                       AttentionLaunch("split", 32, 4, 2, 1, fold_tokens=4),
+                       AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
+                                       fold_block_d=16, fold_warps=1),
+                       AttentionLaunch("chunk", 32, 4, 2, fold_tokens=2)):
             if not torch.equal(run(q, [length], [length], launch, exp2), full):
                 fails.append(f"prefill {launch} exp2={exp2}")
             if not torch.equal(run(qb, lens, n_new, launch, exp2), want):
                 fails.append(f"batch {launch} exp2={exp2}")
-            for t in (63, 64, 128, length - 1):
+            for t in (63, 64, 127, 128, length - 1):
                 if not torch.equal(run(q[t : t + 1], [t + 1], [1], launch, exp2)[0], full[t]):
                     fails.append(f"decode {t} {launch} exp2={exp2}")
     # Both arithmetics give the same values to within rounding.

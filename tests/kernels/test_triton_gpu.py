@@ -97,7 +97,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
 
     monkeypatch.setattr(attention, "POISON_BUFFERS", True)  # unwritten elements -> NaN
     torch.manual_seed(0)
-    hq, hkv, dh, bs, length = 32, 8, 128, 16, 1000
+    hq, hkv, dh, bs, length = 32, 8, 128, 16, 2500  # 3 chunks of 1024 keys
     kc = torch.randn(200, bs, hkv, dh, device="cuda", dtype=BF16)
     vc = torch.randn_like(kc)
     table = torch.randperm(200, device="cuda")[: -(-length // bs)].int()
@@ -124,18 +124,22 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
     for chunk in (1, 37, 256, 512):
         outs = [run(q[a : a + chunk], min(a + chunk, length)) for a in range(0, length, chunk)]
         assert torch.equal(torch.cat(outs), full), f"chunked prefill, chunk {chunk}"
-    # Split-KV mode (decode's auto choice) and serial mode: same bits, mixed batch too.
-    lens = torch.tensor([1000, 1, 64, 65, 999, 500], device="cuda", dtype=torch.int32)
+    # Split and chunk modes (decode's auto choices) and serial mode: same bits, mixed
+    # batch too.
+    lens = torch.tensor([2500, 1, 64, 65, 1999, 1100], device="cuda", dtype=torch.int32)
     n_new = torch.tensor([1, 1, 64, 3, 1, 130], device="cuda", dtype=torch.int32)
     qsl = torch.cat([n_new.new_zeros(1), n_new.cumsum(0)]).int()
     tables = table[None].expand(6, -1).contiguous()
     qm = torch.randn(int(n_new.sum()), hq, dh, device="cuda", dtype=BF16)
     serial = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="serial")
-    assert torch.equal(paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="split"), serial)
+    for mode in ("split", "chunk"):
+        got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode=mode)
+        assert torch.equal(got, serial), mode
     one_len = torch.tensor([length], device="cuda", dtype=torch.int32)
     one_qsl = torch.tensor([0, length], device="cuda", dtype=torch.int32)
-    assert torch.equal(
-        paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode="split"), full)
+    for mode in ("split", "chunk"):
+        got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode=mode)
+        assert torch.equal(got, full), mode
     # Tiles are a launch choice: 16-row (mma v2) and 64/128-row (wgmma) tiles, any warps
     # and pipeline depth, serial or split, give the same bits (module NOTE).
     from kernels.triton_impl.attention import AttentionLaunch
@@ -158,7 +162,15 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
                    AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
                    AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
-                                   prefetch=True, fold_block_d=16, fold_warps=1)):
+                                   prefetch=True, fold_block_d=16, fold_warps=1),
+                   # round 8: chunk mode (a program per chunk, then the fold), 4-warp
+                   # decode tiles, 8-warp prefill tiles
+                   AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
+                                   fold_block_d=16, fold_warps=1),
+                   AttentionLaunch("chunk", 16, 4, 3, mask_tail=True, prefetch=True),
+                   AttentionLaunch("chunk", 64, 4, 2, fold_tokens=8),
+                   AttentionLaunch("serial", 16, 4, 3, mask_tail=True, prefetch=True),
+                   AttentionLaunch("serial", 64, 8, 2, mask_tail=True)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
@@ -194,7 +206,9 @@ def test_paged_attention_exp2_split_equals_serial() -> None:
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True)):
         assert torch.equal(run(q, length, launch=launch), new), f"EXP2 {launch}"
     for t in (0, 63, 64, 500, length - 1):
-        assert torch.equal(run(q[t : t + 1], t + 1, mode="split")[0], new[t]), f"decode {t}"
+        for mode in ("split", "chunk"):
+            got = run(q[t : t + 1], t + 1, mode=mode)[0]
+            assert torch.equal(got, new[t]), f"decode {t} {mode}"
 
 
 def test_moe_and_sampling() -> None:
