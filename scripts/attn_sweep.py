@@ -79,6 +79,8 @@ PREFILL_VARIANTS = [
     ("r128 w8 s2 mask_tail", dict(MT, rows=128, num_warps=8, num_stages=2), True),
     ("r128 w8 s2 mask_tail long_first", dict(MT, rows=128, num_warps=8, num_stages=2,
                                              long_first=True), True),
+    ("chunk r128 w8 s2 mask_tail", dict(MT, mode="chunk", rows=128, num_warps=8,
+                                        num_stages=2), True),
 ]
 # Every timed launch with the default arithmetic is also checked bitwise (prefill, single
 # decodes for decode candidates, batches), so a winner can become the default.
@@ -91,7 +93,8 @@ DECODE_CHECKS = [0, 1, 6, 8, 12, 13, 14] + [
     i for i in _NEW_CHECKS if CHECK_VARIANTS[i]["rows"] == 16]  # also on single decodes
 BATCH_CHECKS = [0, 3, 6, 8, 10, 11, 12, 13, 14, 15] + _NEW_CHECKS  # and on batches
 CASES = [("decode", 8, 8192, 1), ("decode", 64, 4096, 1), ("decode", 32, 2048, 1),
-         ("decode", 2, 8192, 1), ("decode", 1, 4096, 1), ("prefill", 4, 4096, 4096)]
+         ("decode", 2, 8192, 1), ("decode", 1, 4096, 1), ("prefill", 4, 4096, 4096),
+         ("prefill", 1, 8192, 512)]  # the last: chunked prefill; flash's mask differs there
 
 
 def _setup(hq, hkv, dh, bs, length, seed):

@@ -64,7 +64,7 @@ _SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
 CHUNK_SPLITS = 16
 # Chunk mode (not split mode) when a chunk grid has at least this many programs.
-_CHUNK_MODE_PROGRAMS = 512
+_CHUNK_MODE_PROGRAMS = 128
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and split-mode workspaces start as NaN, so an element no
 # program wrote, or a part read before it was written, shows up instead of a previous
@@ -106,7 +106,7 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
 
 
-# Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-6).
+# Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-8).
 # Round 6 defaults, from the lead's run of round-5 code (.device/13, all 4 x 187 bitwise
 # checks passed, mask_tail with its per-row select included): prefill adds ``mask_tail``
 # (S=4 x 4096: 2554 -> 2336 us); decode runs serial 16-row tiles with 4 stages and both
@@ -115,10 +115,16 @@ class AttentionLaunch:
 # 32-column chunks for few long sequences (S=8 x 8192: 120 -> 114 us). Round 7: that fold
 # over 16-column chunks with one warp per program, 111-112 -> 100-101 us in three H200
 # runs (the launch is in the sweep's bitwise checks, 0 failures in round 6 and round 7).
+# Round 8 (two-level reduction, 4 x 458 checks passed): chunk mode with 4-warp tiles for
+# few long sequences (S=8 x 8192: split 103 -> chunk 74 us; S=2 x 8192: 60 -> 27), 4-warp
+# serial decode tiles (S=64 x 4096: 285 -> 271 us), 8-warp 128-row prefill tiles (the
+# chunk accumulator spills 4-warp 64-row ones: 1990 -> 1921 us); per-split mode stays for
+# single short sequences (S=1 x 4096: split 18 us, chunk 22).
 ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
 DECODE_SPLIT_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
-DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_stages=4)
-PREFILL_TILE = dict(rows=64, num_warps=4, num_stages=2, mask_tail=True)
+DECODE_CHUNK_TILE = dict(DECODE_SPLIT_TILE, num_warps=4)
+DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_warps=4, num_stages=4)
+PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
 
 
@@ -155,20 +161,25 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
     decode-like batches (at most two new tokens per sequence), large ones otherwise; when
-    the serial grid would leave most SMs idle and the fp32 parts stay small, chunk mode if
-    a program per chunk fills the GPU, else split mode."""
+    the serial grid would leave most SMs idle, chunk mode if a program per chunk gives
+    enough programs, else split mode, either only while its fp32 parts stay small
+    (``ws_bytes``: the per-split parts; chunk parts take 1 / CHUNK_SPLITS of that)."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
-    block_q = max(1, tile["rows"] // g_pad)
+    block_q = max(1, tile["rows"] // g_pad)  # (every decode tile has the same rows)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS and ws_bytes <= _MAX_WS_BYTES:
+    max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
+    if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS:
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
         fold = (dict(fold_block_d=16, fold_warps=1)
                 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else {})
-        if programs * triton.cdiv(max_splits, CHUNK_SPLITS) >= _CHUNK_MODE_PROGRAMS:
-            return AttentionLaunch("chunk", **dict(tile, **fold))
-        return AttentionLaunch("split", **dict(tile, **fold))
+        if (programs * max_chunks >= _CHUNK_MODE_PROGRAMS
+                and ws_bytes // max_splits * max_chunks <= _MAX_WS_BYTES):
+            chunk_tile = DECODE_CHUNK_TILE if decode_like else PREFILL_TILE
+            return AttentionLaunch("chunk", **dict(chunk_tile, **fold))
+        if ws_bytes <= _MAX_WS_BYTES:
+            return AttentionLaunch("split", **dict(tile, **fold))
     return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
 
 
