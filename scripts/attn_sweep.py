@@ -205,9 +205,10 @@ def _paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
     return make(num_seqs, ctx, new, hq, hkv, dh, torch.bfloat16)
 
 
-def time_cases(warm_only: bool, budget_s: float = 1e9) -> list[dict]:
-    """Every timed variant of every case (and SDPA flash); warm_only: one call each.
-    Variants still untimed after ``budget_s`` seconds are listed as skipped."""
+def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[dict]:
+    """Every timed variant of every case whose name contains ``only`` (and SDPA flash);
+    warm_only: one call each. Variants still untimed after ``budget_s`` seconds are listed
+    as skipped."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -219,15 +220,19 @@ def time_cases(warm_only: bool, budget_s: float = 1e9) -> list[dict]:
     rows = []
     t_end = time.time() + budget_s
     for name, seqs, ctx, new in CASES:
+        case = f"{name} S={seqs} ctx={ctx} new={new}"
+        if only not in case:
+            continue
         q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh)
         scale = dh**-0.5
-        case = f"{name} S={seqs} ctx={ctx} new={new}"
         variants = [("default", None, True)] + (DECODE_VARIANTS if name == "decode"
                                                 else PREFILL_VARIANTS)
         qd = q.view(seqs, new, hq, dh).transpose(1, 2)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa = (0.0 if warm_only else _time_ms(lambda: F.scaled_dot_product_attention(
-                qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True)))
+        sdpa = float("nan")  # flash has no causal mask for new < ctx (chunked prefill)
+        if not warm_only and (new == 1 or new == ctx):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                sdpa = _time_ms(lambda: F.scaled_dot_product_attention(
+                    qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True))
         base = None
         for vname, var, exp2 in variants:
             if not warm_only and time.time() > t_end:
@@ -275,6 +280,7 @@ def main() -> int:
     parser.add_argument("--phase", choices=["all", "checks", "timings"], default="all",
                         help="checks (+ compile warm-up) only, timings only, or both")
     parser.add_argument("--parts", type=int, default=2, help="check children per shape")
+    parser.add_argument("--only", default="", help="time only cases whose name contains this")
     args = parser.parse_args()
     if args.child:
         kind, idx, part = (args.child.split(":") + ["0"])[:3]
@@ -288,7 +294,7 @@ def main() -> int:
         ok = _checks(args.parts)
     if args.phase == "checks":
         return 0 if ok else 1
-    rows = time_cases(warm_only=False, budget_s=args.budget_s)
+    rows = time_cases(warm_only=False, budget_s=args.budget_s, only=args.only)
     with open(os.path.join(args.out, "attn_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
     import torch
