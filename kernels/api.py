@@ -102,8 +102,10 @@ def paged_attention(
     its context of ``context_lens[s]`` tokens (their K/V already written to the cache).
     k_cache, v_cache: `[num_blocks, block_size, Hkv, Dh]`; block_tables: `[S, max_blocks]`
     int32; context_lens: `[S]` int32; query_start_loc: `[S + 1]` int32.
-    Keys are reduced in splits of ``KV_SPLIT_SIZE`` merged in ascending order, so the
-    same kernel serves prefill, chunked prefill and decode with identical results.
+    Keys are reduced in splits of ``KV_SPLIT_SIZE`` merged in a fixed ascending order
+    (the Triton kernels fold the splits of each chunk first, then the chunks: see
+    kernels.triton_impl.attention), so the same kernel serves prefill, chunked prefill
+    and decode with identical results.
     Returns `[T, Hq, Dh]` in q.dtype.
     """
     return _backend(q).paged_attention(

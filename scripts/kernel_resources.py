@@ -1,0 +1,90 @@
+"""Registers, spills and shared memory of the paged-attention kernels on sm_90, no GPU needed.
+
+Run anywhere triton is installed: ``python scripts/kernel_resources.py``. Each launch below
+is compiled ahead of time for an H100/H200 (``GPUTarget('cuda', 90, 32)``) with Triton's
+bundled ptxas, pointers and strides marked 16-divisible as the JIT marks them at run time,
+and ``cuobjdump -res-usage`` reads the cubin. ``stack`` > 0 means the kernel spills.
+
+Round 8 used it to find that 16-row decode tiles replicated their accumulators across warps
+(mma warps along the rows; the 16-wide l-dot chose that layout for all three dots) and
+that the chunk accumulator made 64-row 4-warp prefill tiles spill; the device sweep then
+confirmed both (docs/benchmarks.md, Round 8).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.triton_impl import attention_kernels as ak  # noqa: E402
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_INT_PTRS = ("bt_ptr", "ctx_ptr", "qsl_ptr")
+_WS_PTRS = ("ws_m_ptr", "ws_l_ptr", "ws_o_ptr")
+
+
+def resources(fn, constexprs: dict, num_warps: int, num_stages: int,
+              fp32_ws: bool = True) -> dict:
+    """Compile ``fn`` for sm_90; returns {regs, stack, smem} (bytes for the last two)."""
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            sig[name] = ("*i32" if name in _INT_PTRS
+                         else "*fp32" if name in _WS_PTRS and fp32_ws else "*bf16")
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+        if name.endswith("_ptr") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
+    return dict(regs=int(m[1]), stack=int(m[2]), smem=compiled.metadata.shared)
+
+
+def main() -> None:
+    # The bench shape: Hq=32, Hkv=8 (G=4), head_dim 128, cache blocks of 16, EXP2 arithmetic.
+    common = dict(GROUP=4, G_PAD=4, SPLIT=64, CHUNK=16, HEAD_DIM=128, BLOCK_D=128,
+                  BLOCK_SIZE=16, NUM_Q_HEADS=32, L_BY_DOT=True, EXP2=True, LONG_FIRST=False)
+    decode = dict(common, BLOCK_Q=4, MASK_TAIL=True, PREFETCH=True)
+    launches = [
+        ("serial decode r16 w2 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 2, 4),
+        ("serial decode r16 w4 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 4, 4),
+        ("chunk decode r16 w2 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 2, 3),
+        ("chunk decode r16 w4 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 4, 3),
+        ("split parts r16 w2 s3 spp16", ak._attention_parts_kernel,
+         dict(decode, SPLITS_PER_PROG=16), 2, 3),
+        ("fold 16 columns w1 (chunk parts)", ak._attention_fold_kernel,
+         dict(common, BLOCK_Q=1, BLOCK_D=16, UNROLL=16, PER_SPLIT=False), 1, 3),
+    ]
+    for rows, warps in ((64, 4), (128, 8)):
+        launches.append((f"serial prefill r{rows} w{warps} s2", ak._paged_attention_kernel,
+                         dict(common, BLOCK_Q=rows // 4, MASK_TAIL=True, PREFETCH=False,
+                              PARTS=False), warps, 2))
+    for name, fn, constexprs, warps, stages in launches:
+        serial = fn is ak._paged_attention_kernel and not constexprs.get("PARTS")
+        res = resources(fn, constexprs, warps, stages, fp32_ws=not serial)
+        print(f"{name:36s} regs {res['regs']:3d}  spill {res['stack']:4d} B  "
+              f"smem {res['smem'] / 1024:6.1f} KiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()
