@@ -7,8 +7,9 @@ tests/megaserve/test_batch_invariance.py, whose runner and signature this reuses
 Decode steps run through captured CUDA graphs (the default); the crowd test checks that
 they did.
 (b) Greedy tokens equal HF transformers' fp32 argmax on the same GPU (teacher-forced on
-our tokens) at every step before the first near tie (top-2 margin <= ``TIE_MARGIN``), with
-at least ``MIN_COMPARED`` such steps on one prompt of each model.
+our tokens) at every step whose top-2 margin is above ``TIE_MARGIN`` (near ties are
+skipped, not the rest of the sequence), with logprobs within ``LOGPROB_TOL``, and at
+least ``MIN_COMPARED`` compared steps on every agreeing prompt.
 
 NOTE: bf16 rounding moves logprobs by up to ~0.1 against fp32 on these random models and
 can flip a top-1 router choice at a router near tie, which changes later tokens even where
@@ -79,19 +80,23 @@ def checkpoint(request, tmp_path_factory):
     return path, model.to("cuda")
 
 
-def _agreeing_prefix(tokens: list[int], logprobs: list[dict[int, float]],
-                     ref: torch.Tensor) -> int | None:
-    """Steps compared before the first near tie, or None if a token or logprob disagrees
-    there. ref: `[steps, V]` float64 HF logprobs of each generated position."""
+def _compared_steps(tokens: list[int], logprobs: list[dict[int, float]],
+                    ref: torch.Tensor) -> int | None:
+    """Steps compared (every step whose HF top-2 margin is above TIE_MARGIN; teacher
+    forcing keeps both on our tokens, so a near tie only skips its own step), or None if
+    a token or logprob disagrees at one. ref: `[steps, V]` float64 HF logprobs of each
+    generated position."""
+    compared = 0
     for step, token in enumerate(tokens):
         top2 = torch.topk(ref[step], 2)
         if (top2.values[0] - top2.values[1]).item() <= TIE_MARGIN:
-            return step
+            continue
         if token != top2.indices[0].item():
             return None
         if abs(logprobs[step][token] - ref[step, token].item()) >= LOGPROB_TOL:
             return None
-    return len(tokens)
+        compared += 1
+    return compared
 
 
 def test_cuda_bf16_greedy_matches_transformers_fp32(checkpoint) -> None:
@@ -102,17 +107,17 @@ def test_cuda_bf16_greedy_matches_transformers_fp32(checkpoint) -> None:
     params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
     with LLM(model=str(path), dtype="bfloat16", device="cuda") as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    prefixes = []
+    compared = []
     for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
         assert len(tokens) == STEPS
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0].double()
         ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # [STEPS, V]
-        prefixes.append(_agreeing_prefix(tokens, out.outputs[0].logprobs, ref))
-    agreeing = [p for p in prefixes if p is not None]
-    assert len(agreeing) >= len(prompts) - 1, f"compared steps per prompt: {prefixes}"
-    assert max(agreeing) >= MIN_COMPARED, f"compared steps per prompt: {prefixes}"
+        compared.append(_compared_steps(tokens, out.outputs[0].logprobs, ref))
+    agreeing = [n for n in compared if n is not None]
+    assert len(agreeing) >= len(prompts) - 1, f"compared steps per prompt: {compared}"
+    assert min(agreeing) >= MIN_COMPARED, f"compared steps per prompt: {compared}"
 
 
 # -- CUDA graphs for decode: graphs on vs off, bitwise ------------------------------------
