@@ -15,7 +15,12 @@ NOTE: bf16 rounding moves logprobs by up to ~0.1 against fp32 on these random mo
 can flip a top-1 router choice at a router near tie, which changes later tokens even where
 the logit margin is large (the same run of kernels.cpu in bf16 on the CPU showed it:
 mixtral-mha-top1-tied, prompt of 70 tokens, step 8, margin 0.25). So one prompt of the
-four may diverge; the other three must agree.
+four may diverge; the other three must agree. Round 8 on an H200: every prompt agreed on
+the three Qwen3/Qwen2-sparse models; the 70-token prompt disagreed on the other three,
+each time a bf16 effect: a token flip at margin 0.016 (logprob 0.006 apart), the router
+flip above (margin 0.25, logprob 0.50 apart), and a logprob 0.103 apart on an agreeing
+token. HF's routers have near ties (top-k gap < 1e-3) somewhere in every such sequence,
+so a router-tie exemption would excuse every prompt; the rule stays one in four.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def test_cuda_bf16_greedy_matches_transformers_fp32(checkpoint) -> None:
             logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0].double()
         ref = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # [STEPS, V]
         compared.append(_compared_steps(tokens, out.outputs[0].logprobs, ref))
+    print(f"compared steps per prompt (None: disagreed): {compared}")
     agreeing = [n for n in compared if n is not None]
     assert len(agreeing) >= len(prompts) - 1, f"compared steps per prompt: {compared}"
     assert min(agreeing) >= MIN_COMPARED, f"compared steps per prompt: {compared}"
