@@ -66,7 +66,7 @@ CHUNK_SPLITS = 16
 # Chunk mode (not split mode) when a chunk grid has at least this many programs.
 _CHUNK_MODE_PROGRAMS = 128
 _LOG2E = 1.4426950408889634
-# Tests set this: the output and split-mode workspaces start as NaN, so an element no
+# Tests set this: the output and the split / chunk workspaces start as NaN, so an element no
 # program wrote, or a part read before it was written, shows up instead of a previous
 # call's leftovers.
 POISON_BUFFERS = False
@@ -81,14 +81,14 @@ class AttentionLaunch:
     num_warps: int = 4
     num_stages: int = 2
     splits_per_program: int = 0  # split mode: consecutive splits per program; 0 = auto
-    fold_tokens: int = 1  # split mode: tokens per fold program
-    fold_unroll: int = 8  # split mode: parts the fold loads before merging them
+    fold_tokens: int = 1  # split / chunk mode: tokens per fold program
+    fold_unroll: int = 8  # split / chunk mode: parts the fold loads before merging them
     # Round-5 loop switches (attention_kernels docstring; none changes the bits):
     mask_tail: bool = False  # masks only on splits that cross a row's position
     prefetch: bool = False  # block ids of the next split loaded one iteration ahead
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
-    fold_block_d: int = 0  # split mode: head_dim columns per fold program; 0 = all
-    fold_warps: int = 4  # split mode: warps per fold program
+    fold_block_d: int = 0  # split / chunk mode: head_dim columns per fold program; 0 = all
+    fold_warps: int = 4  # split / chunk mode: warps per fold program
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split", "chunk"):
@@ -192,7 +192,7 @@ def exp2_default() -> bool:
 
 
 def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """fp32 split-mode scratch: uninitialised, or NaN under ``POISON_BUFFERS``."""
+    """fp32 split / chunk-mode scratch: uninitialised, or NaN under ``POISON_BUFFERS``."""
     if POISON_BUFFERS:
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
     return torch.empty(shape, dtype=torch.float32, device=device)
@@ -217,15 +217,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
     block_tables `[S, max_blocks]` int32; context_lens `[S]`; query_start_loc `[S+1]`.
     ``launch`` (default: :func:`choose_launch`) sets the tile, the mode ('serial': one
-    program walks a tile's splits; 'split': programs per group of splits, then an ordered
-    fold) and the grid; ``mode`` / ``splits_per_program`` override those two fields. No
+    program walks a tile's chunks; 'chunk': a program per chunk, then an ordered fold;
+    'split': programs per group of splits, then the fold) and the grid; ``mode`` /
+    ``splits_per_program`` override those two fields. No
     launch choice changes the bits (same per-split arithmetic, same merge order; checked
     by the GPU tests and scripts/attn_sweep.py). ``l_by_dot=False`` is the round-3
     formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only;
     ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the round-6 EXP2
-    form (attention_kernels docstring), False the round-5 one (``exp``; other bits); ``parts_only`` (split
-    mode) skips the fold, so the sweep can time the two kernels apart (the output is then
-    unwritten).
+    form (attention_kernels docstring), False the round-5 one (``exp``; other bits);
+    ``parts_only`` (split and chunk modes) skips the fold, so the sweep can time the two
+    kernels apart (the output is then unwritten).
     """
     exp2 = exp2_default() if exp2 is None else exp2
     t, num_q_heads, head_dim = q.shape
@@ -260,7 +261,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scale = float(scale) * _LOG2E if exp2 else float(scale)
     kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
-    kernel_args = (context_lens, query_start_loc)
+    seq_args = (context_lens, query_start_loc)
     if launch.mode == "serial":
         ws_m = ws_l = ws_o = out  # no parts (the kernel's PARTS is off)
     else:
@@ -271,14 +272,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if launch.mode == "split":
         spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
         _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
-            q, k_cache, v_cache, block_tables, *kernel_args, ws_m, ws_l, ws_o,
+            q, k_cache, v_cache, block_tables, *seq_args, ws_m, ws_l, ws_o,
             num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
             NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
             BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
             num_stages=launch.num_stages, **common, **loop)
     else:
         _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
-            q, k_cache, v_cache, block_tables, *kernel_args, out, ws_m, ws_l, ws_o,
+            q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
             num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *kv_args, NUM_Q_HEADS=num_q_heads, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1],
             CHUNK=CHUNK_SPLITS, L_BY_DOT=l_by_dot, PARTS=launch.mode == "chunk",
@@ -288,7 +289,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
         _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
-            *kernel_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
+            *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, CHUNK=CHUNK_SPLITS,
             UNROLL=min(launch.fold_unroll, CHUNK_SPLITS), EXP2=exp2,
             PER_SPLIT=launch.mode == "split", num_warps=launch.fold_warps, **common)

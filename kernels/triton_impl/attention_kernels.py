@@ -100,6 +100,9 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
         p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
     o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
     if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
+        # 32 equal columns, not 16: with a square [16, 16] result Triton laid all three
+        # dots of a 16-row tile out with the warps along the rows, each warp holding the
+        # whole tile (round 8, scripts/kernel_resources.py); now they split head_dim.
         l_s = tl.max(tl.dot(p, tl.full([SPLIT, 32], 1.0, v.dtype)), axis=1)
     else:
         l_s = tl.sum(p.to(tl.float32), axis=1)
