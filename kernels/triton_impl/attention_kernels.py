@@ -278,6 +278,19 @@ def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, part, first_key, n
 
 
 @triton.jit
+def _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, part, num_tokens, tok_glob, head, reach, d,
+               d_ok, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Part ``part`` as :func:`_store_parts` stored it; the empty state (-inf, 0, 0) in
+    rows that do not ``reach`` it."""
+    idx = (part * num_tokens + tok_glob) * NUM_Q_HEADS + head
+    m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
+    l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
+    o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                  mask=reach[:, None] & d_ok, other=0.0)
+    return m_s, l_s, o_s
+
+
+@triton.jit
 def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
                             ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
                             stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -376,12 +389,10 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                                   UNROLL):
                     for j in tl.static_range(UNROLL):
                         split = base + j
-                        reach = row_ok & (split < row_splits)
-                        idx = (split * num_tokens + tok_glob) * NUM_Q_HEADS + head
-                        m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
-                        l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
-                        o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
-                                      mask=reach[:, None] & d_ok, other=0.0)
+                        m_s, l_s, o_s = _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, split,
+                                                   num_tokens, tok_glob, head,
+                                                   row_ok & (split < row_splits), d, d_ok,
+                                                   NUM_Q_HEADS, HEAD_DIM)
                         m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
                 m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
         else:
@@ -389,12 +400,9 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
             for base in range(0, tl.cdiv(n_splits, CHUNK), UNROLL):
                 for j in tl.static_range(UNROLL):
                     chunk = base + j
-                    reach = row_ok & (chunk < row_chunks)
-                    idx = (chunk * num_tokens + tok_glob) * NUM_Q_HEADS + head
-                    m_s = tl.load(ws_m_ptr + idx, mask=reach, other=float("-inf"))
-                    l_s = tl.load(ws_l_ptr + idx, mask=reach, other=0.0)
-                    o_s = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :],
-                                  mask=reach[:, None] & d_ok, other=0.0)
+                    m_s, l_s, o_s = _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, chunk, num_tokens,
+                                               tok_glob, head, row_ok & (chunk < row_chunks),
+                                               d, d_ok, NUM_Q_HEADS, HEAD_DIM)
                     m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                     HEAD_DIM, BLOCK_D)
