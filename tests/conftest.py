@@ -4,6 +4,10 @@
 * ``MEGASERVE_CACHE`` points at one temporary directory for the whole session (inherited
   by server and worker subprocesses), so the built-in model is generated once per run and
   never into the user's home.
+* Before anything runs, the interpreter's fixed-order dot (tests/kernels/interp_support.py)
+  must give its committed bits here; on a machine where it does not, the Triton-interpreter
+  bitwise tests would test the host rather than the kernels, so the session stops at once
+  with a message saying so (``.ci/run`` fails loudly instead of passing or failing on luck).
 """
 
 from __future__ import annotations
@@ -15,6 +19,16 @@ import pytest
 
 if "MEGASERVE_CACHE" not in os.environ:
     os.environ["MEGASERVE_CACHE"] = tempfile.mkdtemp(prefix="megaserve-test-cache-")
+
+
+def pytest_sessionstart(session):
+    from tests.kernels import interp_support
+
+    got = interp_support.probe_digest()
+    if got != interp_support.PROBE_SHA256:
+        pytest.exit(f"tests/kernels/interp_support.py: the fixed-order interpreter dot gives "
+                    f"other bits on this machine ({got}); the interpreter's bitwise kernel "
+                    f"tests cannot hold here", returncode=3)
 
 
 def pytest_collection_modifyitems(config, items):

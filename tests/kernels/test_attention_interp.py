@@ -4,8 +4,9 @@ The launch modes (serial, split, chunk) and loop switches (unmasked full splits,
 ids one split ahead, long rows first, a fold over head_dim chunks, fold warps) must not
 change a token's bits: every launch below equals the round-4 serial launch on a prefill,
 on single decodes at split and chunk boundaries and on a mixed batch. Chunks are lowered
-to 2 splits, so the two-level reduction crosses chunk boundaries at this small size. (The interpreter sums a dot at once, not in k16 steps, so this checks
-the index, mask and loop logic; the tile-shape claim is checked on the GPU.)
+to 2 splits, so the two-level reduction crosses chunk boundaries at this small size. (Under the interpreter a dot accumulates serially over k in fp32
+(tests/kernels/interp_support.py), not in the tensor cores' k16 steps, so this checks the
+index, mask and loop logic; the tile-shape claim is checked on the GPU.)
 TRITON_INTERPRET=1 must be set before kernels are defined: the checks run in a child.
 """
 
@@ -23,15 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _child() -> None:
     import itertools
 
-    import triton.runtime.interpreter as interp
+    from tests.kernels import interp_support
 
-    original = interp._patch_lang_tensor  # numpy >= 2.4: int() of a 1-element array
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
+    interp_support.install()  # fixed-order tl.dot: bits independent of the host BLAS
     import torch
 
     from kernels.triton_impl import attention, write_kv_cache

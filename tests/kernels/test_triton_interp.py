@@ -1,7 +1,9 @@
 """Triton kernels under the Triton interpreter (CPU, CI): correctness and batch invariance.
 
 TRITON_INTERPRET=1 must be set before kernels are defined, so the checks run in a child
-process (this file run as a script) and report one line per check as JSON. fp16 is used
+process (this file run as a script) and report one line per check as JSON. The child's
+``tl.dot`` has a fixed serial order (tests/kernels/interp_support.py), so the bitwise checks
+hold on every x86-64 host whatever its BLAS. fp16 is used
 for the tensor-core paths: the interpreter mis-reads bfloat16 through TMA descriptors.
 """
 
@@ -27,9 +29,9 @@ def check_linear(torch, ti) -> None:
     import dataclasses
     import os
 
-    # The interpreter sums a whole dot at once, not in the tensor cores' k16 steps, so a
-    # launch's own K step is checked on the GPU only: here the committed small-K rule runs
-    # with its launches at the config's K step.
+    # The interpreter's dot accumulates serially over k (interp_support), not in the tensor
+    # cores' k16 steps, so a launch's own K step is checked on the GPU only: here the
+    # committed small-K rule runs with its launches at the config's K step.
     rule = ti.matmul.SMALL_K_RULE
     if rule is not None:
         rule = dataclasses.replace(rule, swap=tuple(
@@ -64,8 +66,8 @@ def _check_linear(torch, ti) -> None:
             alone = ti.linear(x[r : r + 1], w, b)
             assert torch.equal(alone[0], fold[r]), f"row {r} changed with M"
         # The one-split swap path (direct store, no workspace) keeps fold's bits. (A
-        # launch's own K step is checked on the GPU only: the interpreter sums a whole dot
-        # at once, not in the tensor cores' k16 steps.)
+        # launch's own K step is checked on the GPU only: the interpreter's dot is serial
+        # over k, not the tensor cores' k16 steps.)
         mm = ti.matmul
         for cfg in (mm.MatmulConfig(64, 256), mm.MatmulConfig(64, 1024)):
             fold = ti.linear(x, w, b, mode="fold", config=cfg)
@@ -217,17 +219,9 @@ def check_sampling(torch, ti) -> None:
 
 
 def _child() -> None:
-    import triton.runtime.interpreter as interp
+    from tests.kernels import interp_support
 
-    # numpy >= 2.4 refuses int() of a 1-element array, which the interpreter relies on
-    # for scalar kernel arguments used as loop bounds.
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
+    interp_support.install()  # fixed-order tl.dot: bits independent of the host BLAS
     import torch
 
     import kernels.triton_impl as ti
