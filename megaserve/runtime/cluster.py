@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
-import queue
-import threading
 import time
 from dataclasses import replace
 
@@ -33,7 +30,8 @@ from megaserve.models.loader import resolve_dtype
 from megaserve.outputs import RequestOutput
 from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
-from megaserve.runtime.workers import WorkerSpec, run_worker
+from megaserve.runtime.launcher import WorkerLauncher, make_launcher
+from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,15 +39,6 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
 SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "nccl", "rdma")
-
-
-def _process_context():
-    """Worker processes fork from a server that has already imported torch and the
-    runtime (forkserver): each starts in a fraction of a second, and never inherits the
-    front-end's threads or locks (which a plain fork would)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["megaserve.runtime.workers", "megaserve.engine.engine"])
-    return ctx
 
 
 def _worker_device(device: str, rank: int) -> str:
@@ -94,7 +83,8 @@ def _raise_if_error(message: tuple) -> None:
 class DisaggregatedEngine:
     """Front-end engine; see the module docstring. Raises ``ValueError`` for bad config."""
 
-    def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None) -> None:
+    def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
+                 launcher: WorkerLauncher | None = None) -> None:
         if config.transport not in SUPPORTED_TRANSPORTS:
             raise ValueError(
                 f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}, "
@@ -131,6 +121,7 @@ class DisaggregatedEngine:
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
         self.expert_stats: dict[int, object] = {}
         self._closed = False
+        self._launcher = launcher  # where workers run (default: LocalLauncher)
         self._start_workers()
 
     # -- lifecycle --------------------------------------------------------------------
@@ -143,67 +134,62 @@ class DisaggregatedEngine:
         return ChannelConfig(slot_bytes=size, slots_per_peer=self.config.microbatches + 1,
                              timeout_s=120.0, connect_timeout_s=STARTUP_TIMEOUT_S)
 
-    def _start_workers(self) -> None:
+    def _worker_specs(self, rendezvous: str) -> list[WorkerSpec]:
+        """One WorkerSpec per rank: attention replicas first, then expert workers."""
         num_replicas, num_experts = self.config.attention_replicas, self.placement.num_workers
         world = num_replicas + num_experts
-        self._rendezvous = RendezvousServer(world)
-        use_processes = self.config.transport != "inproc"
-        ctx = _process_context()
-        self._outbox = ctx.Queue() if use_processes else queue.Queue()
-        self._inboxes = []
-        self._workers = []
         channel = self._channel()
+        specs = []
         for rank in range(world):
             role, index = ("attention", rank) if rank < num_replicas else ("expert", rank - num_replicas)
-            spec = WorkerSpec(role, index, rank, world, self._rendezvous.address, self.config.transport,
-                              channel, self.config, self.placement, num_replicas, os.getpid(),
-                              _worker_device(self.config.device, rank))
-            inbox = ctx.Queue() if use_processes else queue.Queue()
-            if use_processes:
-                worker = ctx.Process(target=run_worker, args=(spec, inbox, self._outbox),
-                                     name=f"megaserve-{role}-{index}", daemon=True)
-            else:
-                worker = threading.Thread(target=run_worker, args=(spec, inbox, self._outbox),
-                                          name=f"megaserve-{role}-{index}", daemon=True)
-            worker.start()
-            self._inboxes.append(inbox)
-            self._workers.append(worker)
-        ready = 0
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            specs.append(WorkerSpec(role, index, rank, world, rendezvous, self.config.transport,
+                                    channel, self.config, self.placement, num_replicas, os.getpid(),
+                                    _worker_device(self.config.device, rank)))
+        return specs
+
+    def _start_workers(self) -> None:
+        world = self.config.attention_replicas + self.placement.num_workers
+        self._launcher = self._launcher or make_launcher(
+            "local", use_processes=self.config.transport != "inproc")
+        self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
+        self._group = None
         try:
-            while ready < world:
-                message = self._next_message(max(0.1, deadline - time.monotonic()))
-                if message is None:
-                    raise WorkerError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
-                if message[0] == "ready":
-                    ready += 1
+            self._group = self._launcher.start(self._worker_specs(self._rendezvous.address))
+            self._await_ready(world)
         except BaseException:
             self.shutdown()
             raise
+
+    def _await_ready(self, world: int) -> None:
+        ready = 0
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while ready < world:
+            message = self._next_message(max(0.1, deadline - time.monotonic()))
+            if message is None:
+                raise WorkerError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            if message[0] == "ready":
+                ready += 1
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent); kills processes that do not exit in time."""
         if self._closed:
             return
         self._closed = True
-        for inbox in self._inboxes:
-            inbox.put(("stop",))
-        deadline = time.monotonic() + STOP_GRACE_S
-        for worker in self._workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-        for worker in self._workers:
-            if isinstance(worker, multiprocessing.process.BaseProcess) and worker.is_alive():
-                logger.warning("killing %s after %.0fs", worker.name, STOP_GRACE_S)
-                worker.kill()
-                worker.join(5)
-        self._drain_stats()
+        if self._group is not None:
+            self._group.stop(STOP_GRACE_S)
+            self._drain_stats()
         self._rendezvous.close()
+        self._launcher.close()
+
+    @property
+    def _workers(self) -> list:
+        """The running workers' handles (``name``; ``pid`` for local processes)."""
+        return self._group.handles if self._group is not None else []
 
     def _drain_stats(self) -> None:
         while True:
-            try:
-                message = self._outbox.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+            message = self._group.receive(0)
+            if message is None:
                 return
             if message[0] == "stats":
                 self.expert_stats[message[2]] = message[3]
@@ -233,13 +219,13 @@ class DisaggregatedEngine:
         self._work[request_id] = work
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self._load[replica] += work
-        self._inboxes[replica].put(("add", request_id, ids, params, seed))
+        self._group.handles[replica].send(("add", request_id, ids, params, seed))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ask the owning replica to abort; its "abort" output arrives through step()."""
         replica = self._owner.get(request_id)
         if replica is not None:
-            self._inboxes[replica].put(("abort", request_id))
+            self._group.handles[replica].send(("abort", request_id))
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -262,7 +248,7 @@ class DisaggregatedEngine:
         """Announce a step to every replica with requests; wait until all have run it."""
         participants = sorted(set(self._owner.values()))
         for replica in participants:
-            self._inboxes[replica].put(("step", len(participants)))
+            self._group.handles[replica].send(("step", len(participants)))
         outputs: list[RequestOutput] = []
         pending = len(participants)
         while pending:
@@ -292,9 +278,8 @@ class DisaggregatedEngine:
             self._prompts.pop(request_id, None)
 
     def _next_message(self, timeout: float):
-        try:
-            message = self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
-        except queue.Empty:
+        message = self._group.receive(timeout)
+        if message is None:
             self._check_alive()
             return None
         _raise_if_error(message)
@@ -303,13 +288,10 @@ class DisaggregatedEngine:
         return message
 
     def _check_alive(self) -> None:
-        dead = [w.name for w in self._workers if not w.is_alive()]
+        dead = self._group.dead()
         if dead and not self._closed:
             # A worker that failed reported why just before exiting: surface that first.
-            try:
-                message = self._outbox.get(timeout=1.0)
-            except queue.Empty:
-                message = None
+            message = self._group.receive(1.0)
             if message is not None:
                 _raise_if_error(message)
             raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
