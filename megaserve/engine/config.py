@@ -2,12 +2,82 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
 AGGREGATIONS = ("per_layer", "lockstep")
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config``.
+
+    ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    "prompt_lookup_min": n0}`` proposes the k tokens that followed the latest earlier
+    occurrence of the sequence's last n..n0 tokens (prompt lookup);
+    ``{"model": path, "num_speculative_tokens": k}`` (method "draft_model") proposes with a
+    smaller checkpoint of the same vocabulary. Raises ``ValueError`` naming the field.
+    """
+
+    num_speculative_tokens: int
+    method: str | None = None  # None: "draft_model" if ``model`` is given, else "ngram"
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be a positive "
+                             f"integer, got {k!r}")
+        method = self.method or ("draft_model" if self.model else "ngram")
+        object.__setattr__(self, "method", method)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of "
+                             f"{list(SPECULATIVE_METHODS)}, got {method!r}")
+        if method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: the draft model's path is required "
+                             "for method 'draft_model'")
+        if method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo = lo if lo is not None else (hi if hi is not None else 1)
+            hi = hi if hi is not None else max(lo, 3)
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"speculative_config.{name} must be a positive integer, "
+                                     f"got {value!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a config, a dict or a JSON object string (the ``--speculative-config``
+        flag); None stays None. Unknown keys raise ``ValueError``."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {value!r}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -49,8 +119,16 @@ class EngineConfig:
     # Expert ids held by each expert worker (default: an even contiguous split).
     expert_placement: tuple[tuple[int, ...], ...] | None = None
     cuda_graphs: bool = True
+    # Reuse the K/V of full blocks shared with earlier requests (megaserve.engine.prefix_cache).
+    enable_prefix_caching: bool = True
+    # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (vLLM's keys).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
                      "attention_replicas", "expert_workers", "microbatches", "cpu_threads"):
             value = getattr(self, name)
