@@ -1,6 +1,12 @@
-"""Fit efficiency factors from measurements: ``megaserve plan calibrate --from bench.json``.
+"""Fit efficiency factors from measurements: ``megaserve plan calibrate FILE... -o profile.yaml``.
 
-Input (JSON), one GPU type per file::
+Two kinds of content, in the same file or in separate files (one GPU type per file):
+
+1. Engine runs (``runs``, format in planner/measurements.py; ``megaserve bench throughput
+   --profile-out`` writes them): fit ``hbm_eff`` and the fixed per-step, per-sequence,
+   per-layer and per-token overheads a pure roofline misses (:func:`fit_runs`), reporting
+   every run's error before and after.
+2. Kernel and transport entries (``measurements``)::
 
     {"gpu": "H100-SXM",                      # catalog name the numbers were measured on
      "measurements": [
@@ -13,21 +19,25 @@ Fits: ``flops_eff`` = median achieved/peak FLOP/s over compute-bound GEMMs (arit
 intensity above the datasheet knee); ``hbm_eff`` = median achieved/peak bandwidth over
 ``memory`` entries and memory-bound GEMMs; for ``link`` and ``net``, a least-squares line
 ``seconds = alpha + bytes / (eff * peak)`` gives the latency and the efficiency (needs two
-distinct sizes). Fields with no usable measurement keep their previous value.
+distinct sizes). Fields with no usable measurement keep their previous value. Kernel
+entries are fitted first; the engine runs then refine (and cap ``flops_eff`` at) them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from planner.catalog import GpuSpec
 from planner.errors import InputError
+from planner.measurements import Run, load_file, parse_runs, predict, rel_errors
 from planner.profile import Efficiency, Profile
 
 logger = logging.getLogger(__name__)
@@ -86,19 +96,166 @@ def fit_efficiency(gpu: GpuSpec, measurements: list[Mapping[str, Any]], base: Ef
     return dataclasses.replace(base, **fields)
 
 
-def calibrate(bench_path: str | Path, gpus: Mapping[str, GpuSpec], profile: Profile,
-              gpu_name: str | None = None) -> Profile:
-    """``profile`` with the GPU measured in ``bench_path`` recalibrated."""
-    try:
-        data = json.loads(Path(bench_path).read_text())
-    except OSError as e:
-        raise InputError(f"cannot read {str(bench_path)!r}: {e.strerror}") from None
-    except ValueError as e:
-        raise InputError(f"cannot parse {str(bench_path)!r} as JSON: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("measurements"), list):
-        raise InputError(f"{str(bench_path)!r}: expected an object with a 'measurements' list")
-    name = gpu_name or data.get("gpu")
-    if name not in gpus:
-        raise InputError(f"unknown GPU {name!r} for calibration; known: {', '.join(sorted(gpus))} (use --gpu)")
-    eff = fit_efficiency(gpus[name], data["measurements"], profile.for_gpu(name))
-    return Profile(profile.default, {**profile.gpus, name: eff})
+def calibrate(paths: Sequence[str | Path] | str | Path, gpus: Mapping[str, GpuSpec], profile: Profile,
+              gpu_name: str | None = None) -> tuple[Profile, dict[str, RunFit]]:
+    """``profile`` with every GPU measured in ``paths`` recalibrated, and the run fits.
+
+    Per GPU: kernel and transport entries (``measurements``) first (:func:`fit_efficiency`),
+    then engine runs (``runs``, planner/measurements.py) fit ``hbm_eff`` and the overheads
+    with ``flops_eff`` capped at the value step one left (:func:`fit_runs`). ``gpu_name``
+    overrides the files' ``gpu``. Raises InputError for unreadable or malformed files.
+    """
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    by_gpu: dict[str, tuple[list, list, list[str]]] = {}
+    for path in paths:
+        data = load_file(path)
+        if not isinstance(data, dict) or not (isinstance(data.get("measurements"), list) or data.get("runs")):
+            raise InputError(f"{str(path)!r}: expected an object with a 'measurements' or 'runs' list")
+        name = gpu_name or data.get("gpu")
+        if name not in gpus:
+            raise InputError(f"unknown GPU {name!r} for calibration; known: {', '.join(sorted(gpus))} (use --gpu)")
+        runs = parse_runs(data, Path(path).name) if data.get("runs") else []
+        entry = by_gpu.setdefault(name, ([], [], []))
+        entry[0].extend(data.get("measurements") or [])
+        entry[1].extend(runs)
+        entry[2].append(Path(path).name)
+    effs, fits_out, records = dict(profile.gpus), {}, dict(profile.fits)
+    for name, (meas, runs, files) in by_gpu.items():
+        eff = fit_efficiency(gpus[name], meas, profile.for_gpu(name)) if meas else profile.for_gpu(name)
+        if runs:  # "before": the profile we started from (datasheet defaults by default)
+            fit = fit_runs(gpus[name], runs, eff)
+            fits_out[name] = dataclasses.replace(fit, before=run_errors(runs, gpus[name], profile.for_gpu(name)))
+            eff = fit.efficiency
+            records[name] = fits_out[name].record(files)
+        effs[name] = eff
+    return Profile(profile.default, effs, records, profile.source), fits_out
+
+
+# --- engine runs: efficiency and fixed overheads from measured co-located steps -------
+
+OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us")
+
+
+@dataclass(frozen=True)
+class RunError:
+    """A run's relative errors |predicted / measured - 1| (TPOT None when not measured)."""
+
+    label: str
+    tok_s_err: float
+    tpot_err: float | None
+    predicted_tok_s: float
+    measured_tok_s: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.tok_s_err, self.tpot_err or 0.0)
+
+
+@dataclass(frozen=True)
+class RunFit:
+    """Fitted efficiency of one GPU and the errors of every run before and after."""
+
+    gpu: str
+    efficiency: Efficiency
+    before: tuple[RunError, ...]  # with the efficiency the fit started from
+    after: tuple[RunError, ...]
+
+    def record(self, files: Sequence[str]) -> dict[str, Any]:
+        """The profile's ``fits`` entry for this GPU."""
+        return {"points": len(self.after), "max_err": round(max(e.worst for e in self.after), 4),
+                "mean_err": round(float(np.mean([e.worst for e in self.after])), 4),
+                "before_max_err": round(max(e.worst for e in self.before), 4),
+                "before_mean_err": round(float(np.mean([e.worst for e in self.before])), 4),
+                "files": sorted(files)}
+
+
+def run_errors(runs: Sequence[Run], gpu: GpuSpec, eff: Efficiency) -> tuple[RunError, ...]:
+    out = []
+    for run in runs:
+        pred = predict(run, gpu, eff)
+        tok, tpot = rel_errors(run, pred)
+        out.append(RunError(run.label, tok, tpot, pred.tok_s, run.tok_s))
+    return tuple(out)
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """argmin ||a x - y|| over x >= 0, exactly, by trying every support (few columns)."""
+    best, best_res = np.zeros(a.shape[1]), float(y @ y)
+    for mask in itertools.product((False, True), repeat=a.shape[1]):
+        cols = np.flatnonzero(mask)
+        if not len(cols):
+            continue
+        x_s, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if np.any(x_s < 0):
+            continue
+        x = np.zeros(a.shape[1])
+        x[cols] = x_s
+        res = float(np.sum((a @ x - y) ** 2))
+        if res < best_res:
+            best, best_res = x, res
+    return best, best_res
+
+
+def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
+    """Fit ``hbm_eff``, ``flops_eff`` and the four overheads (:data:`OVERHEADS`) of ``gpu``.
+
+    ``flops_eff`` is capped at ``base.flops_eff`` (from GEMM measurements, or the datasheet
+    default): engine runs at serving batches rarely reach the compute roof, so they can
+    lower it but never credit the GPU with more than a measured GEMM reached.
+
+    Minimises the sum of squared relative errors of time per generated token over the runs.
+    Predicted time is linear in the overheads and piecewise in the two efficiencies, so:
+    a grid over (hbm_eff, flops_eff), coarse then fine, and at each point an exact
+    non-negative least squares for the overheads. Raises InputError without runs.
+    """
+    if not runs:
+        raise InputError(f"no runs measured on {gpu.name} to fit")
+    zero = dataclasses.replace(base, **{k: 0.0 for k in OVERHEADS})
+    measured = np.array([1.0 / r.tok_s for r in runs])
+
+    def times(eff: Efficiency) -> np.ndarray:
+        return np.array([1.0 / predict(r, gpu, eff).tok_s for r in runs])
+
+    base_t = times(zero)
+    # columns: extra seconds per generated token from 1 us of each overhead
+    cols = np.stack([times(dataclasses.replace(zero, **{k: 1.0})) - base_t for k in OVERHEADS], axis=1)
+    a = cols / measured[:, None]
+
+    def solve(hbm: float, flops: float) -> tuple[float, np.ndarray]:
+        t0 = times(dataclasses.replace(zero, hbm_eff=hbm, flops_eff=flops))
+        x, res = _nnls(a, 1.0 - t0 / measured)
+        return res, x
+
+    cap = base.flops_eff
+    grid = [(h, f) for h in np.arange(0.30, 1.0001, 0.05) for f in np.geomspace(0.02 * cap, cap, 18)]
+    best = min(grid, key=lambda p: solve(*p)[0])
+    fine = [(h, f) for h in np.clip(best[0] + np.arange(-0.05, 0.0501, 0.01), 0.05, 1.0)
+            for f in np.clip(best[1] * np.geomspace(0.8, 1.25, 11), 1e-3, cap)]
+    hbm, flops = min(fine, key=lambda p: solve(*p)[0])
+    _, x = solve(hbm, flops)
+    fields = {"hbm_eff": round(float(hbm), 4), "flops_eff": round(float(flops), 4),
+              **{k: round(float(v), 4) for k, v in zip(OVERHEADS, x)}}
+    eff = dataclasses.replace(base, **fields)
+    logger.info("calibrated %s on %d runs: %s", gpu.name, len(runs), fields)
+    return RunFit(gpu.name, eff, run_errors(runs, gpu, base), run_errors(runs, gpu, eff))
+
+
+def error_table(fit: RunFit) -> str:
+    """Every run's measured and predicted tokens/s and worst relative error, before and after."""
+    lines = [f"{fit.gpu}: {len(fit.after)} runs; |predicted / measured - 1| of tok/s (and TPOT where measured)",
+             f"  {'run':<76} {'measured':>9} {'before':>9} {'err':>7} {'after':>9} {'err':>6}"]
+    for b, a in zip(fit.before, fit.after):
+        lines.append(f"  {a.label:<76} {a.measured_tok_s:>9.1f} {b.predicted_tok_s:>9.1f} {b.worst:>7.1%} "
+                     f"{a.predicted_tok_s:>9.1f} {a.worst:>6.1%}")
+    lines.append(f"  max error: before {max(e.worst for e in fit.before):.1%}, after {max(e.worst for e in fit.after):.1%}")
+    return "\n".join(lines)
+
+
+def transfer(profile: Profile, pair: str, gpus: Mapping[str, GpuSpec]) -> Profile:
+    """``profile`` where GPU DST gets SRC's factors (``pair`` = "DST=SRC"), recorded in
+    ``fits`` as ``transferred_from`` (no measured error). Raises InputError for bad names."""
+    dst, _, src = pair.partition("=")
+    if dst not in gpus or src not in profile.gpus:
+        raise InputError(f"--transfer {pair!r}: need DST=SRC with DST a catalog GPU and SRC calibrated in the profile")
+    fits = {**profile.fits, dst: {"transferred_from": src}}
+    return Profile(profile.default, {**profile.gpus, dst: profile.gpus[src]}, fits, profile.source)

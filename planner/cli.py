@@ -37,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.1)")
     p.add_argument("--max-microbatches", type=int, default=8, help="N_m: largest m tried (default 8)")
     p.add_argument("--max-batch", type=int, default=1024, help="largest batch per attention replica")
-    p.add_argument("--profile", default=None, help="efficiency profile YAML (from 'megaserve plan calibrate')")
+    p.add_argument("--profile", default="hopper",
+                   help="efficiency profile: a YAML file from 'megaserve plan calibrate', a shipped profile "
+                   "('hopper': measured on H200, default), or 'none' (datasheet defaults)")
+    p.add_argument("--layouts", default="disaggregated,colocated",
+                   help="candidate layouts, comma-separated (default: both)")
     p.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit in seconds (default 1)")
     p.add_argument("--top", type=int, default=10, help="rows of the deployment-unit table (default 10)")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
@@ -48,12 +52,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _calibrate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megaserve plan calibrate",
-                                description="Fit efficiency factors from measurements (format: docs/planner.md).")
-    p.add_argument("--from", dest="bench", required=True, help="measurements JSON")
-    p.add_argument("--gpu", default=None, help="catalog GPU name (default: the file's 'gpu')")
+    p = argparse.ArgumentParser(
+        prog="megaserve plan calibrate",
+        description="Fit efficiency factors and fixed overheads from measurement files (engine runs from "
+        "'megaserve bench throughput --profile-out', kernel and transport entries; format: docs/planner.md) "
+        "and write a profile for 'megaserve plan --profile'. Prints each run's error before and after.")
+    p.add_argument("files", nargs="*", help="measurement JSON files")
+    p.add_argument("--from", dest="bench", action="append", default=[], help="a measurement file (repeatable)")
+    p.add_argument("--gpu", default=None, help="catalog GPU name (default: each file's 'gpu')")
     p.add_argument("--cluster", default=None, help="cluster YAML with custom GPUs (optional)")
-    p.add_argument("--profile", default=None, help="existing profile to update (optional)")
+    p.add_argument("--profile", default=None, help="existing profile to update: a file, a shipped name, or none")
+    p.add_argument("--transfer", action="append", default=[], metavar="DST=SRC",
+                   help="also give GPU DST the fitted factors of SRC, marked as not measured (repeatable)")
     p.add_argument("-o", "--output", required=True, help="profile YAML to write")
     return p
 
@@ -71,10 +81,17 @@ def _calibrate(argv: list[str]) -> int:
         return args
     from planner import calibrate, catalog, profile
 
+    files = [*args.files, *args.bench]
+    if not files:
+        raise PlanError("calibrate: give at least one measurement file")
     gpus = catalog.load_cluster(args.cluster).gpus if args.cluster else catalog.DEFAULT_GPUS
     prof = profile.load_profile(args.profile) if args.profile else profile.Profile()
-    prof = calibrate.calibrate(args.bench, gpus, prof, args.gpu)
+    prof, fits = calibrate.calibrate(files, gpus, prof, args.gpu)
+    for pair in args.transfer:
+        prof = calibrate.transfer(prof, pair, gpus)
     profile.save_profile(prof, args.output)
+    for fit in fits.values():
+        print(calibrate.error_table(fit))
     print(f"wrote {args.output}: {json.dumps(prof.to_dict()['gpus'])}")
     return 0
 
@@ -87,38 +104,47 @@ def _plan(argv: list[str]) -> int:
     from planner.catalog import load_cluster
     from planner.model_spec import load_model
     from planner.perf import Workload
-    from planner.profile import Profile, load_profile
+    from planner.profile import load_profile
 
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
-    prof = load_profile(args.profile) if args.profile else Profile()
+    prof = load_profile(args.profile)
+    layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
+    if not layouts or set(layouts) - set(search.LAYOUTS):
+        raise PlanError(f"--layouts {args.layouts!r}: choose from {', '.join(search.LAYOUTS)}")
     try:
         work = Workload(input_len=args.input_len, output_len=args.output_len, tpot_ms=args.tpot_ms,
                         ttft_ms=args.ttft_ms, expert_skew=args.expert_skew, reserve_frac=args.reserve,
                         max_batch_per_replica=args.max_batch, max_microbatches=args.max_microbatches)
     except ValueError as e:
         raise PlanError(f"bad workload: {e}") from None
-    atoms = search.find_atoms(model, work, cluster, prof)
+    atoms = search.find_atoms(model, work, cluster, prof, layouts=layouts)
     counts = np.array([e.count for e in cluster.available()])
     sel = ilp.solve(atoms, counts, args.objective, args.target_rate, args.time_limit)
     plan = plan_file.plan_dict(args.model, model, work, args.objective, atoms, sel)
     ranked = report.rank(atoms, args.objective)[: max(args.top, 1)]
     if args.output:
         plan_file.write_plan(plan, args.output)
+    types = [e.gpu for e in cluster.available()]
     if args.json:
-        print(json.dumps({"plan": plan, "top": [report.table_row(model, atoms, i) for i in ranked]}, indent=1))
+        print(json.dumps({"plan": plan, "top": [report.table_row(model, atoms, i) for i in ranked],
+                          "profile": {"source": prof.source, "fits": {t: prof.fits.get(t) for t in types}}},
+                         indent=1))
     else:
         print(report.summary(model, work, cluster, atoms, sel, args.objective))
+        print(prof.describe(types))
         print()
         print(report.table(model, atoms, ranked, args.objective))
     if args.explain is not None:
-        from planner.explain import explain
+        from planner.explain import compare_layouts, explain
 
         if args.explain > len(ranked):
             raise PlanError(f"--explain {args.explain}: the table has only {len(ranked)} rows")
         i = sel.atom_ids[0] if args.explain == 0 else ranked[args.explain - 1]
         print()
         print(explain(model, work, cluster, prof, atoms, int(i)))
+        print()
+        print(compare_layouts(model, work, cluster, atoms, counts, args.objective, args.target_rate, args.time_limit))
     if args.output:
         print(f"\nwrote {args.output}", file=sys.stderr)
     return 0

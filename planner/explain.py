@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from planner import perf
 from planner.catalog import Cluster
+from planner.errors import InfeasibleError
 from planner.model_spec import ModelSpec
 from planner.profile import Profile
-from planner.search import Atoms
+from planner.search import LAYOUTS, Atoms
 
 
 def _fmt_bytes(x: float) -> str:
@@ -17,6 +20,8 @@ def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Pr
             i: int) -> str:
     """Multi-line text recomputing atom i's times, pipeline regime and memory."""
     r = atoms.row(i)
+    if r["layout"] == "colocated":
+        return _explain_colocated(model, work, cluster, profile, r)
     ga, ge = cluster.gpus[r["attn_gpu"]], cluster.gpus[r["expert_gpu"]]
     hw_a, hw_e = perf.Hw([ga], profile), perf.Hw([ge], profile)
     tp_a, n_a, tp_e, n_e, m, b = (r[k] for k in ("tp_a", "n_a", "tp_e", "n_e", "m", "b"))
@@ -74,4 +79,97 @@ def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Pr
         f"{r['mem_e'] / 1e9:.1f} GB of {ge.memory_gb * (1 - work.reserve_frac):.1f} GB usable",
         f"bottleneck: {r['bottleneck']}",
     ]
+    return "\n".join(lines)
+
+
+def _overheads(hw: perf.Hw, tokens: float) -> str:
+    return (f"layer overhead {float(hw.layer_oh) * 1e6:.1f} us + {tokens:g} tok x "
+            f"{float(hw.token_oh) * 1e6:.2f} us")
+
+
+def _explain_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, r: dict) -> str:
+    """The arithmetic of a co-located unit (planner/colocated.py)."""
+    from planner.colocated import all_to_all_time, colocated_max_batch, colocated_step
+
+    g = cluster.gpus[r["attn_gpu"]]
+    hw = perf.Hw([g], profile)
+    tp, ep, b = r["tp_a"], r["n_a"], r["b"]
+    kv_tokens = b * work.ctx_avg
+    attn = float(perf.attention_time(model, work, hw, tp, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token))
+    step = colocated_step(model, work, hw, tp, ep, b)
+    rows = ep * b * model.top_k / model.num_experts
+    us = 1e6
+    return "\n".join([
+        f"unit: co-located on {tp * ep} x {g.name}: {ep} attention rank(s) of tp={tp}, experts split over "
+        f"{ep} rank(s) ({int(perf.experts_per_worker(model, ep))} each); batch {b} per rank",
+        f"per MoE layer: attention roofline {attn * us:.1f} us + {_overheads(hw, b)} = T_a {float(step.t_a) * us:.1f} us",
+        f"  experts: {ep * b} tokens x top-{model.top_k} over {model.num_experts} experts = {rows:.1f} rows per "
+        f"expert GEMM -> T_e {float(step.t_e) * us:.1f} us",
+        f"  all-to-all one way T_c {float(all_to_all_time(model, work, hw, ep, b)) * us:.1f} us (0 when ep = 1)",
+        f"T_total = L (T_a + T_e + 2 T_c) + dense + LM head + step overhead ({float(hw.step_oh) * us:.0f} us + "
+        f"{b} seq x {float(hw.seq_oh) * us:.1f} us) = {model.num_moe_layers} x {float(step.round_trip) * us:.1f} us "
+        f"+ {float(step.t_extra) * us:.1f} us + {float(perf.step_overhead(hw, b)) * us:.0f} us = "
+        f"{float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
+        f"  throughput = ranks x b / T_total = {ep} x {b} / {float(step.t_total):.4f} s = {r['throughput']:.0f} tok/s",
+        f"memory per GPU ({g.memory_gb:g} GB, reserve {work.reserve_frac:.0%}): {r['mem_a'] / 1e9:.1f} GB "
+        f"(weights + KV of {b} seq x {work.ctx_max} tok); KV room for "
+        f"{int(colocated_max_batch(model, work, hw, tp, ep))} sequences per rank",
+        f"bottleneck: {r['bottleneck']}",
+    ])
+
+
+def _unit_facts(model: ModelSpec, atoms: Atoms, i: int) -> dict:
+    r = atoms.row(i)
+    tokens = r["n_a"] * r["b"]  # tokens of one expert GEMM tick (all replicas / ranks)
+    return {
+        "row": r, "seqs_per_gpu": r["n_a"] * r["m"] * r["b"] / r["gpus"],
+        "rows_per_expert": tokens * model.top_k / model.num_experts,
+        "comm_share": 2 * r["t_c"] / max(r["t_a"] + r["t_e"] + 2 * r["t_c"], 1e-15),
+        "kv_gb": r["mem_a"] / 1e9, "per_gpu": r["throughput"] / r["gpus"],
+    }
+
+
+def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, atoms: Atoms, counts: np.ndarray,
+                    objective: str, target_rate: float | None, time_limit_s: float) -> str:
+    """Best plan of each layout alone (same ILP), which wins, by how much, and why: batch and
+    KV memory per GPU at the SLO, expert GEMM size, communication share of a layer."""
+    from planner import ilp
+
+    best = {}
+    for k, name in enumerate(LAYOUTS):
+        mask = atoms.layout == k
+        if mask.any():
+            sub = atoms.take(mask)
+            try:
+                best[name] = (sub, ilp.solve(sub, counts, objective, target_rate, time_limit_s))
+            except InfeasibleError:
+                pass
+    lines = [f"layouts compared (each alone, same inventory, objective {objective}):"]
+    for name in LAYOUTS:
+        if name not in best:
+            lines.append(f"  {name}: no feasible unit (memory, SLO or inventory) after pruning")
+            continue
+        sub, sel = best[name]
+        f = _unit_facts(model, sub, sel.atom_ids[0])
+        r = f["row"]
+        lines.append(
+            f"  {name}: {sel.throughput:,.0f} tok/s on {sum(sel.gpus_used.values())} GPUs, cost {sel.cost:.2f}/h; "
+            f"main unit {r['attn_gpu']}/{r['expert_gpu']} {r['gpus']} GPUs, TPOT {r['tpot'] * 1e3:.1f} ms")
+        lines.append(
+            f"    batch {f['seqs_per_gpu']:.0f} seq per GPU (limit: {r['bottleneck']}), attention-GPU memory "
+            f"{f['kv_gb']:.1f} GB; expert GEMM {f['rows_per_expert']:.1f} rows per expert; communication "
+            f"{f['comm_share']:.0%} of a layer's round trip; {f['per_gpu']:,.0f} tok/s per GPU")
+    if len(best) < 2:
+        return "\n".join(lines)
+    key = (lambda s: s.throughput) if objective == "throughput" and target_rate is None else \
+        (lambda s: s.throughput / max(s.cost, 1e-12))
+    (w, (ws, wsel)), (l, (ls, lsel)) = sorted(best.items(), key=lambda kv: -key(kv[1][1]))
+    wf, lf = _unit_facts(model, ws, wsel.atom_ids[0]), _unit_facts(model, ls, lsel.atom_ids[0])
+    what = "throughput" if key(wsel) == wsel.throughput else "tokens per cost"
+    lines.append(f"winner: {w}, {key(wsel) / max(key(lsel), 1e-12):.2f}x the {what} of {l}")
+    lines.append(
+        f"  because per GPU it decodes {wf['seqs_per_gpu']:.0f} vs {lf['seqs_per_gpu']:.0f} sequences at the SLO "
+        f"({wf['per_gpu']:,.0f} vs {lf['per_gpu']:,.0f} tok/s per GPU), its expert GEMMs take "
+        f"{wf['rows_per_expert']:.1f} vs {lf['rows_per_expert']:.1f} rows per expert, and communication is "
+        f"{wf['comm_share']:.0%} vs {lf['comm_share']:.0%} of a layer")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ class Selection:
     copies: tuple[int, ...]
     throughput: float  # output tokens/s of the whole plan
     cost: float  # relative price per hour
+    power: float  # board power of the GPUs used, watts
     gpus_used: dict[str, int]
     status: str  # "optimal", "time limit", or "greedy"
     gap: float  # relative gap to the LP relaxation bound (0 when proven optimal)
@@ -46,7 +47,7 @@ def _selection(atoms: Atoms, x: np.ndarray, status: str, gap: float, solver: str
     used = (x[:, None] * atoms.usage).sum(axis=0)
     return Selection(
         atom_ids=tuple(int(i) for i in ids), copies=tuple(int(x[i]) for i in ids),
-        throughput=float(x @ atoms.throughput), cost=float(x @ atoms.cost),
+        throughput=float(x @ atoms.throughput), cost=float(x @ atoms.cost), power=float(x @ atoms.power),
         gpus_used={t: int(u) for t, u in zip(atoms.types, used)}, status=status, gap=gap, solver=solver,
     )
 

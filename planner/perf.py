@@ -77,6 +77,10 @@ class Hw:
         self.link_alpha = col(lambda g, e: e.link_alpha_us * 1e-6)
         self.net_alpha = col(lambda g, e: e.net_alpha_us * 1e-6)
         self.msg_half = col(lambda g, e: e.msg_half_kb * 1024)
+        self.step_oh = col(lambda g, e: e.step_overhead_us * 1e-6)
+        self.seq_oh = col(lambda g, e: e.seq_overhead_us * 1e-6)
+        self.layer_oh = col(lambda g, e: e.layer_overhead_us * 1e-6)
+        self.token_oh = col(lambda g, e: e.token_overhead_us * 1e-6)
 
 
 def roofline(hw: Hw, nbytes, flops):
@@ -123,6 +127,17 @@ def dense_mlp_time(model: ModelSpec, work: Workload, hw: Hw, tp_a, tokens):
 def head_time(model: ModelSpec, hw: Hw, tp_a, tokens):
     """Final LM head over ``tokens`` rows (vocabulary-parallel over tp_a)."""
     return roofline(hw, model.head_params * model.weight_bytes / tp_a, 2 * tokens * model.head_params / tp_a)
+
+
+def layer_overhead(hw: Hw, tokens):
+    """Fixed cost of one layer's kernels for one micro-batch of ``tokens`` on one worker,
+    beyond the roofline: ``layer_overhead + tokens * token_overhead`` (calibrated)."""
+    return hw.layer_oh + tokens * hw.token_oh
+
+
+def step_overhead(hw: Hw, seqs):
+    """Fixed cost of one decode iteration of ``seqs`` sequences on one attention worker."""
+    return hw.step_oh + seqs * hw.seq_oh
 
 
 def experts_per_worker(model: ModelSpec, n_e):
@@ -207,21 +222,22 @@ def decode_step(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a,
     ``C = max(m t_f, round_trip)`` for all m micro-batches, and
     ``T_total = round_trip + (C / m)(m L - 1) + m t_extra``, which equals the paper's
     ``(T_a + T_e + 2 T_c) + T_f (m L - 1)`` when the pipeline is full and ``L round_trip``
-    when m = 1.
+    when m = 1; plus the calibrated per-iteration overhead of the attention worker
+    (:func:`step_overhead`). T_a and T_e include the per-layer overheads (:func:`layer_overhead`).
     """
     kv_tokens = b * work.ctx_avg
-    t_a = attention_time(model, work, hw_a, tp_a, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token)
-    t_e = expert_time(model, work, hw_e, tp_e, n_e, n_a * b)
+    attn = attention_time(model, work, hw_a, tp_a, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token)
+    # NOTE: each side pays the whole calibrated per-layer overhead (measured co-located,
+    # where one GPU runs both): an upper bound for a disaggregated worker.
+    t_a = attn + layer_overhead(hw_a, b)
+    t_e = expert_time(model, work, hw_e, tp_e, n_e, n_a * b) + layer_overhead(hw_e, 0)
     t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, b)
-    dense = model.num_dense_layers * (
-        attention_time(model, work, hw_a, tp_a, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token)
-        + dense_mlp_time(model, work, hw_a, tp_a, b)
-    )
+    dense = model.num_dense_layers * (attn + dense_mlp_time(model, work, hw_a, tp_a, b) + layer_overhead(hw_a, b))
     t_extra = dense + head_time(model, hw_a, tp_a, b)
     t_f = np.maximum(t_a, t_e)
     round_trip = t_a + t_e + 2 * t_c
     cycle = np.maximum(m * t_f, round_trip)
-    t_total = round_trip + cycle / m * (m * model.num_moe_layers - 1) + m * t_extra
+    t_total = round_trip + cycle / m * (m * model.num_moe_layers - 1) + m * t_extra + step_overhead(hw_a, m * b)
     return StepTimes(t_a, t_e, t_c, t_extra, t_f, round_trip, m * t_f >= round_trip, t_total)
 
 
@@ -229,8 +245,9 @@ def prefill_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, tp_
     """One request's prefill (input_len tokens) through the whole model, alone on a unit."""
     t = work.input_len
     ctx_flops = t * t / 2 * model.attn_flops_per_ctx_token  # causal
-    t_a = attention_time(model, work, hw_a, tp_a, t, t, ctx_flops)
-    t_e = expert_time(model, work, hw_e, tp_e, n_e, t)
+    t_a = attention_time(model, work, hw_a, tp_a, t, t, ctx_flops) + layer_overhead(hw_a, t)
+    t_e = expert_time(model, work, hw_e, tp_e, n_e, t) + layer_overhead(hw_e, 0)
     t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, 1, tp_e, n_e, t)
     dense = model.num_dense_layers * (t_a + dense_mlp_time(model, work, hw_a, tp_a, t))
-    return model.num_moe_layers * (t_a + t_e + 2 * t_c) + dense + head_time(model, hw_a, tp_a, 1)
+    return (model.num_moe_layers * (t_a + t_e + 2 * t_c) + dense + head_time(model, hw_a, tp_a, 1)
+            + step_overhead(hw_a, 1))

@@ -42,6 +42,7 @@ def unit_dict(model: ModelSpec, atoms: Atoms, i: int, copies: int = 1) -> dict[s
     r = atoms.row(i)
     return {
         "copies": copies,
+        "layout": r["layout"],
         "attention": {"gpu": r["attn_gpu"], "tp": r["tp_a"], "replicas": r["n_a"],
                       "max_batch_per_replica": r["m"] * r["b"]},
         "experts": {"gpu": r["expert_gpu"], "tp": r["tp_e"], "workers": r["n_e"],
@@ -75,6 +76,7 @@ def plan_dict(model_arg: str, model: ModelSpec, work: Workload, objective: str, 
             "throughput_tok_s": round(sel.throughput, 1),
             "cost_per_hour": round(sel.cost, 3),
             "tokens_per_cost": round(sel.throughput * 3600 / sel.cost, 1) if sel.cost else 0.0,
+            "tokens_per_joule": round(sel.throughput / sel.power, 3) if sel.power else 0.0,
             "gpus": {k: v for k, v in sel.gpus_used.items() if v},
             "ilp_status": sel.status,
             "ilp_gap": None if sel.gap != sel.gap else round(sel.gap, 6),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -37,13 +37,20 @@ class Efficiency:
     link_alpha_us: float = 5.0  # fixed latency of one intra-node collective
     net_alpha_us: float = 10.0  # fixed latency of one dispatch or combine over the network
     msg_half_kb: float = 16.0  # message size reaching half of the achievable bandwidth
+    # Fixed costs a pure roofline misses (0 = uncalibrated). Fitted from engine
+    # measurements by planner/calibrate.py; see docs/planner.md "Calibration".
+    step_overhead_us: float = 0.0  # per decode iteration: scheduler, sampler, graph launch
+    seq_overhead_us: float = 0.0  # per sequence per decode iteration (sampling, bookkeeping)
+    layer_overhead_us: float = 0.0  # per layer per micro-batch per worker: kernel launches, tails
+    token_overhead_us: float = 0.0  # per token per layer on the attention side (per-row kernels)
 
     def __post_init__(self) -> None:
         for name in ("hbm_eff", "flops_eff", "link_eff", "net_eff"):
             v = getattr(self, name)
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        for name in ("link_alpha_us", "net_alpha_us", "msg_half_kb"):
+        for name in ("link_alpha_us", "net_alpha_us", "msg_half_kb", "step_overhead_us", "seq_overhead_us",
+                     "layer_overhead_us", "token_overhead_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -53,20 +60,50 @@ _FIELDS = [f.name for f in dataclasses.fields(Efficiency)]
 
 @dataclass(frozen=True)
 class Profile:
-    """Efficiency for every GPU type: ``gpus[name]`` if present, else ``default``."""
+    """Efficiency for every GPU type: ``gpus[name]`` if present, else ``default``.
+
+    ``fits[name]`` records how a GPU's factors were obtained (written by calibration):
+    ``points`` (measurements fitted), ``max_err`` / ``mean_err`` (|predicted / measured - 1|
+    after the fit), ``before_max_err`` (the same with the datasheet defaults), ``files``;
+    or ``transferred_from`` for factors copied from a similar GPU without a measurement.
+    ``source`` names where the profile was read from (for the report).
+    """
 
     default: Efficiency = Efficiency()
     gpus: Mapping[str, Efficiency] = field(default_factory=dict)
+    fits: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    source: str = "datasheet defaults"
 
     def for_gpu(self, name: str) -> Efficiency:
         return self.gpus.get(name, self.default)
 
+    def describe(self, gpu_names: Sequence[str]) -> str:
+        """One line per GPU type: calibrated (with its measured error), transferred or default."""
+        lines = [f"profile: {self.source}"]
+        for name in gpu_names:
+            fit = self.fits.get(name)
+            if name not in self.gpus:
+                lines.append(f"  {name}: datasheet efficiency defaults, not calibrated (error unknown)")
+            elif fit and "max_err" in fit:
+                lines.append(
+                    f"  {name}: calibrated on {fit.get('points', '?')} measurements; measured error "
+                    f"max {fit['max_err']:.1%}, mean {fit.get('mean_err', float('nan')):.1%} "
+                    f"(datasheet defaults: max {fit.get('before_max_err', float('nan')):.1%})")
+            elif fit and "transferred_from" in fit:
+                lines.append(f"  {name}: factors of {fit['transferred_from']} (not measured on {name}; error unknown)")
+            else:
+                lines.append(f"  {name}: profile factors without a recorded fit (error unknown)")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "version": 1,
             "default": dataclasses.asdict(self.default),
             "gpus": {k: dataclasses.asdict(v) for k, v in sorted(self.gpus.items())},
         }
+        if self.fits:
+            out["fits"] = {k: dict(v) for k, v in sorted(self.fits.items())}
+        return out
 
 
 def _efficiency(base: Efficiency, fields: Any, where: str) -> Efficiency:
@@ -81,23 +118,38 @@ def _efficiency(base: Efficiency, fields: Any, where: str) -> Efficiency:
         raise InputError(f"profile {where}: {e}") from None
 
 
-def parse_profile(data: Any) -> Profile:
+def parse_profile(data: Any, source: str = "profile") -> Profile:
     """Build a Profile from parsed YAML; raises InputError naming the bad field."""
     if not isinstance(data, Mapping) or data.get("version") != 1:
         raise InputError("profile: expected a mapping with 'version: 1'")
     default = _efficiency(Efficiency(), data.get("default") or {}, "default")
     gpus = {str(k): _efficiency(default, v, f"gpus.{k}") for k, v in (data.get("gpus") or {}).items()}
-    return Profile(default, gpus)
+    fits = data.get("fits") or {}
+    if not isinstance(fits, Mapping) or not all(isinstance(v, Mapping) for v in fits.values()):
+        raise InputError("profile fits: expected a mapping of GPU name -> fit record")
+    return Profile(default, gpus, {str(k): dict(v) for k, v in fits.items()}, source)
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
+SHIPPED = {"hopper": SHIPPED_DIR / "hopper.yaml"}  # --profile NAME -> file in the package
+NO_PROFILE = "none"  # --profile none: datasheet defaults for every GPU
 
 
 def load_profile(path: str | Path) -> Profile:
+    """A profile file, a shipped profile's name (``SHIPPED``), or ``none`` (datasheet defaults)."""
+    if str(path) == NO_PROFILE:
+        return Profile()
+    named = SHIPPED.get(str(path))
+    file = named or Path(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(file).read_text())
     except OSError as e:
-        raise InputError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
+        raise InputError(f"cannot read profile {str(path)!r}: {e.strerror} "
+                         f"(shipped profiles: {', '.join(SHIPPED)}, or 'none')") from None
     except yaml.YAMLError as e:
         raise InputError(f"malformed YAML in profile {str(path)!r}: {getattr(e, 'problem', e)}") from None
-    return parse_profile(data)
+    return parse_profile(data, f"{path} (shipped: {file.relative_to(SHIPPED_DIR.parent.parent)})" if named
+                         else str(path))
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

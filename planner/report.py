@@ -21,10 +21,12 @@ def rank(atoms: Atoms, objective: str) -> list[int]:
 
 def table_row(model: ModelSpec, atoms: Atoms, i: int) -> dict[str, Any]:
     r = atoms.row(i)
-    gpus = int(atoms.usage[i].sum())
+    gpus = r["gpus"]
+    colocated = r["layout"] == "colocated"
     return {
+        "layout": r["layout"],
         "attention": f"{r['attn_gpu']} tp{r['tp_a']} x{r['n_a']}",
-        "experts": f"{r['expert_gpu']} tp{r['tp_e']} x{r['n_e']}",
+        "experts": f"same GPUs, ep{r['n_e']}" if colocated else f"{r['expert_gpu']} tp{r['tp_e']} x{r['n_e']}",
         "experts_per_worker": int(perf.experts_per_worker(model, r["n_e"])),
         "m": r["m"],
         "batch_per_replica": r["m"] * r["b"],
@@ -33,21 +35,23 @@ def table_row(model: ModelSpec, atoms: Atoms, i: int) -> dict[str, Any]:
         "gpus": gpus,
         "cost_per_hour": round(r["cost"], 2),
         "tokens_per_cost": round(r["throughput"] * 3600 / r["cost"]),
+        "tokens_per_watt": round(r["throughput"] / r["power"], 2),  # tok/s per W = tokens per joule
         "bottleneck": r["bottleneck"],
     }
 
 
 def table(model: ModelSpec, atoms: Atoms, ranked: list[int], objective: str) -> str:
     key = "tokens/s per GPU" if objective == "throughput" else "tokens per unit cost"
-    head = (f"{'#':>3}  {'attention':<16} {'experts':<16} {'e/w':>4} {'m':>2} {'batch':>6} {'TPOT ms':>8} "
-            f"{'tok/s':>9} {'GPUs':>5} {'cost/h':>8} {'tok/cost':>9}  bottleneck")
+    head = (f"{'#':>3}  {'layout':<13} {'attention':<16} {'experts':<16} {'e/w':>4} {'m':>2} {'batch':>6} "
+            f"{'TPOT ms':>8} {'tok/s':>9} {'GPUs':>5} {'cost/h':>8} {'tok/cost':>9} {'tok/J':>6}  bottleneck")
     lines = [f"top {len(ranked)} deployment units by {key}:", head]
     for n, i in enumerate(ranked, 1):
         r = table_row(model, atoms, i)
         lines.append(
-            f"{n:>3}  {r['attention']:<16} {r['experts']:<16} {r['experts_per_worker']:>4} {r['m']:>2} "
-            f"{r['batch_per_replica']:>6} {r['tpot_ms']:>8.1f} {r['throughput_tok_s']:>9,} {r['gpus']:>5} "
-            f"{r['cost_per_hour']:>8.2f} {r['tokens_per_cost']:>9,}  {r['bottleneck']}"
+            f"{n:>3}  {r['layout']:<13} {r['attention']:<16} {r['experts']:<16} {r['experts_per_worker']:>4} "
+            f"{r['m']:>2} {r['batch_per_replica']:>6} {r['tpot_ms']:>8.1f} {r['throughput_tok_s']:>9,} "
+            f"{r['gpus']:>5} {r['cost_per_hour']:>8.2f} {r['tokens_per_cost']:>9,} {r['tokens_per_watt']:>6.2f}  "
+            f"{r['bottleneck']}"
         )
     return "\n".join(lines)
 
@@ -73,7 +77,7 @@ def summary(model: ModelSpec, work: perf.Workload, cluster: Cluster, atoms: Atom
             objective: str) -> str:
     gpus = sum(sel.gpus_used.values())
     units = "; ".join(
-        f"{c} x [{r['attention']} | {r['experts']} | m={r['m']} batch {r['batch_per_replica']}/replica]"
+        f"{c} x [{r['layout']}: {r['attention']} | {r['experts']} | m={r['m']} batch {r['batch_per_replica']}/replica]"
         for c, r in ((c, table_row(model, atoms, i)) for i, c in zip(sel.atom_ids, sel.copies))
     )
     inv = ", ".join(f"{e.gpu} {sel.gpus_used.get(e.gpu, 0)}/{e.count}" for e in cluster.available())
@@ -84,7 +88,8 @@ def summary(model: ModelSpec, work: perf.Workload, cluster: Cluster, atoms: Atom
         f"output {work.output_len} tokens, objective {objective}",
         f"best plan: {units}",
         f"  throughput {sel.throughput:,.0f} tok/s, {sel.throughput / max(gpus, 1):,.0f} tok/s per GPU, "
-        f"cost {sel.cost:,.2f} /h, {sel.throughput * 3600 / max(sel.cost, 1e-12):,.0f} tokens per unit cost",
+        f"cost {sel.cost:,.2f} /h, {sel.throughput * 3600 / max(sel.cost, 1e-12):,.0f} tokens per unit cost, "
+        f"{sel.throughput / max(sel.power, 1e-12):,.2f} tokens per joule (board power {sel.power:,.0f} W)",
         f"  GPUs used: {inv}; solver {sel.solver}, {sel.status}, gap {gap}",
         f"  binding constraint: {binding(atoms, sel, cluster)}",
     ])

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 TP_CHOICES = (1, 2, 4, 8)
 NA_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 BOTTLENECKS = ("attention", "expert", "comm", "memory", "batch cap")
+LAYOUTS = ("disaggregated", "colocated")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Atoms:
 
     ``usage[i, t]`` = GPUs of type ``types[t]`` used by atom i; ``throughput`` in output
     tokens/s; times in seconds per micro-batch per MoE layer; memory in bytes per GPU.
+    A ``colocated`` atom (planner/colocated.py) runs attention and experts on the same
+    ``tp_a * n_a`` GPUs: ``n_a`` data-parallel attention ranks of ``tp_a`` GPUs, experts
+    split over ``n_e = n_a`` ranks; its ``ga == ge`` and ``m == 1``.
     """
 
     types: tuple[str, ...]
@@ -59,6 +63,8 @@ class Atoms:
     bottleneck: np.ndarray  # index into BOTTLENECKS
     usage: np.ndarray  # [N, len(types)] int
     cost: np.ndarray  # relative price per hour
+    power: np.ndarray  # board power of its GPUs, watts
+    layout: np.ndarray  # index into LAYOUTS
 
     def __len__(self) -> int:
         return len(self.ga)
@@ -68,12 +74,21 @@ class Atoms:
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
         return Atoms(**{k: (v if k == "types" else v[index]) for k, v in kw.items()})
 
+    @staticmethod
+    def concat(parts: Sequence[Atoms]) -> Atoms:
+        """Rows of several Atoms over the same ``types``, in order."""
+        assert parts and all(p.types == parts[0].types for p in parts)
+        names = [f.name for f in fields(Atoms) if f.name != "types"]
+        return Atoms(types=parts[0].types, **{k: np.concatenate([getattr(p, k) for p in parts]) for k in names})
+
     def row(self, i: int) -> dict[str, object]:
         """Atom i as plain Python values (for reports and plan files)."""
         out = {f.name: getattr(self, f.name)[i] for f in fields(self) if f.name not in ("types", "usage")}
         out = {k: (v.item() if hasattr(v, "item") else v) for k, v in out.items()}
         out["attn_gpu"], out["expert_gpu"] = self.types[out.pop("ga")], self.types[out.pop("ge")]
         out["bottleneck"] = BOTTLENECKS[out["bottleneck"]]
+        out["layout"] = LAYOUTS[out["layout"]]
+        out["gpus"] = int(self.usage[i].sum())
         return out
 
 
@@ -103,26 +118,60 @@ def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster, homogeneous: 
     return out
 
 
-def _binary_search_b(model, work, hw_a, hw_e, g, b_cap) -> np.ndarray:
-    """Largest b in [1, b_cap] with TPOT <= SLO, for every config at once (TPOT rises with b).
-    Callers guarantee b = 1 is feasible."""
-    slo = work.tpot_ms / 1e3
+def binary_search_batch(tpot_of, slo_s: float, b_cap: np.ndarray) -> np.ndarray:
+    """Largest b in [1, b_cap] with ``tpot_of(b) <= slo_s``, for every config at once.
+
+    ``tpot_of`` maps an integer array of batches to TPOT seconds, elementwise and rising
+    with b. Callers guarantee b = 1 is feasible."""
     lo, hi = np.ones_like(b_cap), b_cap.copy()
     while np.any(lo < hi):
         mid = (lo + hi + 1) // 2
-        t = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], mid)
-        ok = t.t_total <= slo
+        ok = tpot_of(mid) <= slo_s
         lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
     return lo
 
 
 def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile = Profile(),
-               prune: bool = True, homogeneous: bool = False) -> Atoms:
-    """All non-dominated plan atoms for the inventory. Raises InfeasibleError naming why
-    none exists (empty inventory, model does not fit, SLO unreachable).
+               prune: bool = True, homogeneous: bool = False, layouts: Sequence[str] = LAYOUTS) -> Atoms:
+    """The plan atoms of the inventory not dominated within their layout: disaggregated
+    units (below) and co-located ones (planner/colocated.py), as ``layouts`` asks. Raises InfeasibleError
+    naming why none exists (empty inventory, model does not fit, SLO unreachable); when
+    no layout is feasible, the disaggregated search's reason is the one given.
 
     homogeneous: only pairs with the same GPU type on both sides (a baseline).
     """
+    bad = sorted(set(layouts) - set(LAYOUTS))
+    if bad or not layouts:
+        raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
+    parts, error = [], None
+    if "disaggregated" in layouts:
+        try:
+            parts.append(find_disaggregated(model, work, cluster, profile, homogeneous))
+        except InfeasibleError as e:
+            error = e
+    if "colocated" in layouts and cluster.available():
+        from planner.colocated import find_colocated
+
+        parts.append(find_colocated(model, work, cluster, profile))
+    # NOTE: pruned per layout, so the table can compare layouts; the ILP optimum is the
+    # same as pruning the union (pruning only ever drops dominated atoms).
+    parts = [prune_dominated(p) if prune else p for p in parts if len(p)]
+    if not parts:
+        raise error or InfeasibleError(_colocated_message(model, work, cluster))
+    return Atoms.concat(parts)
+
+
+def _colocated_message(model: ModelSpec, work: perf.Workload, cluster: Cluster) -> str:
+    if not cluster.available():
+        return "empty inventory: the cluster file lists no GPUs with count > 0"
+    return (f"no co-located unit of {model.name} fits the inventory or meets TPOT <= {work.tpot_ms:g} ms "
+            "(memory for weights and KV, or the SLO); add GPUs or relax the SLO")
+
+
+def find_disaggregated(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile = Profile(),
+                       homogeneous: bool = False) -> Atoms:
+    """Every feasible disaggregated atom (not pruned); raises InfeasibleError naming why
+    none exists."""
     entries = cluster.available()
     if not entries:
         raise InfeasibleError("empty inventory: the cluster file lists no GPUs with count > 0")
@@ -151,7 +200,8 @@ def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile:
     g, b_cap, b_mem = {k: v[ok] for k, v in g.items()}, b_cap[ok], b_mem[ok]
     hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
     args = (g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"])
-    b = _binary_search_b(model, work, hw_a, hw_e, g, b_cap)
+    b = binary_search_batch(lambda b_: perf.decode_step(model, work, hw_a, hw_e, *args, b_).t_total,
+                            work.tpot_ms / 1e3, b_cap)
     step = perf.decode_step(model, work, hw_a, hw_e, *args, b)
     ttft = perf.prefill_time(model, work, hw_a, hw_e, g["tp_a"], g["tp_e"], g["n_e"]) + step.t_total
     if work.ttft_ms is not None:
@@ -164,8 +214,7 @@ def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile:
         g, b, b_cap, b_mem, ttft = {k: v[ok] for k, v in g.items()}, b[ok], b_cap[ok], b_mem[ok], ttft[ok]
         hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
         step = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], b)
-    atoms = _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft)
-    return prune_dominated(atoms) if prune else atoms
+    return _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft)
 
 
 def _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft) -> Atoms:
@@ -174,13 +223,15 @@ def _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft) -> Ato
     times = np.stack([step.t_a, step.t_e, step.t_c])
     bottleneck = np.where(at_cap, np.where(mem_limited, 3, 4), np.argmax(times, axis=0))
     prices = np.array([x.price for x in gpus])
+    watts = np.array([x.power_w for x in gpus])
     return Atoms(
         types=tuple(e.gpu for e in entries), ga=g["ga"], ge=g["ge"], tp_a=g["tp_a"], n_a=g["n_a"],
         tp_e=g["tp_e"], n_e=g["n_e"], m=g["m"], b=b, t_a=step.t_a, t_e=step.t_e, t_c=step.t_c,
         tpot=step.t_total, ttft=ttft, throughput=g["n_a"] * g["m"] * b / step.t_total,
         mem_a=perf.attention_memory(model, work, g["tp_a"], g["m"] * b),
         mem_e=perf.expert_memory(model, g["tp_e"], g["n_e"]), bottleneck=bottleneck,
-        usage=g["usage"], cost=g["usage"] @ prices,
+        usage=g["usage"], cost=g["usage"] @ prices, power=g["usage"] @ watts,
+        layout=np.zeros(len(b), dtype=np.int64),
     )
 
 

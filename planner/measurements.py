@@ -1,0 +1,152 @@
+"""Engine measurement files and the planner's prediction of each measured run.
+
+A measurement file (JSON; ``megaserve bench throughput --profile-out`` writes one, and
+the files the shipped profile was fitted on are in planner/profiles/measurements/)::
+
+    {"format": "megaserve-measurements/1",
+     "gpu": "H200",                        # catalog name of the GPU measured
+     "device": "NVIDIA H200",              # what the benchmark saw
+     "source": {"command": "...", "commit": "...", "date": "...", "doc": "..."},
+     "model": "qwen3-30b-a3b",             # built-in planner model (its per-layer shape)
+     "num_layers": 48,                     # layers actually run (random:<preset>:<layers>)
+     "runs": [                             # co-located engine on ONE GPU (tp 1, ep 1)
+       {"batch": 64, "input_len": 64, "output_len": 256, "step_ms": 22.96, "tok_s": 2787},
+       {"num_prompts": 128, "max_num_seqs": 64, "input_len": 128, "output_len": 64,
+        "tok_s": 29474, "includes_prefill": true}],
+     "measurements": [...]}                # optional kernel / transport entries (calibrate.py)
+
+A run with ``step_ms`` is decode only: ``batch`` sequences advance one token per step. A
+run with ``includes_prefill`` is a whole ``LLM.generate`` (tokens/s = generated tokens /
+wall time): ``ceil(num_prompts / max_num_seqs)`` waves, each a prefill of its prompts in
+chunks of ``max_num_batched_tokens`` and ``output_len - 1`` decode steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from planner import perf
+from planner.catalog import GpuSpec
+from planner.colocated import colocated_prefill, colocated_step
+from planner.errors import InputError
+from planner.model_spec import BUILTIN_CONFIGS, ModelSpec, spec_from_config
+from planner.profile import Efficiency, Profile
+
+FORMAT = "megaserve-measurements/1"
+MEASUREMENTS_DIR = Path(__file__).resolve().parent / "profiles" / "measurements"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One measured co-located single-GPU run (fields as in the module docstring)."""
+
+    file: str
+    gpu: str
+    model: ModelSpec
+    input_len: int
+    output_len: int
+    tok_s: float
+    batch: int = 0  # decode-only runs
+    step_ms: float | None = None  # decode-only runs: measured TPOT
+    num_prompts: int = 0  # includes_prefill runs
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or not self.tok_s > 0:
+            raise ValueError("input_len, output_len and tok_s must be positive")
+        if self.step_ms is None and (self.num_prompts < 1 or self.max_num_seqs < 1):
+            raise ValueError("a run needs step_ms and batch (decode only), or num_prompts and max_num_seqs")
+        if self.step_ms is not None and (self.batch < 1 or not self.step_ms > 0):
+            raise ValueError("a decode-only run needs batch >= 1 and step_ms > 0")
+
+    @property
+    def label(self) -> str:
+        what = f"batch {self.batch}" if self.step_ms is not None else \
+            f"{self.num_prompts} prompts, max_num_seqs {self.max_num_seqs}, with prefill"
+        return f"{self.gpu} {self.model.name} {what}, {self.input_len} in / {self.output_len} out"
+
+
+def model_with_layers(name: str, num_layers: int) -> ModelSpec:
+    """A built-in model's per-layer shape with ``num_layers`` layers (random:<preset>:<layers>)."""
+    if name not in BUILTIN_CONFIGS:
+        raise InputError(f"measurement model {name!r}: expected a built-in ({', '.join(BUILTIN_CONFIGS)})")
+    cfg = dict(BUILTIN_CONFIGS[name], num_hidden_layers=int(num_layers))
+    return spec_from_config(cfg, name=f"{name}:{num_layers}l")
+
+
+def parse_runs(data: Any, where: str) -> list[Run]:
+    """The runs of a parsed measurement file; raises InputError naming the bad entry."""
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        raise InputError(f"{where}: expected an object with 'format': {FORMAT!r}")
+    if not data.get("runs"):
+        return []
+    try:
+        model = model_with_layers(str(data["model"]), int(data["num_layers"]))
+        gpu = str(data["gpu"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(f"{where}: needs 'gpu', 'model' and 'num_layers' ({e})") from None
+    runs = []
+    for n, r in enumerate(data.get("runs") or []):
+        try:
+            runs.append(Run(
+                file=where, gpu=gpu, model=model, input_len=int(r["input_len"]), output_len=int(r["output_len"]),
+                tok_s=float(r["tok_s"]), batch=int(r.get("batch", 0)),
+                step_ms=None if r.get("includes_prefill") else float(r["step_ms"]),
+                num_prompts=int(r.get("num_prompts", 0)), max_num_seqs=int(r.get("max_num_seqs", 0)),
+                max_num_batched_tokens=int(r.get("max_num_batched_tokens", 2048))))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"{where}: runs[{n}]: {e}") from None
+    return runs
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """A measurement file as parsed JSON; raises InputError if unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise InputError(f"cannot read {str(path)!r}: {e.strerror}") from None
+    except ValueError as e:
+        raise InputError(f"cannot parse {str(path)!r} as JSON: {e}") from None
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[Run]:
+    """Every run of every file, in order."""
+    return [r for p in paths for r in parse_runs(load_file(p), Path(p).name)]
+
+
+def shipped_files() -> list[Path]:
+    """The measurement files shipped in the package (the shipped profile's data)."""
+    return sorted(MEASUREMENTS_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tok_s: float
+    step_ms: float | None  # decode-only runs: predicted TPOT
+
+
+def predict(run: Run, gpu: GpuSpec, eff: Efficiency) -> Prediction:
+    """The planner's prediction of one run on ``gpu`` with efficiency factors ``eff``."""
+    hw = perf.Hw([gpu], Profile(eff))
+    work = perf.Workload(input_len=run.input_len, output_len=run.output_len)
+    if run.step_ms is not None:
+        step = float(colocated_step(run.model, work, hw, 1, 1, run.batch).t_total)
+        return Prediction(run.batch / step, step * 1e3)
+    total = 0.0
+    for wave in range(math.ceil(run.num_prompts / run.max_num_seqs)):
+        seqs = min(run.max_num_seqs, run.num_prompts - wave * run.max_num_seqs)
+        chunks = math.ceil(seqs * run.input_len / run.max_num_batched_tokens)
+        total += chunks * float(colocated_prefill(run.model, work, hw, 1, 1, seqs / chunks))
+        total += (run.output_len - 1) * float(colocated_step(run.model, work, hw, 1, 1, seqs).t_total)
+    return Prediction(run.num_prompts * run.output_len / total, None)
+
+
+def rel_errors(run: Run, pred: Prediction) -> tuple[float, float | None]:
+    """(|predicted / measured tok/s - 1|, the same for TPOT or None)."""
+    tpot = None if run.step_ms is None or pred.step_ms is None else abs(pred.step_ms / run.step_ms - 1)
+    return abs(pred.tok_s / run.tok_s - 1), tpot

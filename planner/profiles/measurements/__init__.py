@@ -1,0 +1,1 @@
+"""Measurement files of the shipped profiles (format: planner/measurements.py)."""
