@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import functools
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -30,7 +32,10 @@ from megaserve.models.loader import resolve_dtype
 from megaserve.outputs import RequestOutput
 from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
+from megaserve.engine.output_processor import OutputProcessor
 from megaserve.runtime.launcher import WorkerLauncher, make_launcher
+from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
+                                        RestartPolicy, WorkerHealth)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
@@ -80,11 +85,24 @@ def _raise_if_error(message: tuple) -> None:
         raise WorkerError(f"{role} worker {index} failed: {detail}")
 
 
+def _locked(method):
+    """Run ``method`` holding the engine lock (the liveness watch restarts workers from
+    its own thread)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class DisaggregatedEngine:
     """Front-end engine; see the module docstring. Raises ``ValueError`` for bad config."""
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
-                 launcher: WorkerLauncher | None = None) -> None:
+                 launcher: WorkerLauncher | None = None,
+                 restart_policy: RestartPolicy | None = None) -> None:
         if config.transport not in SUPPORTED_TRANSPORTS:
             raise ValueError(
                 f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}, "
@@ -121,8 +139,20 @@ class DisaggregatedEngine:
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
         self.expert_stats: dict[int, object] = {}
         self._closed = False
-        self._launcher = launcher  # where workers run (default: LocalLauncher)
+        self._launcher = launcher  # where workers run (default: from config.launcher)
+        # Recovery from a lost worker (megaserve.runtime.recovery).
+        eos = (self.tokenizer.eos_token_ids if self.tokenizer else ()) or self.model_config.eos_token_ids
+        self._in_flight = InFlightTable(OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len))
+        self._budget = RestartBudget(restart_policy or RestartPolicy())
+        self._health = WorkerHealth("serving")
+        self._lock = threading.RLock()
+        self._starting = True  # worker failures while (re)starting raise instead of recovering
+        self._generation = 0  # bumped by every group restart
+        self._ended: list[RequestOutput] = []  # final outputs produced by a recovery
+        self._stats_base = (0, 0, 0)  # counters of replaced groups: prompt, generation, preemptions
+        self._watch = None
         self._start_workers()
+        self._watch = LivenessWatch(self._lost_workers, self._on_loss)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -150,7 +180,8 @@ class DisaggregatedEngine:
     def _start_workers(self) -> None:
         world = self.config.attention_replicas + self.placement.num_workers
         self._launcher = self._launcher or make_launcher(
-            "local", use_processes=self.config.transport != "inproc")
+            self.config.launcher, use_processes=self.config.transport != "inproc",
+            ray_address=self.config.ray_address)
         self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
         self._group = None
         try:
@@ -159,6 +190,82 @@ class DisaggregatedEngine:
         except BaseException:
             self.shutdown()
             raise
+        self._starting = False
+
+    def health(self) -> WorkerHealth:
+        """Whether every worker is up ("serving"), a lost one is being replaced
+        ("recovering"), or the engine gave up ("failed"); thread-safe, never blocks."""
+        return self._health
+
+    def _lost_workers(self) -> list[str]:
+        """The liveness watch's poll: names of dead workers of the current group."""
+        if self._closed or self._starting or self._health.state == "failed":
+            return []
+        return self._group.dead()
+
+    def _on_loss(self, names: list[str]) -> None:
+        """The liveness watch found dead workers: report it at once, then recover."""
+        self._health = WorkerHealth("recovering", f"{', '.join(names)} exited unexpectedly",
+                                    self._budget.total)
+        with self._lock:
+            if self._closed:
+                return
+            dead = self._group.dead()
+            if not dead:  # the engine thread recovered first
+                if self._health.state == "recovering":
+                    self._health = WorkerHealth("serving", None, self._budget.total)
+                return
+            try:
+                self._recover(f"{', '.join(dead)} exited unexpectedly")
+            except WorkerError:
+                pass  # health says why; the next step() raises it
+
+    def _recover(self, reason: str) -> None:
+        """Replace the worker group and re-run every in-flight request (see
+        megaserve.runtime.recovery). Raises WorkerError once the restart budget is spent."""
+        while True:
+            if not self._budget.take():
+                policy = self._budget.policy
+                self._health = WorkerHealth(
+                    "failed", f"{reason}; gave up after {policy.max_restarts} restarts within "
+                    f"{policy.window_s:.0f}s", self._budget.total)
+                logger.error("workers: %s", self._health.reason)
+                raise WorkerError(self._health.reason)
+            self._health = WorkerHealth("recovering", reason, self._budget.total)
+            logger.warning("workers: %s; restarting the worker group (restart %d)",
+                           reason, self._budget.total)
+            try:
+                self._restart_group()
+                break
+            except (WorkerError, RuntimeError) as e:
+                reason = f"restart failed: {e}"
+        self._generation += 1
+        reruns, ended = self._in_flight.resume()
+        for out in ended:
+            self._forget(out.request_id)
+        self._ended += ended
+        for request_id, ids, params, seed in reruns:
+            self._group.handles[self._owner[request_id]].send(("add", request_id, ids, params, seed))
+        logger.warning("workers: back, re-running %d request(s)", len(reruns))
+        self._health = WorkerHealth("serving", None, self._budget.total)
+
+    def _restart_group(self) -> None:
+        known = [s for s in self._stats if s is not None]
+        base = self._stats_base
+        self._stats_base = (base[0] + sum(s.prompt_tokens_total for s in known),
+                            base[1] + sum(s.generation_tokens_total for s in known),
+                            base[2] + sum(s.num_preemptions for s in known))
+        self._stats = [None] * len(self._stats)
+        world = self.config.attention_replicas + self.placement.num_workers
+        self._rendezvous.close()
+        self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
+        self._starting = True
+        try:
+            self._group = self._launcher.restart(self._group,
+                                                 self._worker_specs(self._rendezvous.address))
+            self._await_ready(world)
+        finally:
+            self._starting = False
 
     def _await_ready(self, world: int) -> None:
         ready = 0
@@ -175,11 +282,14 @@ class DisaggregatedEngine:
         if self._closed:
             return
         self._closed = True
-        if self._group is not None:
-            self._group.stop(STOP_GRACE_S)
-            self._drain_stats()
-        self._rendezvous.close()
-        self._launcher.close()
+        if getattr(self, "_watch", None) is not None:
+            self._watch.stop()
+        with self._lock:  # after a restart in progress, so its workers are stopped too
+            if self._group is not None:
+                self._group.stop(STOP_GRACE_S)
+                self._drain_stats()
+            self._rendezvous.close()
+            self._launcher.close()
 
     @property
     def _workers(self) -> list:
@@ -205,6 +315,7 @@ class DisaggregatedEngine:
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         return validate_prompt(prompt, params, self.tokenizer, self.vocab_size, self.max_model_len)
 
+    @_locked
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     seed: int | None = None) -> None:
         if request_id in self._owner:
@@ -219,25 +330,32 @@ class DisaggregatedEngine:
         self._work[request_id] = work
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self._load[replica] += work
+        self._in_flight.added(request_id, self._prompts[request_id], ids, params, seed)
         self._group.handles[replica].send(("add", request_id, ids, params, seed))
 
+    @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ask the owning replica to abort; its "abort" output arrives through step()."""
         replica = self._owner.get(request_id)
         if replica is not None:
+            self._in_flight.aborting(request_id)
             self._group.handles[replica].send(("abort", request_id))
         return None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
+    @_locked
     def step(self, timeout: float = 0.05) -> list[RequestOutput]:
         """Outputs that replicas produced since the last call. Per-layer aggregation:
         whatever arrived, waiting up to ``timeout`` for the first. Lockstep: one global
-        step of every replica with work. Raises :class:`WorkerError` if a worker failed."""
+        step of every replica with work. A lost worker is replaced (in-flight requests
+        continue); raises :class:`WorkerError` once that is impossible."""
+        if self._health.state == "failed":
+            raise WorkerError(self._health.reason)
+        outputs, self._ended = self._ended, []
         if self.config.aggregation == "lockstep":
-            return self._lockstep_step()
-        outputs: list[RequestOutput] = []
+            return outputs + self._lockstep_step()
         message = self._next_message(timeout)
         while message is not None:
             outputs += self._accept(message)
@@ -251,7 +369,8 @@ class DisaggregatedEngine:
             self._group.handles[replica].send(("step", len(participants)))
         outputs: list[RequestOutput] = []
         pending = len(participants)
-        while pending:
+        generation = self._generation
+        while pending and generation == self._generation:
             message = self._next_message(1.0)
             if message is None:
                 continue
@@ -265,22 +384,35 @@ class DisaggregatedEngine:
             return []
         _, replica, outs, stats = message
         self._stats[replica] = stats
+        delivered = []
         for out in outs:
-            out.prompt = self._prompts.get(out.request_id)
+            if out.request_id not in self._owner:
+                continue  # the tail of a re-run the front-end already finished
+            prompt = self._prompts.get(out.request_id)
+            out, must_abort = self._in_flight.translate(out)
+            out.prompt = prompt
+            if must_abort:
+                self._group.handles[replica].send(("abort", out.request_id))
             if out.finished:
                 self._forget(out.request_id)
-        return outs
+            delivered.append(out)
+        return delivered
 
     def _forget(self, request_id: str) -> None:
         replica = self._owner.pop(request_id, None)
         if replica is not None:
             self._load[replica] -= self._work.pop(request_id)
             self._prompts.pop(request_id, None)
+            self._in_flight.forget(request_id)
 
     def _next_message(self, timeout: float):
         message = self._group.receive(timeout)
         if message is None:
             self._check_alive()
+            return None
+        if message[0] == "error" and not (self._starting or self._closed):
+            _, role, index, detail = message
+            self._recover(f"{role} worker {index} failed: {detail.splitlines()[0]}")
             return None
         _raise_if_error(message)
         if message[0] == "stats":
@@ -292,9 +424,15 @@ class DisaggregatedEngine:
         if dead and not self._closed:
             # A worker that failed reported why just before exiting: surface that first.
             message = self._group.receive(1.0)
-            if message is not None:
-                _raise_if_error(message)
-            raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
+            if message is not None and message[0] == "error":
+                if self._starting:
+                    _raise_if_error(message)
+                _, role, index, detail = message
+                self._recover(f"{role} worker {index} failed: {detail.splitlines()[0]}")
+                return
+            if self._starting:
+                raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
+            self._recover(f"{', '.join(dead)} exited unexpectedly")
 
     def stats(self) -> EngineStats:
         known = [s for s in self._stats if s is not None]
@@ -303,7 +441,7 @@ class DisaggregatedEngine:
             num_waiting=sum(s.num_waiting for s in known),
             num_kv_blocks=sum(s.num_kv_blocks for s in known),
             num_free_kv_blocks=sum(s.num_free_kv_blocks for s in known),
-            prompt_tokens_total=sum(s.prompt_tokens_total for s in known),
-            generation_tokens_total=sum(s.generation_tokens_total for s in known),
-            num_preemptions=sum(s.num_preemptions for s in known),
+            prompt_tokens_total=self._stats_base[0] + sum(s.prompt_tokens_total for s in known),
+            generation_tokens_total=self._stats_base[1] + sum(s.generation_tokens_total for s in known),
+            num_preemptions=self._stats_base[2] + sum(s.num_preemptions for s in known),
         )

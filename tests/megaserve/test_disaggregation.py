@@ -14,6 +14,7 @@ from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError, nccl_gpu_clash
 from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.recovery import RestartPolicy
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
 PARAMS = [
@@ -68,8 +69,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("transport", ["tcp", "nccl"])
 def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
+    # No restart allowed: the lost worker must surface as WorkerError (recovery itself is
+    # tested in tests/deploy/test_recovery_local.py).
     engine = DisaggregatedEngine(EngineConfig(dtype="float32", attention_replicas=2, expert_workers=2,
-                                              transport=transport))
+                                              transport=transport),
+                                 restart_policy=RestartPolicy(max_restarts=0))
     pids = _worker_pids(engine, "attention") + _worker_pids(engine, "expert")
     try:
         for i in range(4):
