@@ -42,6 +42,11 @@ class ServeConfig:
     http_port: int = 8000
     max_waiting: int = 256
     grace_period: float = 30.0
+    # vLLM's --api-key: HTTP /v1/* and gRPC Generation calls need it; None: no auth.
+    api_key: str | None = field(default=None, repr=False)
+    # Seconds a connection may stay without a complete request head (idle keep-alive
+    # included) before it is closed: uvicorn's --timeout-keep-alive, which vLLM uses.
+    timeout_keep_alive: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine.get("model"), str):
@@ -57,6 +62,11 @@ class ServeConfig:
             raise ValueError(f"grpc_port and http_port must differ, both are {self.grpc_port}")
         if not self.grace_period >= 0:
             raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period!r}")
+        if not 0 < self.timeout_keep_alive < float("inf"):
+            raise ValueError("timeout_keep_alive must be > 0 seconds, got "
+                             f"{self.timeout_keep_alive!r}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string without surrounding spaces")
 
     @property
     def model(self) -> str:
@@ -84,13 +94,14 @@ async def serve(config: ServeConfig,
     from megaserve.server.openai_http import build_app
 
     core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
+    dtype = {"name": str(config.engine.get("dtype", "auto"))}  # resolved once loaded
     grpc_server, health = build_grpc_server(
-        GenerationService(core, str(config.engine.get("dtype", "auto")),
-                          str(config.engine.get("device", "cpu"))),
-        f"{_grpc_host(config.host)}:{config.grpc_port}")
+        GenerationService(core, lambda: dtype["name"], str(config.engine.get("device", "cpu"))),
+        f"{_grpc_host(config.host)}:{config.grpc_port}", api_key=config.api_key)
     await set_health(health, serving=False)
     await grpc_server.start()
-    runner = web.AppRunner(build_app(core), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(core, config.api_key), handler_cancellation=True,
+                           access_log=None, keepalive_timeout=config.timeout_keep_alive)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
     try:
@@ -107,7 +118,7 @@ async def serve(config: ServeConfig,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     exit_code = 0
-    load = asyncio.create_task(asyncio.to_thread(engine_factory, config))
+    load = asyncio.create_task(asyncio.to_thread(_load, engine_factory, config, dtype))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if load.done():
@@ -123,8 +134,10 @@ async def serve(config: ServeConfig,
             logger.info("megaserve: serving %s (max_model_len=%d)", config.model,
                         core.engine.max_model_len)
     failure_watch = asyncio.create_task(_watch_failure(core, health))
+    worker_watch = asyncio.create_task(_watch_workers(core, health))
     await stop.wait()
     failure_watch.cancel()
+    worker_watch.cancel()
 
     # Drain: refuse new work first, then give in-flight work the grace period.
     logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
@@ -153,12 +166,55 @@ async def serve(config: ServeConfig,
     return exit_code
 
 
+def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,
+          dtype: dict[str, str]) -> Any:
+    """Builds the engine (in a worker thread) and resolves ``dtype["name"]``."""
+    engine = engine_factory(config)
+    if dtype["name"] == "auto":
+        try:
+            from megaserve.models.builtin import resolve_model
+            from megaserve.models.config import ModelConfig
+            from megaserve.models.loader import resolve_dtype
+
+            path = resolve_model(config.model)
+            dtype["name"] = str(resolve_dtype("auto", ModelConfig.from_dir(path))).removeprefix(
+                "torch.")
+        except Exception:  # an engine that is not a checkpoint: report what was asked
+            logger.debug("could not resolve dtype auto", exc_info=True)
+    return engine
+
+
 async def _watch_failure(core: ServingCore, health: Any) -> None:
     """Health NOT_SERVING once the engine has failed, so an orchestrator replaces us."""
     from megaserve.server.grpc_service import set_health
 
     await core.failed.wait()
     await set_health(health, serving=False)
+
+
+async def _watch_workers(core: ServingCore, health: Any, poll_s: float = 0.25) -> None:
+    """Health follows the engine's workers (engines with ``health()``: the disaggregated
+    runtime): NOT_SERVING while a lost worker is being replaced (in-flight requests pause,
+    then continue), and the server FAILED once the engine gives up."""
+    from megaserve.server.grpc_service import set_health
+
+    worker_health = getattr(getattr(core.engine, "engine", None), "health", None)
+    if worker_health is None:
+        return
+    serving = True
+    while core.state is ServerState.SERVING:
+        await asyncio.sleep(poll_s)
+        now = worker_health()
+        if now.state == "failed":
+            core.mark_failed(now.reason)
+            return
+        if now.serving != serving and core.state is ServerState.SERVING:
+            serving = now.serving
+            if not serving:
+                logger.warning("megaserve: health NOT_SERVING: %s", now.reason)
+            else:
+                logger.info("megaserve: workers back, health SERVING")
+            await set_health(health, serving=serving)
 
 
 def _grpc_host(host: str) -> str:

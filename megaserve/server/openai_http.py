@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP app (aiohttp): completions, chat, models, health, metrics.
 
 A request with several prompts and/or ``n > 1`` becomes one engine request per choice
-(choice ``index = prompt_index * n + j``), each admitted separately; with a ``seed``,
-choice ``j`` uses ``seed + j`` so the choices differ but stay reproducible. If the client
-disconnects, the handler is cancelled and every choice is aborted in the engine.
+(choice ``index = prompt_index * n + j``), all admitted together before any is prepared;
+with a ``seed``, choice ``j`` uses ``seed + j`` so the choices differ but stay
+reproducible. If the client disconnects, the handler is cancelled and every choice is
+aborted in the engine.
+
+Every error, aiohttp's own included (404, 405, 413, a body that fails to decompress), is
+JSON in OpenAI's shape; an unexpected exception is logged and answered with a 500 that
+names no internals. ``/v1/*`` needs ``Authorization: Bearer <key>`` when the server has an
+API key; ``/health``, ``/metrics`` and ``/openapi.json`` stay open (as in vLLM).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -18,16 +25,23 @@ from typing import Any
 
 from aiohttp import web
 
+from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import openai_protocol as oai
 from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.metrics import CONTENT_TYPE
+from megaserve.server.openai_models import openapi_document
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# A body must arrive within this many seconds of its headers (a slow client cannot hold
+# a connection and a handler forever).
+BODY_READ_TIMEOUT = 60.0
 _CORE = web.AppKey("core", ServingCore)
+_API_KEY = web.AppKey("api_key", str)
+_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
 @dataclasses.dataclass
@@ -38,16 +52,73 @@ class _Choice:
     params: SamplingParams
 
 
-def build_app(core: ServingCore) -> web.Application:
-    """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413)."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+def build_app(core: ServingCore, api_key: str | None = None) -> web.Application:
+    """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413).
+
+    With ``api_key``, requests to ``/v1/*`` need ``Authorization: Bearer <api_key>``.
+    """
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[_json_errors, _authenticate])
     app[_CORE] = core
+    app[_API_KEY] = api_key or ""
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     return app
+
+
+def _error_json(status: int, message: str, type_: str, param: str | None = None,
+                headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_, "param": param,
+                                        "code": status}}, status=status, headers=headers)
+
+
+def _error_response(err: RequestError) -> web.Response:
+    return web.json_response(oai.error_body(err), status=err.code.http_status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's HTTP errors and unexpected exceptions as OpenAI-shaped JSON."""
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:  # refuse before reading a byte
+        resp = _error_json(413, f"body: Content-Length {length} is over the limit of "
+                           f"{MAX_BODY_BYTES} bytes", "invalid_request_error", "body")
+        resp.force_close()
+        return resp
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        what = {404: f"{request.path}: no such endpoint",
+                405: f"{request.path}: method {request.method} is not allowed"}
+        return _error_json(e.status, what.get(e.status, e.reason),
+                           "not_found_error" if e.status == 404 else "invalid_request_error",
+                           headers=headers)
+    except RequestError as e:
+        return _error_response(e)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        return _error_json(500, "internal error (see the server log)", "internal_error")
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler) -> web.StreamResponse:
+    key = request.app[_API_KEY]
+    if key and request.path not in _OPEN_PATHS:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error_json(401, "authorization: missing or wrong API key (send the "
+                               "header 'Authorization: Bearer <key>')", "authentication_error",
+                               "authorization")
+    return await handler(request)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -58,19 +129,25 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
-def _error_response(err: RequestError) -> web.Response:
-    return web.json_response(oai.error_body(err), status=err.code.http_status)
-
-
 async def _health(request: web.Request) -> web.Response:
-    state = request.app[_CORE].state
+    core = request.app[_CORE]
+    state = core.state
+    worker_health = getattr(getattr(core.engine, "engine", None), "health", None)
+    if state is ServerState.SERVING and worker_health is not None and not worker_health().serving:
+        # A lost worker is being replaced: requests are accepted and wait for it.
+        return web.json_response({"status": "RECOVERING", "reason": worker_health().reason},
+                                 status=503)
     status = 200 if state is ServerState.SERVING else 503
     return web.json_response({"status": state.value}, status=status)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[_CORE].metrics.render().encode(),
+    return web.Response(body=request.app[_CORE].metrics.render(),
                         headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(__version__))
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -82,27 +159,41 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(ErrorCode.TOO_LARGE, f"body: larger than the limit of "
+                           f"{MAX_BODY_BYTES} bytes", param="body") from None
+    except TimeoutError:
+        raise RequestError(ErrorCode.TIMEOUT, f"body: not received within "
+                           f"{BODY_READ_TIMEOUT:g} s", param="body") from None
+    except web.HTTPException:
+        raise
+    except Exception as e:  # a Content-Encoding the body does not match, a broken chunk
+        raise RequestError.invalid("body", f"could not be read "
+                                   f"({type(e).__name__}: {e})") from None
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[_CORE]
     try:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise RequestError(ErrorCode.TOO_LARGE, f"body: larger than the limit of "
-                               f"{MAX_BODY_BYTES} bytes", param="body") from None
-        req = oai.parse_request(oai.decode_body(raw), chat)
+        req = oai.parse_body(await _read_body(request), chat)
         if req.model is not None and req.model != core.model_name:
             raise RequestError(ErrorCode.NOT_FOUND, f"model: {req.model!r} is not served "
                                f"here; available: [{core.model_name!r}]", param="model")
+        core.check_fits(req.num_choices, "messages" if chat else "prompt",
+                        f"{len(req.prompts)} prompt(s) x n={req.n}" if not chat
+                        else f"n={req.n}")
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        with contextlib.ExitStack() as admitted:
+        prompts = req.prompts if not chat else (None,)
+        with core.admit_many([f"{base_id}-{i}" for i in range(req.num_choices)]) as ids:
             choices = []
-            prompts = req.prompts if not chat else (None,)
             for p_index, prompt in enumerate(prompts):
                 for j in range(req.n):
                     index = p_index * req.n + j
-                    rid = admitted.enter_context(core.admit(f"{base_id}-{index}"))
-                    choices.append(await _prepare(core, req, prompt, index, j, rid))
+                    choices.append(await _prepare(core, req, prompt, index, j, ids[index]))
             if req.stream:
                 return await _stream(request, core, req, base_id, choices)
             return await _unary(core, req, base_id, choices)
@@ -123,7 +214,7 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     if req.chat:
         try:
             prompt = engine.tokenizer.apply_chat_template(list(req.messages))
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # the template's raise_exception, a missing variable
             raise RequestError.invalid("messages", f"chat template failed: {e}") from None
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
@@ -148,7 +239,8 @@ async def _pump(core: ServingCore, choice: _Choice, queue: asyncio.Queue) -> Non
         await queue.put((choice.index, e))
     except Exception as e:  # an engine failure: the consumer reports it to the client
         logger.exception("request %s failed", choice.request_id)
-        await queue.put((choice.index, oai.internal_error(f"internal error: {type(e).__name__}: {e}")))
+        await queue.put((choice.index, oai.internal_error(
+            f"internal error: {type(e).__name__} (see the server log)")))
 
 
 async def _run_choices(core: ServingCore, choices: list[_Choice]):
@@ -180,10 +272,9 @@ def _usage(choices: list[_Choice], finals: dict[int, Delta], n: int) -> dict[str
 def _logprobs(core: ServingCore, req: oai.OpenAIRequest, ids: list[int], lps, offset: int):
     if req.top_logprobs is None or lps is None:
         return None
-    token_text = lambda t: core.engine.tokenizer.decode([t])  # noqa: E731
     if req.chat:
-        return oai.chat_logprobs(ids, lps, token_text)
-    return oai.completion_logprobs(ids, lps, offset, token_text)
+        return oai.chat_logprobs(ids, lps, core.token_bytes)
+    return oai.completion_logprobs(ids, lps, offset, core.token_bytes)
 
 
 def _choice_body(core, req, choice: _Choice, ids, text, lps, finish, offset) -> dict[str, Any]:
