@@ -83,7 +83,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-layout", default=None,
                         help="R,E,m of a second layout measured in the same run, e.g. 1,1,1")
+    parser.add_argument("--profile-out", default=None, metavar="FILE",
+                        help="also write planner measurements (decode step time per batch size; co-located "
+                             "layout, --model random:<preset>:<layers>) for 'megaserve plan calibrate'")
+    parser.add_argument("--profile-batches", default="1,8,32,64,128,256",
+                        help="batch sizes measured for --profile-out (default 1,8,32,64,128,256)")
+    parser.add_argument("--profile-gpu", default=None, help="planner GPU name for --profile-out (default: guessed)")
     args = parser.parse_args(argv)
+    args.argv = list(argv)
     try:
         options = runtime_options(args)
     except ValueError as e:
@@ -96,6 +103,19 @@ def main(argv: list[str]) -> int:
             options["model"] = str(resolve_random_model(args.model))
         except ValueError as e:
             print(f"megaserve bench: {e}", file=sys.stderr)
+            return 2
+    if args.profile_out:
+        from megaserve.bench.profile_out import planner_model
+
+        try:
+            planner_model(args.model)
+            batches = [int(x) for x in args.profile_batches.split(",")]
+        except ValueError as e:
+            print(f"megaserve bench: {e}", file=sys.stderr)
+            return 2
+        if (options["attention_replicas"], options["expert_workers"]) != (1, 1):
+            print("megaserve bench: --profile-out measures the co-located layout (1 attention replica, 1 expert "
+                  "worker)", file=sys.stderr)
             return 2
     runs = [("this layout", options)]
     if args.baseline_layout:
@@ -126,4 +146,15 @@ def main(argv: list[str]) -> int:
               f"{opts['microbatches']:>2} {opts['transport']:<9} {gpus:>4} {result['requests_per_s']:>8.2f} "
               f"{result['tokens_per_s']:>9.1f} {per_unit:>9.1f} {per_unit / base:>6.2f} "
               f"{_fmt(result['rows_per_gemm']):>9}")
+    if args.profile_out:
+        from megaserve.bench import profile_out
+
+        whole = [{"num_prompts": args.num_prompts, "max_num_seqs": options["max_num_seqs"],
+                  "input_len": args.input_len, "output_len": args.output_len,
+                  "tok_s": round(result["tokens_per_s"], 1), "includes_prefill": True}]
+        steps = profile_out.measure(options, batches, args.input_len, args.output_len, args.seed)
+        profile_out.write(args.profile_out, args, options, _device_name(args.device), steps, whole)
+        for r in steps:
+            print(f"profile: batch {r['batch']:>4}: decode step {r['step_ms']:8.3f} ms, {r['tok_s']:9.1f} tok/s")
+        print(f"wrote {args.profile_out}")
     return 0

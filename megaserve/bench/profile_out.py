@@ -1,0 +1,104 @@
+"""``megaserve bench throughput --profile-out FILE``: measurements for the planner.
+
+Writes a measurement file (format: planner/measurements.py) that ``megaserve plan
+calibrate FILE`` fits: for every batch size B of ``--profile-batches``, B requests decode
+together on one co-located engine, and
+
+* ``step_ms`` = (wall time of ``output_len`` tokens - wall time of 1 token) / (output_len - 1),
+  i.e. one decode step of B sequences without the prefill (both after a warm-up run);
+* ``prefill_ms`` = the wall time of the 1-token run (prefill of B prompts + one step).
+
+The per-step host overhead, per-layer overheads and bandwidth efficiency are then fitted
+by the planner; run two layer counts (e.g. ``random:qwen3-30b-a3b:2`` and ``:48``) so the
+per-step and per-layer overheads can be told apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# GPU names as torch reports them -> planner catalog names (first match wins)
+_CATALOG = (("H200", "H200"), ("H100", "H100-SXM"), ("H800", "H800"), ("H20", "H20"), ("A100", "A100-80G"),
+            ("L40S", "L40S"), ("L20", "L20"), ("B200", "B200"))
+
+
+def catalog_gpu(device_name: str) -> str | None:
+    """The planner catalog name of a CUDA device name, or None if unknown."""
+    return next((cat for key, cat in _CATALOG if key in device_name), None)
+
+
+def planner_model(model: str) -> tuple[str, int]:
+    """(planner built-in name, layers) of ``random:<preset>:<layers>``; ValueError otherwise."""
+    from planner.model_spec import BUILTIN_CONFIGS
+
+    parts = model.split(":")
+    if len(parts) != 3 or parts[0] != "random" or parts[1] not in BUILTIN_CONFIGS:
+        raise ValueError(f"--profile-out needs --model random:<preset>:<layers> with a preset the planner knows "
+                         f"({', '.join(sorted(BUILTIN_CONFIGS))}), got {model!r}")
+    return parts[1], int(parts[2])
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def measure(options: dict, batches: list[int], input_len: int, output_len: int, seed: int) -> list[dict]:
+    """Decode step time per batch size on one engine (its max_num_seqs = max(batches))."""
+    import torch
+
+    from megaserve import LLM, SamplingParams
+
+    if output_len < 2:
+        raise ValueError("--profile-out needs --output-len >= 2")
+    cuda = str(options.get("device", "cpu")).startswith("cuda")
+    rng = random.Random(seed)
+    runs = []
+    with LLM(**{**options, "max_num_seqs": max(batches)}) as llm:
+        vocab = llm.engine.vocab_size
+        for batch in batches:
+            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]} for _ in range(batch)]
+            seconds = {}
+            for out_len in (output_len, 1):
+                params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+                llm.generate(prompts, params)  # warm-up: graphs, JIT, allocator
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                if cuda:
+                    torch.cuda.synchronize()
+                seconds[out_len] = time.perf_counter() - start
+            step = (seconds[output_len] - seconds[1]) / (output_len - 1)
+            runs.append({"batch": batch, "input_len": input_len, "output_len": output_len,
+                         "step_ms": round(step * 1e3, 4), "tok_s": round(batch / step, 1),
+                         "prefill_ms": round(seconds[1] * 1e3, 3)})
+            logger.info("profile: batch %d: %.3f ms per decode step", batch, step * 1e3)
+    return runs
+
+
+def write(path: str, args, options: dict, device: str, runs: list[dict], whole: list[dict]) -> None:
+    """The measurement file: decode runs plus the benchmark's whole-run tokens/s."""
+    model, layers = planner_model(args.model)
+    gpu = catalog_gpu(device)
+    data = {
+        "format": "megaserve-measurements/1",
+        "gpu": args.profile_gpu or gpu or device,
+        "device": device,
+        "source": {"command": "megaserve bench throughput " + " ".join(args.argv), "commit": _commit(),
+                   "date": time.strftime("%Y-%m-%d", time.gmtime())},
+        "model": model, "num_layers": layers, "dtype": args.dtype,
+        "runs": runs + whole,
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
