@@ -41,5 +41,6 @@ class RequestOutput:
     finished: bool = False
     # Entry 0 is None (the first prompt token has no context), as in vLLM.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (vLLM's name).
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)

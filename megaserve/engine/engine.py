@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -13,7 +13,8 @@ from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
 from megaserve.engine.model_runner import ModelRunner
 from megaserve.engine.output_processor import OutputProcessor
-from megaserve.engine.scheduler import Scheduler, SchedulerConfig
+from megaserve.engine.prefix_cache import root_hash
+from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from megaserve.engine.sequence import Sequence
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
@@ -37,6 +38,13 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions: int
+    # Prefix cache, in tokens (vLLM's prefix_cache_queries / prefix_cache_hits): the hit
+    # rate is hits / queries.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # Speculative decoding: drafts proposed and accepted (acceptance rate = ratio).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -63,9 +71,13 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         num_blocks = self._num_kv_blocks(model.attention.dtype)
         self.pool = BlockPool(num_blocks)
+        self.proposer = self._make_proposer()
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            cache_root=cache_root(path, model.attention.dtype, config.block_size)),
             self.pool,
+            num_drafts=self.proposer.num_proposals if self.proposer is not None else None,
         )
         kv = allocate_kv_tensors(
             model.config.num_layers, num_blocks, config.block_size, model.config.num_kv_heads,
@@ -84,6 +96,25 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
+        if self.proposer is not None:
+            self.proposer.attach(self)
+
+    def _make_proposer(self):
+        """The speculative proposer of ``config.speculative_config`` (None when off)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.config.max_num_batched_tokens < spec.num_speculative_tokens + 1:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.config.max_num_batched_tokens} cannot hold a "
+                f"token and its {spec.num_speculative_tokens} speculative tokens")
+        from megaserve.engine import spec_decode
+
+        if spec.method == "ngram":
+            return spec_decode.NgramProposer(spec, self.max_model_len)
+        return spec_decode.DraftModelProposer(spec, self.max_model_len)
 
     def _num_kv_blocks(self, dtype: torch.dtype) -> int:
         cfg, bs = self.model_config, self.config.block_size
@@ -157,25 +188,43 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        results = self.runner.execute(plan.scheduled)
+        scheduled = self._fill_drafts(plan.scheduled)
+        results = self.runner.execute(scheduled)
         outputs: list[RequestOutput] = []
-        for item, result in zip(plan.scheduled, results):
+        for item, result in zip(scheduled, results):
             seq = item.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
             for position, logprobs in result.prompt_logprobs:
                 if position + 1 == len(seq.prompt_logprobs):
                     seq.prompt_logprobs.append(logprobs)
-            seq.num_computed_tokens += item.num_new_tokens
-            if result.token is None:
+            for m, token in enumerate(result.token_ids):
+                logprobs = result.token_logprobs[m] if result.token_logprobs is not None else None
+                self.outputs.append_token(seq, token, logprobs)
+                self._generation_tokens += 1
+                if seq.finish_reason is not None:
+                    break
+            self.scheduler.postprocess(item, result.num_accepted)
+            self._draft_tokens += item.num_draft_tokens
+            self._accepted_tokens += result.num_accepted
+            if not result.token_ids:
                 continue
-            self._generation_tokens += 1
-            self.outputs.append_token(seq, result.token, result.logprobs)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self._seqs.pop(seq.request_id, None)
             outputs.append(self.outputs.make_output(seq))
         return outputs
+
+    def _fill_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The scheduled steps with their planned draft tokens proposed."""
+        todo = [i for i, s in enumerate(scheduled) if s.num_draft_tokens]
+        if not todo:
+            return scheduled
+        proposals = self.proposer.propose([scheduled[i] for i in todo])
+        filled = list(scheduled)
+        for i, (token_ids, probs) in zip(todo, proposals):
+            filled[i] = replace(scheduled[i], draft_token_ids=tuple(token_ids), draft_probs=probs)
+        return filled
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -186,10 +235,19 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_preemptions=self.scheduler.total_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_stats.queries,
+            prefix_cache_hits=self.scheduler.prefix_stats.hits,
+            spec_num_draft_tokens=self._draft_tokens,
+            spec_num_accepted_tokens=self._accepted_tokens,
         )
 
     def shutdown(self) -> None:
         """Release resources (worker processes, once disaggregated)."""
+
+
+def cache_root(model_path: str | Path, dtype: torch.dtype, block_size: int) -> bytes:
+    """The prefix cache's hash-chain root: what besides tokens shapes a block's K/V."""
+    return root_hash(str(Path(model_path).resolve()), str(dtype), block_size)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

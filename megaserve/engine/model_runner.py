@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from megaserve.engine import spec_decode
 from megaserve.engine.cuda_graphs import DecodeGraphs
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
@@ -24,8 +25,11 @@ logger = logging.getLogger(__name__)
 class SeqResult:
     """What one step produced for one sequence."""
 
-    token: int | None = None  # sampled token, if the sequence sampled this step
-    logprobs: dict[int, float] | None = None  # for the sampled token (when requested)
+    # Tokens the step produced: none, one sampled token, or with speculative decoding
+    # the accepted drafts followed by one target token (a correction or the bonus).
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[dict[int, float]] | None = None  # one per token (when requested)
+    num_accepted: int = 0  # draft tokens accepted (their K/V are valid)
     # (position p, logprobs of prompt token p + 1) for prompt rows computed this step
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
 
@@ -34,7 +38,7 @@ def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[Sched
     """Split sequences into at most ``m`` contiguous groups of about equal token counts."""
     if m <= 1 or len(scheduled) <= 1:
         return [scheduled]
-    total = sum(s.num_new_tokens for s in scheduled)
+    total = sum(s.num_step_tokens for s in scheduled)
     groups: list[list[ScheduledSeq]] = [[]]
     acc = 0
     for s in scheduled:
@@ -42,7 +46,7 @@ def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[Sched
         if groups[-1] and acc >= target and len(groups) < m:
             groups.append([])
         groups[-1].append(s)
-        acc += s.num_new_tokens
+        acc += s.num_step_tokens
     return groups
 
 
@@ -135,41 +139,18 @@ class ModelRunner:
         return True
 
     def _micro_batch(self, group: list[ScheduledSeq]) -> MicroBatch:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        starts = [0]
-        max_blocks = max(len(s.seq.block_ids) for s in group)
-        tables = torch.zeros(len(group), max_blocks, dtype=torch.int32)
-        for i, s in enumerate(group):
-            seq, begin = s.seq, s.seq.num_computed_tokens
-            end = begin + s.num_new_tokens
-            ids += seq.token_ids(begin, end)
-            positions += range(begin, end)
-            bs = self.block_size
-            slots += [seq.block_ids[p // bs] * bs + p % bs for p in range(begin, end)]
-            context_lens.append(end)
-            starts.append(starts[-1] + s.num_new_tokens)
-            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
-
-        def dev(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device)
-
-        meta = AttentionMetadata(
-            positions=dev(positions, torch.int64),
-            slot_mapping=dev(slots, torch.int64),
-            block_tables=tables.to(self.device),
-            context_lens=dev(context_lens, torch.int32),
-            query_start_loc=dev(starts, torch.int32),
+        """The step's tokens of ``group``: new tokens, then draft tokens, per sequence."""
+        return build_micro_batch(
+            [(s.seq.token_ids(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
+              + list(s.draft_token_ids), s.seq.num_computed_tokens, s.seq.block_ids) for s in group],
+            self.block_size, self.device,
         )
-        return MicroBatch(dev(ids, torch.int64), meta)
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[int, int]]]:
         """Rows of the step's hidden states that need logits, and (sequence index,
-        position) for each: the last row of sampling sequences and, for prompt logprobs,
-        every row whose next token is still a prompt token."""
+        position) for each: the last new row and every draft row of sampling sequences
+        and, for prompt logprobs, every row whose next token is still a prompt token."""
         rows: list[int] = []
         owner: list[tuple[int, int]] = []
         offset = 0
@@ -180,9 +161,10 @@ class ModelRunner:
                     rows.append(offset + p - begin)
                     owner.append((i, p))
             if s.samples:
-                rows.append(offset + s.num_new_tokens - 1)
-                owner.append((i, s.seq.num_tokens - 1))
-            offset += s.num_new_tokens
+                for d in range(s.num_draft_tokens + 1):
+                    rows.append(offset + s.num_new_tokens - 1 + d)
+                    owner.append((i, s.seq.num_tokens - 1 + d))
+            offset += s.num_step_tokens
         return rows, owner
 
     def _sample(
@@ -192,15 +174,17 @@ class ModelRunner:
         logprobs: torch.Tensor,
         results: list[SeqResult],
     ) -> None:
-        """Sample the next token of every sequence that completed its tokens this step."""
+        """Sample the next token of every sequence that completed its tokens this step;
+        a sequence with drafts gets them verified (megaserve.engine.spec_decode)."""
+        # (row, sequence index, position of the row's token) for each generating row.
         picks = [
-            (r, i) for r, (i, p) in enumerate(row_owner)
-            if scheduled[i].samples and p == scheduled[i].seq.num_tokens - 1
+            (r, i, p) for r, (i, p) in enumerate(row_owner)
+            if scheduled[i].samples and p >= scheduled[i].seq.num_tokens - 1
         ]
         if not picks:
             return
-        index = torch.tensor([r for r, _ in picks], device=self.device)
-        seqs = [scheduled[i].seq for _, i in picks]
+        index = torch.tensor([r for r, _, _ in picks], device=self.device)
+        seqs = [scheduled[i].seq for _, i, _ in picks]
 
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype).to(self.device)
@@ -213,12 +197,25 @@ class ModelRunner:
             col([s.params.min_p for s in seqs], torch.float32),
             col([s.seed for s in seqs], torch.int64),
             # The position of the token being generated keys the random draw.
-            col([s.num_tokens for s in seqs], torch.int64),
+            col([p + 1 for _, _, p in picks], torch.int64),
         ).tolist()
-        for (r, i), seq, token in zip(picks, seqs, tokens):
-            results[i].token = token
+        per_seq: dict[int, list[tuple[int, int]]] = {}
+        for (r, i, _), token in zip(picks, tokens):
+            per_seq.setdefault(i, []).append((r, token))
+        for i, rows in per_seq.items():
+            item, seq = scheduled[i], scheduled[i].seq
+            if item.num_draft_tokens:
+                ids, accepted = spec_decode.verify(
+                    item, logprobs[torch.tensor([r for r, _ in rows], device=self.device)],
+                    [t for _, t in rows])
+            else:
+                ids, accepted = [rows[0][1]], 0
+            results[i].token_ids, results[i].num_accepted = ids, accepted
             if seq.params.logprobs is not None:
-                results[i].logprobs = _top_logprobs(logprobs[r], seq.params.logprobs, token)
+                results[i].token_logprobs = [
+                    _top_logprobs(logprobs[r], seq.params.logprobs, t)
+                    for (r, _), t in zip(rows, ids)
+                ]
 
     def _prompt_logprobs(
         self,
@@ -235,6 +232,40 @@ class ModelRunner:
                 results[i].prompt_logprobs.append(
                     (p, _top_logprobs(logprobs[r], seq.params.prompt_logprobs, next_token))
                 )
+
+
+def build_micro_batch(
+    inputs: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
+) -> MicroBatch:
+    """A micro-batch from (token ids, position of the first, block table) per sequence;
+    every token's K/V go to its slot in the sequence's blocks."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    context_lens: list[int] = []
+    starts = [0]
+    max_blocks = max(len(block_ids) for _, _, block_ids in inputs)
+    tables = torch.zeros(len(inputs), max_blocks, dtype=torch.int32)
+    for i, (token_ids, begin, block_ids) in enumerate(inputs):
+        end = begin + len(token_ids)
+        ids += token_ids
+        positions += range(begin, end)
+        slots += [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        context_lens.append(end)
+        starts.append(starts[-1] + len(token_ids))
+        tables[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+
+    def dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    meta = AttentionMetadata(
+        positions=dev(positions, torch.int64),
+        slot_mapping=dev(slots, torch.int64),
+        block_tables=tables.to(device),
+        context_lens=dev(context_lens, torch.int32),
+        query_start_loc=dev(starts, torch.int32),
+    )
+    return MicroBatch(dev(ids, torch.int64), meta)
 
 
 def _top_logprobs(row: torch.Tensor, n: int, token: int) -> dict[int, float]:

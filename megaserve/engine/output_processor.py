@@ -97,4 +97,5 @@ class OutputProcessor:
             outputs=[completion],
             finished=seq.finish_reason is not None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )

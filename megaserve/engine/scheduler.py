@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: FCFS, chunked prefill, preemption by recompute.
+"""Continuous-batching scheduler: FCFS, chunked prefill, prefix caching, preemption by
+recompute, room for speculative proposals.
 
 Each step runs in two phases:
 
@@ -7,17 +8,27 @@ Each step runs in two phases:
    sequence is preempted (blocks freed, progress reset, back to the front of the queue).
 2. **waiting** sequences are admitted in arrival order while the token budget, the free
    blocks and ``max_num_seqs`` allow; a prompt longer than the remaining budget is
-   prefilled in chunks over several steps.
+   prefilled in chunks over several steps. With prefix caching, an admitted sequence
+   first takes the longest run of cached full blocks of its tokens (at most all but its
+   last token, which must run to give logits) and starts computing after them.
 
-Chunk sizes and preemption never change outputs: the kernels are invariant to them.
+A step that reaches the end of a sequence's tokens samples; with speculative decoding it
+also carries the sequence's draft tokens (``num_draft_tokens``, a pure function of the
+sequence, never cut to fit the budget: where they do not fit, the chunk stops one token
+short instead and the sequence samples in a later step).
+
+Chunk sizes, prefix-cache hits and preemption never change outputs: the kernels are
+invariant to them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from megaserve.engine.kv_cache import BlockPool, blocks_for
+from megaserve.engine.prefix_cache import PrefixCacheStats, extend_block_hashes
 from megaserve.engine.sequence import Sequence, SeqStatus
 
 
@@ -26,6 +37,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
+    enable_prefix_caching: bool = False
+    # Start of every block-hash chain: names the model, dtype and block size.
+    cache_root: bytes = b""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -38,6 +52,18 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens [seq.num_computed_tokens, + num_new_tokens) run this step
     samples: bool  # the step completes the sequence's tokens, so a new one is sampled
+    # Speculative decoding: draft tokens run after the new tokens, at the next positions,
+    # so one forward verifies them (the scheduler plans the count, the proposer fills ids).
+    num_draft_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
+    # `[num_draft_tokens, V]` float64 draft probabilities (a draft model), or None where
+    # each draft is certain (n-gram lookup: a one-hot proposal).
+    draft_probs: Any = None
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Rows this sequence contributes to the step's forward."""
+        return self.num_new_tokens + self.num_draft_tokens
 
 
 @dataclass(frozen=True)
@@ -47,18 +73,29 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_step_tokens for s in self.scheduled)
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the block pool's allocations."""
+    """Owns the waiting queue, the running list and the block pool's allocations.
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    ``num_drafts(seq)``: how many draft tokens a sampling step of ``seq`` carries
+    (speculative decoding; None = never any).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        num_drafts: Callable[[Sequence], int] | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
+        self.num_drafts = num_drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.total_preemptions = 0
+        self.prefix_stats = PrefixCacheStats()
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -83,11 +120,12 @@ class Scheduler:
         kept: list[Sequence] = []
         while remaining:
             seq = remaining.popleft()
-            if budget == 0:
+            plan = self._plan(seq, budget)
+            if plan is None:
                 kept.append(seq)
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._blocks_needed(seq, num_new)
+            num_new, num_draft = plan
+            need = self._blocks_needed(seq, num_new + num_draft)
             while not self.pool.can_allocate(need) and remaining:
                 victim = remaining.pop()
                 self._preempt(victim)
@@ -96,38 +134,116 @@ class Scheduler:
                 self._preempt(seq)
                 preempted.append(seq)
                 continue
-            self._take(seq, num_new, need, scheduled)
+            self._take(seq, num_new, num_draft, need, scheduled)
             kept.append(seq)
-            budget -= num_new
+            budget -= num_new + num_draft
         self.running = kept
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._blocks_needed(seq, num_new)
-            if not self.pool.can_allocate(need):
+            hits = self._cached_prefix(seq)
+            num_hit = len(hits) * self.config.block_size
+            plan = self._plan(seq, budget, num_computed=num_hit)
+            if plan is None:
+                break
+            num_new, num_draft = plan
+            total = blocks_for(num_hit + num_new + num_draft, self.config.block_size)
+            need = total - len(hits)
+            # Hits sitting in the free queue leave it when shared.
+            if not self.pool.can_allocate(need + self.pool.num_evictable(hits)):
                 break
             self.waiting.popleft()
+            self._admit(seq, hits)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self._take(seq, num_new, need, scheduled)
-            budget -= num_new
+            self._take(seq, num_new, num_draft, need, scheduled)
+            budget -= num_new + num_draft
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        total = blocks_for(seq.num_computed_tokens + num_new, self.config.block_size)
+    def _plan(self, seq: Sequence, budget: int, num_computed: int | None = None) -> tuple[int, int] | None:
+        """(new tokens, draft tokens) for ``seq`` within ``budget``; None if it cannot run.
+
+        A chunk reaching the end of the tokens carries all of the sequence's drafts; where
+        they do not fit it stops one token short (no sampling this step)."""
+        computed = seq.num_computed_tokens if num_computed is None else num_computed
+        remaining = seq.num_tokens - computed
+        num_new = min(remaining, budget)
+        if num_new <= 0:
+            return None
+        if num_new < remaining or self.num_drafts is None:
+            return num_new, 0
+        num_draft = self.num_drafts(seq)
+        if remaining + num_draft <= budget:
+            return remaining, num_draft
+        if remaining > 1:
+            return remaining - 1, 0
+        return None
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of ``seq``'s longest cached prefix (no changes). Never all of its
+        tokens (the last one must run for logits), none for a sequence in progress, and
+        none where prompt logprobs are wanted (they need the prompt's rows)."""
+        if (not self.config.enable_prefix_caching or seq.num_computed_tokens > 0
+                or seq.params.prompt_logprobs is not None):
+            return []
+        bs = self.config.block_size
+        num_blocks = (seq.num_tokens - 1) // bs
+        extend_block_hashes(seq.block_hashes, seq.token_ids, num_blocks, bs, self.config.cache_root)
+        return self.pool.lookup(seq.block_hashes[:num_blocks])
+
+    def _admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Take the prefix-cache hits: their blocks become the sequence's first blocks."""
+        num_hit = len(hits) * self.config.block_size
+        if self.config.enable_prefix_caching and seq.num_computed_tokens == 0:
+            self.prefix_stats.queries += seq.num_tokens
+            self.prefix_stats.hits += num_hit
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
+        if hits:
+            self.pool.share(hits)
+            seq.block_ids = list(hits)
+            seq.num_computed_tokens = num_hit
+            seq.num_registered_blocks = len(hits)
+
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        total = blocks_for(seq.num_computed_tokens + num_tokens, self.config.block_size)
         return max(0, total - len(seq.block_ids))
 
-    def _take(self, seq: Sequence, num_new: int, need: int, out: list[ScheduledSeq]) -> None:
+    def _take(self, seq: Sequence, num_new: int, num_draft: int, need: int,
+              out: list[ScheduledSeq]) -> None:
         seq.block_ids.extend(self.pool.allocate(need))
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
-        out.append(ScheduledSeq(seq, num_new, samples))
+        out.append(ScheduledSeq(seq, num_new, samples, num_draft))
+
+    def postprocess(self, item: ScheduledSeq, num_accepted: int) -> None:
+        """After a step: ``item``'s new tokens and ``num_accepted`` of its drafts have
+        their K/V in the cache. Registers the blocks that became full and computed in the
+        prefix cache. Call after the step's tokens were appended to the sequence."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens + num_accepted
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // bs
+        if num_full <= seq.num_registered_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.token_ids, num_full, bs, self.config.cache_root)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.pool.cache(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_registered_blocks = num_full
+
+    def _release(self, seq: Sequence) -> None:
+        """Free the sequence's blocks, last first (prefix ends are evicted first)."""
+        self.pool.free(seq.block_ids[::-1])
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+        seq.num_draft_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it (recompute from scratch)."""
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -142,6 +258,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.block_ids)
-        seq.block_ids = []
+        self._release(seq)
         seq.status = SeqStatus.FINISHED

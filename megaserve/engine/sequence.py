@@ -21,7 +21,14 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache. A step computes
     tokens ``[num_computed_tokens, num_tokens)`` (the prompt, possibly in chunks, then one
     token per decode step) and samples the next token once all are computed.
-    Preemption frees the blocks and resets it to 0 (recompute).
+    Preemption frees the blocks and resets it to 0 (recompute); a prefix-cache hit at
+    admission starts it at the hit length instead.
+
+    ``block_hashes`` names the sequence's full blocks (megaserve.engine.prefix_cache);
+    the first ``num_registered_blocks`` of ``block_ids`` are in the prefix cache.
+    ``num_draft_computed`` counts tokens whose K/V are in the draft model's cache
+    (speculative decoding with a draft model); it never exceeds ``num_computed_tokens``
+    after a step.
     """
 
     request_id: str
@@ -40,6 +47,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache at first admission (None until admitted).
+    num_cached_tokens: int | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:
