@@ -29,7 +29,8 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 def test_planner_never_imports_torch_and_help_is_fast():
     code = (
-        "import sys, planner.cli, planner.search, planner.ilp, planner.bench, planner.explain, planner.calibrate;"
+        "import sys, planner.cli, planner.search, planner.ilp, planner.bench, planner.explain, planner.calibrate,"
+        " planner.colocated, planner.measurements;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
@@ -123,3 +124,49 @@ def test_calibrate_recovers_efficiencies_and_changes_the_plan(tmp_path):
     out = subprocess.run([*CLI, "calibrate", "--from", bad, "-o", str(prof)], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
     assert out.returncode == 2 and "measurements[0]" in out.stderr
+
+
+H200X4 = "inventory: {H200: {count: 4, gpus_per_node: 4}}\n"
+EXAMPLE = ["--model", "qwen3-30b-a3b", "--tpot-ms", "50", "--input-len", "128", "--output-len", "128"]
+
+
+def test_issue_example_table_has_both_layouts_and_explain_names_the_winner(tmp_path):
+    cl = write(tmp_path, "c.yaml", H200X4)
+    out = run(*EXAMPLE, "--cluster", cl, "--explain")
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("deployment units by")[1].split("\n\n")[0]
+    assert " colocated " in table and " disaggregated " in table
+    assert "profile: hopper" in out.stdout and "H200: calibrated on 9 measurements; measured error max" in out.stdout
+    winner = out.stdout.split("winner: ")[1].split(",")[0]
+    best_line = out.stdout.split("best plan:")[1].splitlines()[0]
+    assert f"[{winner}:" in best_line and winner in ("colocated", "disaggregated")
+    assert "rows per expert" in out.stdout and "sequences at the SLO" in out.stdout
+    data = json.loads(run(*EXAMPLE, "--cluster", cl, "--json", "--top", "20").stdout)
+    assert {row["layout"] for row in data["top"]} == {"colocated", "disaggregated"}
+    assert data["plan"]["units"][0]["layout"] == winner
+    assert data["profile"]["fits"]["H200"]["max_err"] <= 0.15
+    assert data["plan"]["summary"]["tokens_per_joule"] > 0 and all(r["tokens_per_watt"] > 0 for r in data["top"])
+
+
+def test_profile_none_and_layout_filter(tmp_path):
+    cl = write(tmp_path, "c.yaml", H200X4)
+    out = run(*EXAMPLE, "--cluster", cl, "--profile", "none", "--layouts", "disaggregated")
+    assert out.returncode == 0, out.stderr
+    assert "H200: datasheet efficiency defaults, not calibrated" in out.stdout
+    assert " colocated " not in out.stdout.split("deployment units by")[1]
+    bad = run(*EXAMPLE, "--cluster", cl, "--layouts", "sideways")
+    assert bad.returncode == 2 and "--layouts" in bad.stderr
+
+
+def test_calibrate_engine_runs_prints_before_and_after(tmp_path):
+    files = sorted(str(p) for p in (REPO / "planner/profiles/measurements").glob("*.json"))
+    prof = tmp_path / "p.yaml"
+    out = subprocess.run([*CLI, "calibrate", *files, "--transfer", "H100-SXM=H200", "-o", str(prof)],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "max error: before" in out.stdout and "batch 256, 64 in / 256 out" in out.stdout
+    data = yaml.safe_load(prof.read_text())
+    assert data["fits"]["H200"]["max_err"] <= 0.15 < data["fits"]["H200"]["before_max_err"]
+    assert data["fits"]["H100-SXM"] == {"transferred_from": "H200"}
+    plan = run(*EXAMPLE, "--cluster", write(tmp_path, "c.yaml", H200X4), "--profile", str(prof))
+    assert plan.returncode == 0 and f"profile: {prof}" in plan.stdout
