@@ -84,7 +84,11 @@ def main(argv: list[str]) -> int:
             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
             ignore_eos=args.ignore_eos, logprobs=args.logprobs,
         )
-        with LLM(**runtime_options(args)) as llm:
+        from megaserve.entrypoints.preflight import check_runtime
+
+        options = runtime_options(args)
+        check_runtime(options)
+        with LLM(**options) as llm:
             out = llm.generate(args.prompt, params)[0]
     except ValueError as e:
         print(f"megaserve generate: {e}", file=sys.stderr)

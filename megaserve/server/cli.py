@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from megaserve.engine.config import EngineConfig
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
+from megaserve.entrypoints.preflight import check_runtime
 from megaserve.server.app import ServeConfig, serve
 
 EXIT_USAGE = 2
@@ -33,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds from SIGTERM to exit: in-flight requests get all of it "
                         "but min(1 s, a quarter) to finish, then the rest are aborted "
                         "(default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("MEGASERVE_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on HTTP /v1/* and gRPC "
+                        "'authorization' metadata on megaserve.v1.Generation; /health, "
+                        "/metrics and gRPC health stay open (default: $MEGASERVE_API_KEY)")
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
+                   help="seconds an HTTP connection may go without a complete request "
+                        "head, idle keep-alive included, before it is closed "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -50,7 +60,9 @@ def main(argv: list[str]) -> int:
         EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
         config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
                              http_port=args.http_port, max_waiting=args.max_waiting,
-                             grace_period=args.grace_period)
+                             grace_period=args.grace_period, api_key=args.api_key,
+                             timeout_keep_alive=args.timeout_keep_alive)
+        check_runtime(engine)  # model, device, workers, transport: before binding ports
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ from megaserve.server.grpc_protocol import SERVICE_NAME
 EXIT_USAGE = 2
 # What a refused request exits with: bad input is the caller's to fix (2), the rest is 1.
 _USAGE_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.ALREADY_EXISTS}
+                grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED}
 
 
 def build_request(prompt: str | list[int], *, stream: bool = False,
@@ -56,11 +57,17 @@ def generation_stub(channel: grpc.Channel) -> dict[str, grpc.UnaryStreamMultiCal
     }
 
 
-def stream_generate(server: str, request: pb.GenerateRequest,
-                    timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata a server started with ``--api-key`` expects (empty without a key)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def stream_generate(server: str, request: pb.GenerateRequest, timeout: float | None = None,
+                    api_key: str | None = None) -> Iterator[pb.GenerateResponse]:
     """Yields the responses of one Generate call; raises grpc.RpcError on failure."""
     with grpc.insecure_channel(server) as channel:
-        yield from generation_stub(channel)["Generate"](request, timeout=timeout)
+        yield from generation_stub(channel)["Generate"](
+            request, timeout=timeout, metadata=auth_metadata(api_key))
 
 
 def generate_remote(args: argparse.Namespace) -> int:
@@ -80,7 +87,8 @@ def generate_remote(args: argparse.Namespace) -> int:
         seed=args.seed, stop=list(args.stop or ()), ignore_eos=bool(args.ignore_eos),
         logprobs=args.logprobs)
     try:
-        for response in stream_generate(args.server, request):
+        api_key = getattr(args, "api_key", None) or os.environ.get("MEGASERVE_API_KEY")
+        for response in stream_generate(args.server, request, api_key=api_key):
             kind = response.WhichOneof("response")
             if kind == "chunk":
                 sys.stdout.write(response.chunk.text)

@@ -89,6 +89,8 @@ class ServingCore:
         self.state = ServerState.LOADING
         self.started_at = time.monotonic()
         self._in_flight: dict[str, float] = {}  # request id → arrival time (monotonic)
+        self._owners: dict[str, str] = {}  # request id → who may abort it (see admit)
+        self._token_bytes = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = asyncio.Event()  # set once by mark_failed
@@ -101,28 +103,63 @@ class ServingCore:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def limit(self) -> int:
+        """Requests admitted at once, at most: ``max_num_seqs + max_waiting``."""
+        return self.max_num_seqs + self.max_waiting
+
+    def check_fits(self, num_requests: int, field_name: str, what: str) -> None:
+        """Raises INVALID_ARGUMENT if ``num_requests`` could never be admitted together
+        (more than ``limit``): retrying later cannot help, so it is not a 429."""
+        if num_requests > self.limit:
+            raise RequestError.invalid(
+                field_name, f"{what} = {num_requests} requests is more than this server "
+                f"admits at once (max_num_seqs + max_waiting = {self.limit}); split it")
+
     @contextlib.contextmanager
-    def admit(self, request_id: str | None) -> Iterator[str]:
+    def admit(self, request_id: str | None, owner: str = "") -> Iterator[str]:
         """Registers a request for the duration of the ``with`` block; yields its id.
 
-        Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED, ALREADY_EXISTS).
+        ``owner`` names the caller (for example the gRPC peer); ``abort`` acts only for
+        the same owner. Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED,
+        ALREADY_EXISTS).
         """
+        with self.admit_many([request_id or uuid.uuid4().hex], owner) as ids:
+            yield ids[0]
+
+    @contextlib.contextmanager
+    def admit_many(self, request_ids: list[str], owner: str = "") -> Iterator[list[str]]:
+        """Admits all of ``request_ids`` or none (see ``admit``)."""
         if self.state is not ServerState.SERVING or \
-                len(self._in_flight) >= self.max_num_seqs + self.max_waiting:
-            self._refuse()
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._in_flight:
-            raise RequestError(ErrorCode.ALREADY_EXISTS,
-                               f"request_id: {request_id!r} is already in flight",
-                               param="request_id")
-        self._in_flight[request_id] = time.monotonic()
+                len(self._in_flight) + len(request_ids) > self.limit:
+            self._refuse(len(request_ids))
+        for request_id in request_ids:
+            if request_id in self._in_flight or request_ids.count(request_id) > 1:
+                raise RequestError(ErrorCode.ALREADY_EXISTS,
+                                   f"request_id: {request_id!r} is already in flight",
+                                   param="request_id")
+        now = time.monotonic()
+        for request_id in request_ids:
+            self._in_flight[request_id] = now
+            self._owners[request_id] = owner
         self._idle.clear()
         try:
-            yield request_id
+            yield list(request_ids)
         finally:
-            del self._in_flight[request_id]
+            for request_id in request_ids:
+                del self._in_flight[request_id]
+                del self._owners[request_id]
             if not self._in_flight:
                 self._idle.set()
+
+    @property
+    def token_bytes(self):
+        """The engine tokenizer's ``TokenBytes`` (built on first use)."""
+        if self._token_bytes is None:
+            from megaserve.server.token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.engine.tokenizer)
+        return self._token_bytes
 
     def mark_failed(self, reason: str) -> None:
         """The engine cannot serve any more: refuse new requests and wake ``failed``."""
@@ -131,7 +168,7 @@ class ServingCore:
             self.state = ServerState.FAILED
             self.failed.set()
 
-    def _refuse(self) -> None:
+    def _refuse(self, num_requests: int = 1) -> None:
         """Raises (and counts) UNAVAILABLE or RESOURCE_EXHAUSTED."""
         if self.state is not ServerState.SERVING:
             what = {ServerState.LOADING: "loading the model; retry later",
@@ -139,11 +176,11 @@ class ServingCore:
                                         "restart it"}.get(self.state, "shutting down")
             error = RequestError(ErrorCode.UNAVAILABLE, f"server is {what}")
         else:
-            limit = self.max_num_seqs + self.max_waiting
             error = RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED,
-                f"too many requests: {len(self._in_flight)} in flight, the limit is "
-                f"max_num_seqs + max_waiting = {limit}; retry later")
+                f"too many requests: {len(self._in_flight)} in flight and {num_requests} "
+                f"more asked for, the limit is max_num_seqs + max_waiting = {self.limit}; "
+                "retry later")
         self.metrics.rejected(error.code.grpc_name)
         raise error
 
@@ -170,6 +207,10 @@ class ServingCore:
         else:
             if not prompt:
                 raise RequestError.invalid(field_name, "must not be empty")
+            if len(prompt) >= engine.max_model_len:  # before looking at each id
+                raise RequestError.invalid(
+                    field_name, f"{len(prompt)} tokens leave no room for output: "
+                    f"max_model_len={engine.max_model_len}")
             vocab = engine.vocab_size
             for pos, token in enumerate(prompt):
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
@@ -232,11 +273,10 @@ class ServingCore:
         now = time.monotonic()
         if new_ids:
             if progress.last_token_at is None:
-                self.metrics.ttft.observe(now - progress.arrival, self.metrics.labels)
+                self.metrics.first_token(now - progress.arrival)
             else:
                 gap = (now - progress.last_token_at) / len(new_ids)
-                for _ in new_ids:
-                    self.metrics.itl.observe(gap, self.metrics.labels)
+                self.metrics.inter_token(gap, len(new_ids))
             progress.last_token_at = now
         new_logprobs = None
         if comp.logprobs is not None:
@@ -246,7 +286,7 @@ class ServingCore:
         progress.token_ids, progress.text = list(comp.token_ids), comp.text
         if out.finished:
             reason = comp.finish_reason or "stop"
-            self.metrics.e2e.observe(now - progress.arrival, self.metrics.labels)
+            self.metrics.request_done(now - progress.arrival)
             self.metrics.finished(reason)
             delta.finish_reason = reason
             delta.output_ids = list(comp.token_ids)
@@ -263,9 +303,10 @@ class ServingCore:
         except Exception:  # the engine may already have dropped it
             logger.debug("abort of %s failed", request_id, exc_info=True)
 
-    async def abort(self, request_id: str) -> bool:
-        """Aborts an in-flight request; False if no such request is in flight."""
-        if request_id not in self._in_flight or self.engine is None:
+    async def abort(self, request_id: str, owner: str = "") -> bool:
+        """Aborts an in-flight request of ``owner``; False if ``owner`` has no such request
+        in flight (another caller's request is never touched, nor its existence told)."""
+        if self._owners.get(request_id) != owner or self.engine is None:
             return False
         await self.engine.abort(request_id)
         return True

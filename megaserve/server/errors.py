@@ -9,9 +9,12 @@ class ErrorCode(enum.Enum):
     """Why a request failed; each code maps to one gRPC status and one HTTP status."""
 
     INVALID_ARGUMENT = ("INVALID_ARGUMENT", 400)
+    UNAUTHENTICATED = ("UNAUTHENTICATED", 401)
+    PERMISSION_DENIED = ("PERMISSION_DENIED", 403)
     NOT_FOUND = ("NOT_FOUND", 404)
     ALREADY_EXISTS = ("ALREADY_EXISTS", 409)
     RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429)
+    TIMEOUT = ("DEADLINE_EXCEEDED", 408)  # the client was too slow to send its request
     TOO_LARGE = ("RESOURCE_EXHAUSTED", 413)  # a message / body over the transport limit
     UNAVAILABLE = ("UNAVAILABLE", 503)
     DEADLINE_EXCEEDED = ("DEADLINE_EXCEEDED", 504)
@@ -30,6 +33,9 @@ class ErrorCode(enum.Enum):
         """The ``error.type`` string of an OpenAI-style error body."""
         return {
             ErrorCode.INVALID_ARGUMENT: "invalid_request_error",
+            ErrorCode.UNAUTHENTICATED: "authentication_error",
+            ErrorCode.PERMISSION_DENIED: "permission_error",
+            ErrorCode.TIMEOUT: "timeout",
             ErrorCode.NOT_FOUND: "not_found_error",
             ErrorCode.ALREADY_EXISTS: "invalid_request_error",
             ErrorCode.RESOURCE_EXHAUSTED: "rate_limit_error",

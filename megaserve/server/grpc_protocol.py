@@ -4,24 +4,33 @@ Parsing is done here rather than by grpc's default deserializer so that malforme
 gets INVALID_ARGUMENT naming the field instead of grpc's generic INTERNAL: a message whose
 ``text`` is not valid UTF-8, or one that carries both ``text`` and ``token_ids`` on the
 wire (protobuf would silently keep the last one of a oneof).
+
+NOTE: every step runs in protobuf's C parser (upb), in time linear in the message: the
+bytes are first parsed as a *wire-check* twin of GenerateRequest (built at run time from
+the same descriptor: proto2, no oneof, strings as bytes), which keeps both members of the
+oneof and accepts any bytes in strings; then checked; then parsed for real. No Python loop
+runs over the message's bytes, so a hostile 16 MiB message costs milliseconds, not the
+event loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
 from megaserve.outputs import Logprobs
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.errors import RequestError
+from megaserve.server.openai_models import MAX_TOP_LOGPROBS
 
 SERVICE_NAME = "megaserve.v1.Generation"
-
-# GenerateRequest field numbers (see generation.proto).
-_FIELD_TEXT = 2
-_FIELD_TOKEN_IDS = 3
+# At most this many stop strings / stop token ids per request (each is checked per step).
+MAX_STOP = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -42,65 +51,71 @@ class BadMessage:
         self.error = error
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(data):
-            raise DecodeError("truncated varint")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
+_WIRE_PACKAGE = "megaserve.wirecheck"
+_WIRE_MESSAGES = ("GenerateRequest", "TokenIds", "SamplingParams")
 
 
-def _top_level_fields(data: bytes) -> list[tuple[int, bytes | None]]:
-    """(field number, payload for length-delimited fields) of each top-level field."""
-    fields, pos = [], 0
-    while pos < len(data):
-        key, pos = _read_varint(data, pos)
-        number, wire_type = key >> 3, key & 7
-        payload = None
-        if wire_type == 0:
-            _, pos = _read_varint(data, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 2:
-            length, pos = _read_varint(data, pos)
-            payload = data[pos:pos + length]
-            pos += length
-        elif wire_type == 5:
-            pos += 4
-        else:
-            raise DecodeError(f"unsupported wire type {wire_type}")
-        fields.append((number, payload))
-    return fields
+@lru_cache(maxsize=1)
+def _wire_check_class():
+    """GenerateRequest's twin for the checks: proto2 (every field has presence), no
+    oneof (both inputs kept), ``string`` → ``bytes`` (no UTF-8 check while parsing)."""
+    source = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(source)
+    twin = descriptor_pb2.FileDescriptorProto(
+        name="megaserve_wirecheck.proto", package=_WIRE_PACKAGE, syntax="proto2")
+    for message in source.message_type:
+        if message.name not in _WIRE_MESSAGES:
+            continue
+        copy = twin.message_type.add()
+        copy.CopyFrom(message)
+        del copy.oneof_decl[:]
+        for f in copy.field:
+            f.ClearField("oneof_index")
+            f.ClearField("proto3_optional")
+            if f.type == descriptor_pb2.FieldDescriptorProto.TYPE_STRING:
+                f.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+            if f.type_name:
+                f.type_name = f.type_name.replace(".megaserve.v1.", f".{_WIRE_PACKAGE}.")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(twin)
+    return message_factory.GetMessageClass(
+        pool.FindMessageTypeByName(f"{_WIRE_PACKAGE}.GenerateRequest"))
+
+
+def _utf8_problem(data: bytes) -> str | None:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"is not valid UTF-8 (byte {e.start}: {e.reason})"
+    return None
 
 
 def deserialize_generate(data: bytes) -> pb.GenerateRequest | BadMessage:
-    """Parses a GenerateRequest, or returns a BadMessage naming the problem."""
+    """Parses a GenerateRequest, or returns a BadMessage naming the problem.
+
+    Linear time in ``len(data)``, all in protobuf's C parser (see the module's NOTE).
+    """
     try:
-        numbers = _top_level_fields(data)
-    except DecodeError as e:
-        return BadMessage(RequestError.invalid("request", f"not a GenerateRequest ({e})"))
-    present = {n for n, _ in numbers}
-    if _FIELD_TEXT in present and _FIELD_TOKEN_IDS in present:
+        wire = _wire_check_class().FromString(data)
+    except DecodeError:
+        return BadMessage(RequestError.invalid(
+            "request", f"{len(data)} bytes that are not a valid megaserve.v1.GenerateRequest"))
+    if wire.HasField("text") and wire.HasField("token_ids"):
         return BadMessage(RequestError.invalid(
             "input", "set exactly one of text or token_ids, got both"))
-    for number, payload in numbers:
-        if number == _FIELD_TEXT and payload is not None:
-            try:
-                payload.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return BadMessage(RequestError.invalid(
-                    "text", f"is not valid UTF-8 (byte {e.start}: {e.reason})"))
+    for name in ("request_id", "text"):
+        problem = _utf8_problem(getattr(wire, name))
+        if problem:
+            return BadMessage(RequestError.invalid(name, problem))
+    for i, stop in enumerate(wire.sampling_params.stop):
+        problem = _utf8_problem(stop)
+        if problem:
+            return BadMessage(RequestError.invalid(f"sampling_params.stop[{i}]", problem))
     try:
         return pb.GenerateRequest.FromString(data)
     except DecodeError as e:
         return BadMessage(RequestError.invalid(
-            "request", f"could not be parsed as megaserve.v1.GenerateRequest ({e}); "
-                       "stop strings must be valid UTF-8"))
+            "request", f"could not be parsed as megaserve.v1.GenerateRequest ({e})"))
 
 
 def parse_generate(req: pb.GenerateRequest) -> ParsedGenerate:
@@ -117,6 +132,14 @@ def parse_generate(req: pb.GenerateRequest) -> ParsedGenerate:
             raise RequestError.invalid("token_ids", "must not be empty")
         prompt = list(req.token_ids.ids)
     sp = req.sampling_params
+    if sp.HasField("logprobs") and not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError.invalid("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], "
+                                   f"got {sp.logprobs}")
+    if len(sp.stop) > MAX_STOP:
+        raise RequestError.invalid("stop", f"{len(sp.stop)} stop strings: at most {MAX_STOP}")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError.invalid("stop_token_ids", f"{len(sp.stop_token_ids)} ids: at most "
+                                   f"{MAX_STOP_TOKEN_IDS}")
     kwargs: dict = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if sp.HasField(name):

@@ -6,14 +6,19 @@ the model is loaded, from the start of a drain, and once the engine has failed.
 The handlers are registered by hand (not with the generated ``add_*_to_server``) so that
 GenerateRequest goes through ``grpc_protocol.deserialize_generate``: malformed requests get
 INVALID_ARGUMENT with a field name instead of grpc's generic INTERNAL.
+
+Authentication: with an API key, every ``megaserve.v1.Generation`` call needs the metadata
+``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay
+open, like vLLM's ``/health``. ``Abort`` acts only on requests the same connection started.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,10 +41,15 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 class GenerationService:
     """Implements the four RPCs on top of a ServingCore."""
 
-    def __init__(self, core: ServingCore, dtype: str, device: str) -> None:
+    def __init__(self, core: ServingCore, dtype: str | Callable[[], str], device: str) -> None:
         self.core = core
-        self.dtype = dtype
+        self._dtype = dtype
         self.device = device
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model runs in (resolved: never ``auto`` once loaded)."""
+        return self._dtype() if callable(self._dtype) else self._dtype
 
     async def Generate(self, request: pb.GenerateRequest | BadMessage,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -49,7 +59,7 @@ class GenerationService:
             if isinstance(request, BadMessage):
                 raise request.error
             parsed = parse_generate(request)
-            with core.admit(parsed.request_id) as request_id:
+            with core.admit(parsed.request_id, _owner(context)) as request_id:
                 prompt_ids = await core.prepare(parsed.prompt, parsed.params, _input_field(request))
                 async with contextlib.aclosing(
                         core.stream(request_id, prompt_ids, parsed.params)) as deltas:
@@ -63,14 +73,17 @@ class GenerationService:
             await context.abort(getattr(grpc.StatusCode, e.code.grpc_name), e.message)
         except Exception as e:  # an engine failure: report it in-stream, then as a status
             logger.exception("Generate failed")
-            message = f"internal error: {type(e).__name__}: {e}"
+            # The server log has the details; the client gets no internals (a worker's
+            # failure can carry its traceback).
+            message = f"internal error: {type(e).__name__} (see the server log)"
             if started:
                 yield pb.GenerateResponse(error=pb.Error(message=message, code="INTERNAL"))
             await context.abort(grpc.StatusCode.INTERNAL, message)
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=await self.core.abort(request.request_id))
+        return pb.AbortResponse(
+            found=await self.core.abort(request.request_id, _owner(context)))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
@@ -94,6 +107,39 @@ class GenerationService:
             info.num_running, info.num_waiting = s.num_running, s.num_waiting
             info.num_kv_blocks, info.num_free_kv_blocks = s.num_kv_blocks, s.num_free_kv_blocks
         return info
+
+
+def _owner(context: grpc.aio.ServicerContext) -> str:
+    """Who may abort a request: the connection (peer address and port) that started it."""
+    return f"grpc:{context.peer()}"
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for Generation calls without ``authorization: Bearer <key>``."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "authorization: missing or wrong API key (send the metadata "
+                                "'authorization: Bearer <key>')")
+
+        self._refuse_unary = grpc.unary_unary_rpc_method_handler(refuse)
+        self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse)
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+            details: grpc.HandlerCallDetails):
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return await continuation(details)  # health, reflection
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, str):
+            given = given.encode()
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(details)
+        return self._refuse_stream if details.method.endswith("/Generate") \
+            else self._refuse_unary
 
 
 def _uptime(core: ServingCore) -> float:
@@ -134,14 +180,17 @@ def _handlers(service: GenerationService) -> grpc.GenericRpcHandler:
     })
 
 
-def build_grpc_server(service: GenerationService, address: str,
+def build_grpc_server(service: GenerationService, address: str, api_key: str | None = None,
                       ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """Creates (does not start) the grpc.aio server bound to ``address`` ("host:port").
+
+    With ``api_key``, Generation calls need ``authorization: Bearer <api_key>`` metadata.
 
     Health starts NOT_SERVING for both the overall and the service name; the caller flips
     it with ``set_health``. Raises RuntimeError if the port cannot be bound.
     """
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else [],
+                             options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),

@@ -171,9 +171,13 @@ async def _read_body(request: web.Request) -> bytes:
                            f"{BODY_READ_TIMEOUT:g} s", param="body") from None
     except web.HTTPException:
         raise
-    except Exception as e:  # a Content-Encoding the body does not match, a broken chunk
-        raise RequestError.invalid("body", f"could not be read "
-                                   f"({type(e).__name__}: {e})") from None
+    except Exception:  # a Content-Encoding the body does not match, a broken chunk
+        encoding = request.headers.get("Content-Encoding")
+        if encoding:
+            raise RequestError.invalid("body", f"could not be decoded as Content-Encoding "
+                                       f"{encoding!r}") from None
+        raise RequestError.invalid("body", "could not be read (broken chunked encoding or "
+                                   "connection)") from None
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:

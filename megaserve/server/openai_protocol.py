@@ -1,40 +1,25 @@
 """OpenAI-compatible request parsing and response/SSE building (pure, no I/O).
 
-Requests are checked strictly: unknown fields, wrong types and OpenAI features megaserve
-does not implement are refused with a RequestError naming the field, never ignored.
-Extensions over OpenAI (as in vLLM): ``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids`` and ``return_token_ids`` (adds ``token_ids`` / ``prompt_token_ids`` to
-each choice).
+Bodies are checked by the pydantic models of ``openai_models`` (strict: unknown fields,
+wrong types, non-finite numbers, unknown chat roles and OpenAI features megaserve does not
+implement are refused); the first problem becomes a RequestError whose message starts
+with the field's path (``"messages[0].role: ..."``) and whose ``param`` is that path.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
+from pydantic import ValidationError
+
 from megaserve.outputs import Logprobs
 from megaserve.server.errors import ErrorCode, RequestError
-
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-           "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-           "top_k", "min_p", "ignore_eos", "stop_token_ids", "return_token_ids"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-# OpenAI fields accepted only at the value that means "feature off".
-_OFF_VALUES: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: v in (None, {}),
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
-}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-                    "stop_token_ids")
+from megaserve.server.openai_models import (  # noqa: F401 (re-exported limits)
+    MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest)
+from megaserve.server.token_bytes import TokenBytes
 
 
 @dataclass(frozen=True)
@@ -59,161 +44,131 @@ class OpenAIRequest:
     return_token_ids: bool
     model: str | None
 
+    @property
+    def num_choices(self) -> int:
+        """Engine requests this body becomes: one per prompt and choice."""
+        return (1 if self.chat else len(self.prompts)) * self.n
 
-def decode_body(raw: bytes) -> dict[str, Any]:
-    """Bytes of an HTTP body → a JSON object. Raises RequestError naming the problem."""
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
+# What a union-typed field accepts, said once instead of one error per union member.
+_UNION_HELP = {
+    "prompt": "must be a non-empty string, a list of token ids, or a non-empty list of either",
+    "content": "must be a string or a list of text parts",
+    "stop": f"must be a non-empty string or a list of at most {MAX_STOP} of them",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+# JSON values in one body, at most (bounded by counting commas, an upper bound). Decoding
+# holds the GIL, so this bounds how long one body can hold the event loop (~50 ms); a
+# batch of the largest prompts is better sent as several requests anyway.
+MAX_JSON_VALUES = 1 << 18
+_MAX_KEYS = 64  # top-level fields; the models have fewer
+
+
+def parse_body(raw: bytes, chat: bool) -> OpenAIRequest:
+    """Bytes of an HTTP body → a checked request. Raises RequestError naming the field.
+
+    Cost is bounded before any decoding: at most MAX_JSON_VALUES values, nesting depth
+    at most pydantic-core's limit, integers of at most 4300 digits.
+    """
+    if raw.count(b",") >= MAX_JSON_VALUES:
+        raise RequestError(ErrorCode.TOO_LARGE, f"body: more than {MAX_JSON_VALUES} JSON "
+                           "values; split the request", param="body")
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError.invalid("body", f"is not valid UTF-8 (byte {e.start}: {e.reason})") from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RequestError.invalid("body", f"malformed JSON: {e}") from None
+        body = pydantic_core.from_json(raw)
+    except ValueError as e:
+        raise RequestError.invalid("body", f"malformed JSON ({e})") from None
     if not isinstance(body, dict):
-        raise RequestError.invalid("body", f"must be a JSON object, got {type(body).__name__}")
-    for key, value in body.items():
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError.invalid(key, "is not valid UTF-8 (unpaired surrogate escape)") from None
-    return body
+        raise RequestError.invalid("body", f"must be a JSON object, got {_json_type(body)}")
+    if len(body) > _MAX_KEYS:
+        allowed = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+        unknown = next((k for k in body if k not in allowed), "body")
+        raise RequestError.invalid(unknown, "unknown field")
+    return parse_request(body, chat)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise RequestError.invalid(key, "unknown field")
-    for key, is_off in _OFF_VALUES.items():
-        if key in body and not is_off(body[key]):
-            raise RequestError.invalid(key, f"is not supported by megaserve (got {body[key]!r})")
-
-
-def _parse_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
-    if isinstance(prompt, str):
-        return (prompt,)
-    if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) for t in prompt):
-            return (tuple(prompt),)
-        if all(isinstance(p, str) for p in prompt):
-            return tuple(prompt)
-        if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
-            return tuple(tuple(p) for p in prompt)
-    if prompt is None:
-        raise RequestError.invalid("prompt", "is required")
-    if isinstance(prompt, list) and not prompt:
-        raise RequestError.invalid("prompt", "must not be empty")
-    raise RequestError.invalid(
-        "prompt", "must be a string, a list of token ids, or a list of either")
-
-
-def _parse_messages(messages: Any) -> tuple[dict, ...]:
-    if not isinstance(messages, list) or not messages:
-        raise RequestError.invalid("messages", "must be a non-empty list of messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError.invalid(f"messages[{i}]", "must be an object with a string 'role'")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise RequestError.invalid(f"messages[{i}].{sorted(extra)[0]}", "unknown field")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise RequestError.invalid(f"messages[{i}].content",
-                                               "only text parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise RequestError.invalid(f"messages[{i}].content", "must be a string")
-        out.append({"role": m["role"], "content": content})
-    return tuple(out)
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
 
 
 def parse_request(body: dict[str, Any], chat: bool) -> OpenAIRequest:
-    """Checks a request body. Raises RequestError(INVALID_ARGUMENT) naming the field."""
-    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-    n = body.get("n", 1)
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise RequestError.invalid("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
-    if "best_of" in body and body["best_of"] not in (None, n):
-        raise RequestError.invalid("best_of", "is not supported by megaserve (must equal n)")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError.invalid("stream", f"must be a boolean, got {stream!r}")
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise RequestError.invalid("stream_options", "is only allowed with stream=true")
-        if not isinstance(options, dict) or set(options) - {"include_usage"} \
-                or not isinstance(options.get("include_usage", False), bool):
-            raise RequestError.invalid("stream_options",
-                                       "must be {\"include_usage\": true|false}")
-        include_usage = options.get("include_usage", False)
-    sampling: dict[str, Any] = {}
-    for key in _SAMPLING_FIELDS:
-        if body.get(key) is not None:
-            value = body[key]
-            if key in ("temperature", "top_p", "min_p") and not _is_num(value):
-                raise RequestError.invalid(key, f"must be a number, got {value!r}")
-            if key == "ignore_eos" and not isinstance(value, bool):
-                raise RequestError.invalid(key, f"must be a boolean, got {value!r}")
-            sampling[key] = value
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError.invalid("stop", "must be a non-empty string or a list of them")
-        sampling["stop"] = tuple(stop)
-    if "stop_token_ids" in sampling and not isinstance(sampling["stop_token_ids"], list):
-        raise RequestError.invalid("stop_token_ids", "must be a list of token ids")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat \
-        else body.get("max_tokens", 16)
-    if max_tokens is not None and not _is_int(max_tokens):
-        raise RequestError.invalid("max_tokens", f"must be an integer, got {max_tokens!r}")
-    top_logprobs = _parse_logprobs(body, chat)
-    return_token_ids = body.get("return_token_ids", False)
-    if not isinstance(return_token_ids, bool):
-        raise RequestError.invalid("return_token_ids", "must be a boolean")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError.invalid("model", "must be a string")
-    return OpenAIRequest(
-        chat=chat, prompts=() if chat else _parse_prompts(body.get("prompt")),
-        messages=_parse_messages(body.get("messages")) if chat else None,
-        sampling=sampling, max_tokens=max_tokens, n=n, stream=stream,
-        include_usage=include_usage, top_logprobs=top_logprobs,
-        return_token_ids=return_token_ids, model=model)
+    """A decoded JSON object → a checked request. Raises RequestError naming the field."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return _to_request(model.model_validate(body), chat)
+    except ValidationError as e:
+        raise _request_error(e) from None
 
 
-def _parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+def _request_error(e: ValidationError) -> RequestError:
+    """The first problem of a ValidationError as ``"<path>: <problem>"``."""
+    err = e.errors(include_url=False)[0]
+    kind, msg = err["type"], err["msg"]
+    path, union_path = "", None  # union_path: the path up to a union member's tag
+    for part in err["loc"]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.startswith("prompt:"):  # the prompt's kind (a tag we chose): no help
+            continue
+        elif part.isidentifier() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+        elif union_path is None:  # a union member's tag, e.g. "list[int]"
+            union_path = path
+    if kind == "prompt_type":
+        return RequestError.invalid(path, msg)
+    if kind == "json_invalid":
+        return RequestError.invalid("body", f"malformed JSON ({msg.removeprefix('Invalid JSON: ')})")
+    if kind == "model_type" and not path:
+        return RequestError.invalid("body", "must be a JSON object")
+    if kind == "value_error":  # our validators say "<field>: <problem>"
+        text = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
+        field, _, problem = text.partition(": ")
+        return RequestError.invalid(field, problem)
+    if kind == "extra_forbidden":
+        return RequestError.invalid(path, "unknown field")
+    if kind == "missing":
+        return RequestError.invalid(path, "is required")
+    if union_path is not None and kind.endswith("_type"):
+        leaf = union_path.rsplit(".", 1)[-1].split("[", 1)[0]
+        if leaf in _UNION_HELP:
+            return RequestError.invalid(union_path, _UNION_HELP[leaf])
+    got = err.get("input")
+    shown = repr(got) if isinstance(got, (int, float, str, bool)) or got is None else type(got).__name__
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return RequestError.invalid(path or "body", f"{msg[:1].lower()}{msg[1:]} (got {shown})")
+
+
+def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> OpenAIRequest:
+    sampling = {k: getattr(m, k) for k in _SAMPLING_FIELDS if getattr(m, k) is not None}
+    if m.stop_token_ids is not None:
+        sampling["stop_token_ids"] = tuple(m.stop_token_ids)
+    if m.stop is not None:
+        sampling["stop"] = (m.stop,) if isinstance(m.stop, str) else tuple(m.stop)
     if chat:
-        want = body.get("logprobs", False)
-        if not isinstance(want, bool):
-            raise RequestError.invalid("logprobs", "must be a boolean for chat completions")
-        top = body.get("top_logprobs")
-        if top is not None and not want:
-            raise RequestError.invalid("top_logprobs", "requires logprobs=true")
-        value = (top or 0) if want else None
-        name = "top_logprobs"
+        top = (m.top_logprobs or 0) if m.logprobs else None
+        max_tokens = m.max_completion_tokens if m.max_completion_tokens is not None \
+            else m.max_tokens
+        prompts: tuple = ()
+        messages = tuple({"role": msg.role, "content": msg.text()} for msg in m.messages)
     else:
-        value, name = body.get("logprobs"), "logprobs"
-    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
-        raise RequestError.invalid(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-    return value
+        top, max_tokens, messages = m.logprobs, m.max_tokens, None
+        p = m.prompt
+        if isinstance(p, str):
+            prompts = (p,)
+        elif isinstance(p[0], int):
+            prompts = (tuple(p),)
+        else:
+            prompts = tuple(x if isinstance(x, str) else tuple(x) for x in p)
+    options = m.stream_options
+    return OpenAIRequest(
+        chat=chat, prompts=prompts, messages=messages, sampling=sampling,
+        max_tokens=max_tokens, n=m.n, stream=m.stream,
+        include_usage=bool(options and options.include_usage), top_logprobs=top,
+        return_token_ids=m.return_token_ids, model=m.model)
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
@@ -237,26 +192,41 @@ SSE_DONE = sse_event("[DONE]")
 
 
 def completion_logprobs(token_ids: list[int], logprobs: Logprobs, offset: int,
-                        token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The legacy /v1/completions ``logprobs`` object (plus ``token_ids``)."""
-    tokens = [token_text(t) for t in token_ids]
+                        tokens: TokenBytes) -> dict[str, Any]:
+    """The legacy /v1/completions ``logprobs`` object (plus ``token_ids``).
+
+    ``top_logprobs`` maps each alternative's text to its logprob; a token whose bytes are
+    not valid UTF-8 on their own is keyed ``"bytes:\\xNN..."`` (as OpenAI does) and one
+    whose text another alternative already took ``"token_id:<id>"`` (as vLLM does), so
+    every alternative the engine returned is there.
+    """
+    texts = [tokens.text_of(t) for t in token_ids]
     offsets, pos = [], offset
-    for text in tokens:
+    for t in token_ids:
         offsets.append(pos)
-        pos += len(text)
-    return {"tokens": tokens, "token_ids": list(token_ids),
+        pos += len(tokens.bytes_of(t).decode("utf-8", "replace"))
+    top = []
+    for lp in logprobs:
+        entry: dict[str, float] = {}
+        for k, v in lp.items():
+            key = tokens.text_of(k)
+            entry[f"token_id:{k}" if key in entry else key] = v
+        top.append(entry)
+    return {"tokens": texts, "token_ids": list(token_ids),
             "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-            "top_logprobs": [{token_text(k): v for k, v in lp.items()} for lp in logprobs],
-            "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def chat_logprobs(token_ids: list[int], logprobs: Logprobs,
-                  token_text: Callable[[int], str]) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+                  tokens: TokenBytes) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+
+    ``bytes`` are the token's own bytes (a piece of a multi-byte character stays that
+    piece, not U+FFFD); ``top_logprobs`` lists every alternative the engine returned.
+    """
     def entry(t: int, lp: float) -> dict[str, Any]:
-        text = token_text(t)
-        return {"token": text, "token_id": t, "logprob": lp,
-                "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": tokens.text_of(t), "token_id": t, "logprob": lp,
+                "bytes": list(tokens.bytes_of(t))}
     content = []
     for t, lp in zip(token_ids, logprobs):
         item = entry(t, lp.get(t))

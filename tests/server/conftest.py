@@ -86,8 +86,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m[f"megaserve:num_requests_running{LABEL}"] == 0
-                    and m[f"megaserve:num_requests_waiting{LABEL}"] == 0
+            idle = (m[f"vllm:num_requests_running{LABEL}"] == 0
+                    and m[f"vllm:num_requests_waiting{LABEL}"] == 0
                     and m[f"megaserve:num_requests_in_flight{LABEL}"] == 0
                     and m[f"megaserve:num_free_kv_blocks{LABEL}"] == m[f"megaserve:num_kv_blocks{LABEL}"])
             if idle or time.monotonic() > deadline:
@@ -108,11 +108,11 @@ class ServerProcess:
 
 def assert_idle(server: ServerProcess) -> None:
     m = server.wait_idle()
-    assert m[f"megaserve:num_requests_running{LABEL}"] == 0
-    assert m[f"megaserve:num_requests_waiting{LABEL}"] == 0
+    assert m[f"vllm:num_requests_running{LABEL}"] == 0
+    assert m[f"vllm:num_requests_waiting{LABEL}"] == 0
     assert m[f"megaserve:num_requests_in_flight{LABEL}"] == 0
     assert m[f"megaserve:num_free_kv_blocks{LABEL}"] == m[f"megaserve:num_kv_blocks{LABEL}"]
-    assert m[f"megaserve:kv_cache_usage_perc{LABEL}"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
 
 
 @pytest.fixture(scope="session")

@@ -152,7 +152,7 @@ def _aio_stub(channel):
 
 def _aborted(server) -> float:
     return server.metrics().get(
-        'megaserve:request_success_total{finished_reason="abort",model_name="builtin:tiny-moe"}', 0)
+        'vllm:request_success_total{finished_reason="abort",model_name="builtin:tiny-moe"}', 0)
 
 
 def test_cancel_mid_stream_frees_kv_blocks(server, stub):
@@ -162,7 +162,7 @@ def test_cancel_mid_stream_frees_kv_blocks(server, stub):
     for _ in range(3):
         next(call)
     m = server.metrics()
-    assert m[f"megaserve:num_requests_running{LABEL}"] == 1
+    assert m[f"vllm:num_requests_running{LABEL}"] == 1
     assert m[f"megaserve:num_free_kv_blocks{LABEL}"] < m[f"megaserve:num_kv_blocks{LABEL}"]
     call.cancel()
     assert_idle(server)

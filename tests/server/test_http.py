@@ -134,11 +134,11 @@ def test_models_health_and_metrics_names(server):
                        ("time_to_first_token_seconds", "histogram"),
                        ("inter_token_latency_seconds", "histogram"),
                        ("e2e_request_latency_seconds", "histogram")]:
-        assert f"# TYPE megaserve:{name} {kind}" in text
+        assert f"# TYPE vllm:{name} {kind}" in text
     m = server.metrics()
-    assert m[f"megaserve:generation_tokens_total{LABEL}"] > 0
-    assert m[f"megaserve:time_to_first_token_seconds_count{LABEL}"] > 0
-    assert m[f'megaserve:e2e_request_latency_seconds_bucket{{model_name="builtin:tiny-moe",le="+Inf"}}'] > 0
+    assert m[f"vllm:generation_tokens_total{LABEL}"] > 0
+    assert m[f"vllm:time_to_first_token_seconds_count{LABEL}"] > 0
+    assert m[f'vllm:e2e_request_latency_seconds_bucket{{le="+Inf",model_name="builtin:tiny-moe"}}'] > 0
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
@@ -150,7 +150,7 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
         received = b""
         while received.count(b"data: ") < 3:
             received += s.recv(65536)
-        assert server.metrics()[f"megaserve:num_requests_running{LABEL}"] == 1
+        assert server.metrics()[f"vllm:num_requests_running{LABEL}"] == 1
     assert_idle(server)
 
 
@@ -163,7 +163,7 @@ BAD = {
     "top_p 0": ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     "10 MB prompt": ({"prompt": "b" * (10 * 1024 * 1024)}, 400, "prompt"),
     "invalid UTF-8": (b'{"prompt": "caf\xe9"}', 400, "body"),
-    "unpaired surrogate": (b'{"prompt": "x\\udc80"}', 400, "prompt"),
+    "unpaired surrogate": (b'{"prompt": "x\\udc80"}', 400, "body"),
     "unknown field": ({"prompt": "hi", "temprature": 0.5}, 400, "temprature"),
     "malformed JSON": (b'{"prompt": "hi",', 400, "body"),
     "not an object": (b'["hi"]', 400, "body"),

@@ -11,8 +11,8 @@ from megaserve.server import generation_pb2 as pb
 from megaserve.server.client import build_request
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.grpc_protocol import BadMessage, deserialize_generate, parse_generate
-from megaserve.server.metrics import Counter, Gauge, Histogram, Registry, parse_text
-from megaserve.server.openai_protocol import decode_body, parse_request, sse_event
+from megaserve.server.metrics import ServerMetrics, parse_text
+from megaserve.server.openai_protocol import parse_body, parse_request, sse_event
 
 
 def test_proto_maps_to_sampling_params_with_defaults_for_unset_fields():
@@ -54,11 +54,13 @@ def test_wire_with_invalid_utf8_text_names_the_field():
 
 def test_http_body_checks():
     with pytest.raises(RequestError, match="^body: malformed JSON"):
-        decode_body(b'{"prompt": ')
-    with pytest.raises(RequestError, match="^body: is not valid UTF-8"):
-        decode_body(b'{"prompt": "\xff"}')
-    with pytest.raises(RequestError, match="^prompt: is not valid UTF-8"):
-        decode_body(b'{"prompt": "\\ud800"}')
+        parse_body(b'{"prompt": ', chat=False)
+    with pytest.raises(RequestError, match="^body: malformed JSON"):
+        parse_body(b'{"prompt": "\xff"}', chat=False)
+    with pytest.raises(RequestError, match="^body: malformed JSON"):
+        parse_body(b'{"prompt": "\\ud800"}', chat=False)
+    with pytest.raises(RequestError, match="^body: must be a JSON object"):
+        parse_body(b'[1]', chat=False)
     with pytest.raises(RequestError, match="^frobnicate: unknown field"):
         parse_request({"prompt": "a", "frobnicate": 1}, chat=False)
     with pytest.raises(RequestError, match="^presence_penalty: is not supported"):
@@ -71,6 +73,42 @@ def test_http_body_checks():
     assert parse_request({"prompt": [[1, 2], [3]], "n": 2}, chat=False).prompts == ((1, 2), (3,))
 
 
+@pytest.mark.parametrize("body, param", [
+    (b'{"prompt": "a", "temperature": 1e999}', "temperature"),
+    (b'{"prompt": "a", "top_p": NaN}', "top_p"),
+    (b'{"prompt": "a", "seed": ' + b"9" * 2000 + b"}", "seed"),
+    (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "body"),
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "body"),
+    (b'{"prompt": "a", "user": 5}', "user"),
+    (b'{"prompt": [1, "a"]}', "prompt[1]"),
+    (b'{"prompt": [[1], [-2]]}', "prompt[1][0]"),
+    (b'{"prompt": {}}', "prompt"),
+    (b'{"prompt": "a", "stop": ["x", ""]}', "stop"),
+])
+def test_hostile_bodies_name_the_field(body, param):
+    with pytest.raises(RequestError) as e:
+        parse_body(body, chat=False)
+    assert e.value.code is ErrorCode.INVALID_ARGUMENT and e.value.param == param
+    assert e.value.message.startswith(f"{param}: ") and len(e.value.message) < 300
+
+
+def test_chat_roles_and_content_are_checked():
+    with pytest.raises(RequestError) as e:
+        parse_request({"messages": [{"role": "wizard", "content": "hi"}]}, chat=True)
+    assert e.value.param == "messages[0].role" and "'user'" in e.value.message
+    with pytest.raises(RequestError, match=r"^messages\[0\].content: must be a string or a "):
+        parse_request({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, chat=True)
+
+
+def test_bodies_of_too_many_values_are_refused_before_decoding():
+    from megaserve.server.openai_protocol import MAX_JSON_VALUES
+
+    body = json.dumps({"prompt": [[1]] * (MAX_JSON_VALUES + 1)}).encode()
+    with pytest.raises(RequestError) as e:
+        parse_body(body, chat=False)
+    assert e.value.code is ErrorCode.TOO_LARGE and e.value.param == "body"
+
+
 def test_sse_event_framing():
     assert sse_event("[DONE]") == b"data: [DONE]\n\n"
     event = sse_event({"text": "é\n", "lp": -0.1})
@@ -78,19 +116,30 @@ def test_sse_event_framing():
     assert json.loads(event[6:]) == {"text": "é\n", "lp": -0.1}
 
 
-def test_metrics_text_format():
-    reg = Registry()
-    c = reg.register(Counter("megaserve:x_total", "x"))
-    c.inc(2, {"a": 'q"1'})
-    reg.register(Gauge("megaserve:g", "g", callback=lambda: 0.25, labels={"m": "n"}))
-    h = reg.register(Histogram("megaserve:h_seconds", "h", [0.1, 1.0]))
+class _Stats:
+    num_running, num_waiting, num_kv_blocks, num_free_kv_blocks = 1, 2, 10, 4
+    prompt_tokens_total, generation_tokens_total = 30, 12
+
+
+def test_metrics_use_vllm_names_with_a_model_name_label():
+    m = ServerMetrics("some/model", lambda: _Stats(), lambda: 3)
+    m.finished("stop")
+    m.rejected("RESOURCE_EXHAUSTED")
     for v in (0.05, 0.5, 5.0):
-        h.observe(v)
-    text = reg.render()
-    assert "# TYPE megaserve:h_seconds histogram" in text
-    s = parse_text(text)
-    assert s['megaserve:x_total{a="q\\"1"}'] == 2 and s['megaserve:g{m="n"}'] == 0.25
-    assert [s[f'megaserve:h_seconds_bucket{{le="{le}"}}'] for le in ("0.1", "1", "+Inf")] == [1, 2, 3]
-    assert s["megaserve:h_seconds_count"] == 3 and math.isclose(s["megaserve:h_seconds_sum"], 5.55)
-    with pytest.raises(ValueError):
-        c.inc(-1)
+        m.request_done(v)
+    m.first_token(0.2)
+    m.inter_token(0.02, 2)
+    s = parse_text(m.render().decode())
+    lab = '{model_name="some/model"}'
+    assert s[f"vllm:num_requests_running{lab}"] == 1 and s[f"vllm:num_requests_waiting{lab}"] == 2
+    assert s[f"vllm:kv_cache_usage_perc{lab}"] == 0.6
+    assert s[f"vllm:prompt_tokens_total{lab}"] == 30
+    assert s[f"vllm:generation_tokens_total{lab}"] == 12
+    assert s[f"megaserve:num_requests_in_flight{lab}"] == 3
+    assert s['vllm:request_success_total{finished_reason="stop",model_name="some/model"}'] == 1
+    assert s['megaserve:request_rejected_total{code="RESOURCE_EXHAUSTED",model_name="some/model"}'] == 1
+    assert s[f"vllm:inter_token_latency_seconds_count{lab}"] == 2
+    buckets = [s[f'vllm:e2e_request_latency_seconds_bucket{{le="{le}",model_name="some/model"}}']
+               for le in ("0.3", "1.0", "+Inf")]
+    assert buckets == [1, 2, 3]
+    assert math.isclose(s[f"vllm:e2e_request_latency_seconds_sum{lab}"], 5.55)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible request bodies as pydantic models, and the OpenAPI document.
+
+The models are strict (no coercion: ``"5"`` is not an integer), forbid unknown fields,
+refuse non-finite numbers and bound every integer to int64, so that what passes them can
+reach the engine without a type or overflow error. OpenAI fields megaserve does not
+implement are accepted only at the value that turns the feature off. Extensions, as in
+vLLM: ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
+
+``openapi_document()`` describes the HTTP API from these models (OpenAPI 3.1); the server
+serves it at ``GET /openapi.json`` and the fuzz test generates requests from it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic.json_schema import models_json_schema
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP = 64  # stop strings per request (each is looked for after every token)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPTS = 4096  # prompts in one completion request (the server's own limit is lower)
+MAX_MESSAGES = 4096
+
+_INT64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+PositiveInt = Annotated[int, Field(ge=1, le=_INT64_MAX)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+# Chat roles a chat template can render; "tool" / "function" need tool calling, which
+# megaserve does not implement.
+ChatRole = Literal["system", "developer", "user", "assistant"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: ChatRole
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES, fail_fast=True)]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """Which member of ``Prompt`` a value is meant to be, from its first element (so a
+    long list is validated once, not against every member)."""
+    if isinstance(value, str):
+        return "prompt:text"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            return "prompt:token_ids"
+        if isinstance(first, str):
+            return "prompt:texts"
+        if isinstance(first, list):
+            return "prompt:token_id_lists"
+    return None
+
+
+_TokenIds = Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]
+Prompt = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag("prompt:text")]
+    | Annotated[_TokenIds, Tag("prompt:token_ids")]
+    | Annotated[Annotated[list[Annotated[str, Field(min_length=1)]],
+                          Field(min_length=1, max_length=MAX_PROMPTS, fail_fast=True)],
+                Tag("prompt:texts")]
+    | Annotated[Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_PROMPTS,
+                                                 fail_fast=True)], Tag("prompt:token_id_lists")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="must be a non-empty string, a list of token ids, "
+                                       "or a non-empty list of either")]
+
+
+def _must_be_off(name: str, value: Any, off: tuple) -> None:
+    if value not in off:
+        raise ValueError(f"{name}: is not supported by megaserve (got {value!r})")
+
+
+class _CommonRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    # vLLM extensions
+    top_k: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS,
+                                                   fail_fast=True)] | None = None
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _CommonRequest:
+        _must_be_off("presence_penalty", self.presence_penalty, (None, 0))
+        _must_be_off("frequency_penalty", self.frequency_penalty, (None, 0))
+        _must_be_off("logit_bias", self.logit_bias, (None, {}))
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: is only allowed with stream=true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if self.stop is not None and (not stops or not all(stops)):
+            raise ValueError("stop: must be a non-empty string or a list of them")
+        return self
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt
+    max_tokens: PositiveInt | None = 16
+    logprobs: TopLogprobs | None = None
+    echo: bool | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        _must_be_off("echo", self.echo, (None, False))
+        _must_be_off("suffix", self.suffix, (None, ""))
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of: is not supported by megaserve (must equal n)")
+        return self
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions`` (``max_tokens`` unset: fill the context)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES,
+                                                 fail_fast=True)]
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    max_completion_tokens: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        return self
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error: ``{"error": {"message": "<param>: <problem>", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+_ERROR_STATUSES = {"400": "invalid request (the message names the field)",
+                   "401": "missing or wrong API key (--api-key)",
+                   "404": "unknown model or path", "405": "method not allowed",
+                   "413": "body over the size limit", "429": "server busy: retry later",
+                   "503": "loading, draining or failed"}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the HTTP API."""
+    _, schemas = models_json_schema(
+        [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, ErrorResponse)],
+        ref_template="#/components/schemas/{model}")
+    errors = {code: {"description": text, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+        for code, text in _ERROR_STATUSES.items()}
+
+    def post(model: str, summary: str) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "operationId": model,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model}"}}}},
+            "responses": {"200": {"description": "the completion (JSON), or an SSE stream "
+                                  "(text/event-stream) when stream=true"}, **errors}}}
+
+    def get(summary: str, media: str = "application/json", open_: bool = False) -> dict[str, Any]:
+        op: dict[str, Any] = {"summary": summary, "responses": {
+            "200": {"description": summary, "content": {media: {}}}}}
+        if open_:  # no API key needed, as in vLLM
+            op["security"] = []
+        return {"get": op}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "megaserve OpenAI-compatible API", "version": version},
+        "components": {"schemas": schemas.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/completions": post("CompletionRequest", "text completion"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "chat completion"),
+            "/v1/models": get("the served model"),
+            "/health": get("200 when serving, else 503", open_=True),
+            "/metrics": get("Prometheus metrics", "text/plain", open_=True),
+            "/openapi.json": get("this document", open_=True),
+        },
+    }
