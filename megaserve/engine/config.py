@@ -36,6 +36,8 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"speculative_config.num_speculative_tokens must be a positive "
                              f"integer, got {k!r}")
+        if self.model is not None:
+            object.__setattr__(self, "model", str(self.model))  # a Path is fine too
         method = self.method or ("draft_model" if self.model else "ngram")
         object.__setattr__(self, "method", method)
         if method not in SPECULATIVE_METHODS:

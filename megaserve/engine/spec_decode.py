@@ -161,3 +161,102 @@ class NgramProposer(Proposer):
             assert len(drafts) == item.num_draft_tokens
             out.append((drafts, None))
         return out
+
+
+class DraftModelProposer(Proposer):
+    """Proposes with a smaller checkpoint of the same vocabulary, run in this process.
+
+    The draft keeps its own paged K/V cache with the target's block ids (same pool, same
+    block tables), so no allocation of its own; ``seq.num_draft_computed`` says how far
+    its K/V are valid. A step first catches the draft up on the sequence's tokens, then
+    runs it one token at a time: ``d_1`` from the last token's row, ``d_{r+1}`` from
+    ``d_r``'s. Drafts are drawn with the request's sampling parameters under a stream of
+    its own (``STREAM_DRAFT``); ``q`` is the distribution they were drawn from.
+
+    NOTE: a prefix-cache hit gives a sequence blocks whose draft K/V may never have been
+    written; its draft starts at 0 (``num_draft_computed`` is reset at admission) and
+    rewrites them with the same bits, which is safe for the sequences sharing them.
+    """
+
+    def attach(self, engine) -> None:
+        from megaserve.engine.kv_cache import allocate_kv_tensors
+        from megaserve.models.builtin import resolve_model
+        from megaserve.models.config import ModelConfig
+        from megaserve.models.forward import LocalExperts
+        from megaserve.models.loader import load_model
+
+        path = resolve_model(self.config.model)
+        draft_config = ModelConfig.from_dir(path)
+        if draft_config.vocab_size != engine.vocab_size:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary ({draft_config.vocab_size}) "
+                f"differs from the target's ({engine.vocab_size}); use a draft of the same "
+                f"tokenizer")
+        model = load_model(path, engine.config.dtype, engine.config.device,
+                           max_positions=self.max_model_len + self.config.num_speculative_tokens,
+                           config=draft_config)
+        self.attention = model.attention
+        self.experts = LocalExperts(model.experts)
+        self.block_size = engine.config.block_size
+        self.device = model.attention.device
+        self.kv_caches = allocate_kv_tensors(
+            draft_config.num_layers, engine.pool.num_blocks, self.block_size,
+            draft_config.num_kv_heads, draft_config.head_dim, model.attention.dtype, self.device)
+
+    def num_proposals(self, seq: Sequence) -> int:
+        return self.limit(seq)
+
+    def _forward(self, inputs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """Log-probs `[S, V]` fp32 of each input's last row (writes the inputs' draft K/V)."""
+        from megaserve.engine.model_runner import build_micro_batch
+        from megaserve.models.forward import run_layers
+
+        batch = build_micro_batch(inputs, self.block_size, self.device)
+        self.experts.begin_step(1)
+        h = run_layers(self.attention, self.experts, [batch], self.kv_caches)[0]  # [T, D]
+        last = batch.meta.query_start_loc[1:].long() - 1  # [S]
+        return kernels.log_softmax(self.attention.logits(h[last]))  # [S, V]
+
+    def _draw(self, seqs: list[Sequence], logprobs: torch.Tensor, positions: list[int]):
+        """Draft tokens of each row and, for sampled requests, their `[V]` q rows."""
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device)
+
+        tokens = kernels.sample(
+            logprobs,
+            col([s.params.temperature for s in seqs], torch.float32),
+            col([s.params.top_k for s in seqs], torch.int64),
+            col([s.params.top_p for s in seqs], torch.float32),
+            col([s.params.min_p for s in seqs], torch.float32),
+            col([stream_seed(s.seed, STREAM_DRAFT) for s in seqs], torch.int64),
+            col(positions, torch.int64),
+        ).tolist()
+        probs = [None if s.params.greedy else sampling_probs(logprobs[i], s.params)
+                 for i, s in enumerate(seqs)]
+        return tokens, probs
+
+    def propose(self, items):
+        seqs = [item.seq for item in items]
+        counts = [item.num_draft_tokens for item in items]
+        drafts: list[list[int]] = [[] for _ in items]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in items]
+        # Round 0: catch up on the sequence's tokens, draw d_1 at position n.
+        inputs = [(s.token_ids(s.num_draft_computed, s.num_tokens), s.num_draft_computed, s.block_ids)
+                  for s in seqs]
+        active = list(range(len(items)))
+        logprobs = self._forward(inputs)
+        for r in range(max(counts)):
+            if r > 0:
+                active = [i for i in active if counts[i] > r]
+                inputs = [([drafts[i][-1]], seqs[i].num_tokens + r - 1, seqs[i].block_ids)
+                          for i in active]
+                logprobs = self._forward(inputs)
+            tokens, qs = self._draw([seqs[i] for i in active], logprobs,
+                                    [seqs[i].num_tokens + r for i in active])
+            for i, token, q in zip(active, tokens, qs):
+                drafts[i].append(token)
+                probs[i].append(q)
+        for s, count in zip(seqs, counts):
+            s.num_draft_computed = s.num_tokens + count - 1  # d_1 .. d_{j-1} ran
+        return [(tuple(d), None if s.params.greedy else torch.stack(p))
+                for d, p, s in zip(drafts, probs, seqs)]
