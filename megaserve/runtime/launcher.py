@@ -99,6 +99,31 @@ def _process_context():
     return ctx
 
 
+def process_title(spec: WorkerSpec) -> str:
+    """The short name a worker process shows in ``ps`` / ``/proc/<pid>/comm``:
+    ``megaserve-A<i>`` for attention replica i, ``megaserve-E<i>`` for expert worker i."""
+    return f"megaserve-{'A' if spec.role == 'attention' else 'E'}{spec.index}"
+
+
+def set_process_title(title: str) -> None:
+    """Name the calling thread (the main thread of a worker process) for ``ps``; Linux
+    only, silently skipped elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        pr_set_name = 15
+        libc.prctl(pr_set_name, title.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_local_worker(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
+    """Entry point of a local worker process: names it, then :func:`run_worker`."""
+    set_process_title(process_title(spec))
+    run_worker(spec, inbox, outbox)
+
+
 class _LocalHandle:
     """A worker thread or process with its inbox."""
 
@@ -182,8 +207,8 @@ class LocalLauncher:
             inbox = ctx.Queue() if ctx else queue.Queue()
             name = f"megaserve-{spec.role}-{spec.index}"
             if ctx:
-                worker = ctx.Process(target=run_worker, args=(spec, inbox, outbox), name=name,
-                                     daemon=True)
+                worker = ctx.Process(target=run_local_worker, args=(spec, inbox, outbox),
+                                     name=name, daemon=True)
             else:
                 worker = threading.Thread(target=run_worker, args=(spec, inbox, outbox),
                                           name=name, daemon=True)
