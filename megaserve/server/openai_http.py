@@ -85,10 +85,9 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
     """aiohttp's HTTP errors and unexpected exceptions as OpenAI-shaped JSON."""
     length = request.content_length
     if length is not None and length > MAX_BODY_BYTES:  # refuse before reading a byte
-        resp = _error_json(413, f"body: Content-Length {length} is over the limit of "
-                           f"{MAX_BODY_BYTES} bytes", "invalid_request_error", "body")
-        resp.force_close()
-        return resp
+        return _close_after(request, _error_json(
+            413, f"body: Content-Length {length} is over the limit of {MAX_BODY_BYTES} "
+            "bytes", "invalid_request_error", "body"))
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -159,7 +158,17 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
+def _close_after(request: web.Request, resp: web.Response) -> web.Response:
+    """Answers and closes the connection without reading the rest of the body (aiohttp
+    would otherwise read up to 10 s of it to keep the connection, and log a body that
+    fails to decode as an unhandled exception)."""
+    resp.force_close()
+    request.content.feed_eof()
+    return resp
+
+
 async def _read_body(request: web.Request) -> bytes:
+    """The request body. Raises RequestError (413, 408, 400) naming ``body``."""
     try:
         async with asyncio.timeout(BODY_READ_TIMEOUT):
             return await request.read()
@@ -183,7 +192,12 @@ async def _read_body(request: web.Request) -> bytes:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[_CORE]
     try:
-        req = oai.parse_body(await _read_body(request), chat)
+        raw = await _read_body(request)
+    except RequestError as e:
+        logger.info("refused %s: %s", request.path, e.message)
+        return _close_after(request, _error_response(e))
+    try:
+        req = oai.parse_body(raw, chat)
         if req.model is not None and req.model != core.model_name:
             raise RequestError(ErrorCode.NOT_FOUND, f"model: {req.model!r} is not served "
                                f"here; available: [{core.model_name!r}]", param="model")
