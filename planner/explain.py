@@ -54,21 +54,24 @@ def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Pr
         f"  weights {_fmt_bytes(w_bytes)} + KV {b} seq x {work.ctx_avg:g} tok = {_fmt_bytes(kv_bytes)} "
         f"over {ga.hbm_tbps} TB/s x {ea.hbm_eff} -> {(w_bytes + kv_bytes) / float(hw_a.hbm) * us:.1f} us",
         f"  {a_flops / 1e9:.2f} GFLOP over {ga.bf16_tflops} TFLOP/s x {ea.flops_eff} -> "
-        f"{a_flops / float(hw_a.flops) * us:.1f} us; with TP all-reduce: T_a = {float(step.t_a) * us:.1f} us",
+        f"{a_flops / float(hw_a.flops) * us:.1f} us; with TP all-reduce and {_overheads(hw_a, b)}: "
+        f"T_a = {float(step.t_a) * us:.1f} us",
         f"experts, busiest worker, one layer: {tokens} tokens x top-{model.top_k} -> {assign:.0f} expert rows"
         f" (skew {work.expert_skew:g}), {active:.2f} of {e_w} experts active",
         f"  weights {_fmt_bytes(active * model.expert_bytes / tp_e)} -> {e_mem * us:.1f} us; "
         f"{2 * assign * model.expert_params / tp_e / 1e9:.2f} GFLOP -> {e_cmp * us:.1f} us "
-        f"({'compute' if e_cmp > e_mem else 'memory'}-bound); T_e = {float(step.t_e) * us:.1f} us",
+        f"({'compute' if e_cmp > e_mem else 'memory'}-bound); with layer overhead "
+        f"{float(hw_e.layer_oh) * us:.1f} us: T_e = {float(step.t_e) * us:.1f} us",
         f"communication, one way: T_c = {float(step.t_c) * us:.1f} us "
         f"(alpha {ea.net_alpha_us:g} us + bytes / (NIC {ga.net_gbps:g}|{ge.net_gbps:g} GB/s x eff x size utilisation))",
         "",
         f"ping-pong: T_f = max(T_a, T_e) = {t_f * us:.1f} us, round trip T_a + T_e + 2 T_c = {rt * us:.1f} us",
         f"  full pipeline needs m >= 2(1 + T_c/T_f) = {m_min:.2f}: m = {m} -> "
         f"{'full (experts or attention never wait on the round trip)' if bool(step.full) else 'NOT full (round trip binds)'}",
-        f"  T_total = round_trip + max(T_f, round_trip/m) (m L - 1) + m (dense layers + LM head)",
+        f"  T_total = round_trip + max(T_f, round_trip/m) (m L - 1) + m (dense layers + LM head) + step overhead",
         f"          = {rt * 1e3:.3f} + {max(t_f, rt / m) * 1e3:.4f} x {m * model.num_moe_layers - 1} + "
-        f"{m} x {float(step.t_extra) * 1e3:.3f} = {float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
+        f"{m} x {float(step.t_extra) * 1e3:.3f} + {float(perf.step_overhead(hw_a, m * b)) * 1e3:.3f} = "
+        f"{float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
         f"  throughput = n_a m b / T_total = {n_a} x {m} x {b} / {float(step.t_total):.4f} s = "
         f"{r['throughput']:.0f} tok/s",
         "",

@@ -6,7 +6,10 @@ together on one co-located engine, and
 
 * ``step_ms`` = (wall time of ``output_len`` tokens - wall time of 1 token) / (output_len - 1),
   i.e. one decode step of B sequences without the prefill (both after a warm-up run);
-* ``prefill_ms`` = the wall time of the 1-token run (prefill of B prompts + one step).
+* ``prefill_ms`` = the wall time of the 1-token run (prefill of B prompts + one step);
+* with two or more visible GPUs, ``link`` entries: a GPU-to-GPU copy of 64 KiB .. 64 MiB
+  (median of CUDA-event timings), for the planner's intra-node transport line
+  ``seconds = alpha + bytes / (link_eff * link_gbps)``.
 
 The per-step host overhead, per-layer overheads and bandwidth efficiency are then fitted
 by the planner; run two layer counts (e.g. ``random:qwen3-30b-a3b:2`` and ``:48``) so the
@@ -88,8 +91,42 @@ def measure(options: dict, batches: list[int], input_len: int, output_len: int, 
     return runs
 
 
-def write(path: str, args, options: dict, device: str, runs: list[dict], whole: list[dict]) -> None:
-    """The measurement file: decode runs plus the benchmark's whole-run tokens/s."""
+LINK_SIZES = (64 << 10, 1 << 20, 8 << 20, 64 << 20)
+
+
+def measure_link(sizes=LINK_SIZES, iters: int = 20) -> list[dict]:
+    """``link`` entries from cuda:0 -> cuda:1 copies (empty with fewer than two GPUs)."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return []
+    out = []
+    for size in sizes:
+        src = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda:1")
+        dst.copy_(src)  # warm-up: peer mapping
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out.append({"kind": "link", "bytes": size, "seconds": sorted(times)[len(times) // 2]})
+    return out
+
+
+def collect(path: str, args, options: dict, device: str, batches: list[int], whole: list[dict]) -> list[dict]:
+    """Measure (decode steps per batch, GPU-to-GPU copies) and write the file; returns the steps."""
+    steps = measure(options, batches, args.input_len, args.output_len, args.seed)
+    cuda = str(options.get("device", "cpu")).startswith("cuda")
+    write(path, args, device, steps + whole, measure_link() if cuda else [])
+    return steps
+
+
+def write(path: str, args, device: str, runs: list[dict], link: list[dict]) -> None:
+    """The measurement file: decode runs, the benchmark's whole-run tokens/s, link entries."""
     model, layers = planner_model(args.model)
     gpu = catalog_gpu(device)
     data = {
@@ -99,6 +136,8 @@ def write(path: str, args, options: dict, device: str, runs: list[dict], whole: 
         "source": {"command": "megaserve bench throughput " + " ".join(args.argv), "commit": _commit(),
                    "date": time.strftime("%Y-%m-%d", time.gmtime())},
         "model": model, "num_layers": layers, "dtype": args.dtype,
-        "runs": runs + whole,
+        "runs": runs,
     }
+    if link:
+        data["measurements"] = link
     Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -152,8 +152,7 @@ def main(argv: list[str]) -> int:
         whole = [{"num_prompts": args.num_prompts, "max_num_seqs": options["max_num_seqs"],
                   "input_len": args.input_len, "output_len": args.output_len,
                   "tok_s": round(result["tokens_per_s"], 1), "includes_prefill": True}]
-        steps = profile_out.measure(options, batches, args.input_len, args.output_len, args.seed)
-        profile_out.write(args.profile_out, args, options, _device_name(args.device), steps, whole)
+        steps = profile_out.collect(args.profile_out, args, options, _device_name(args.device), batches, whole)
         for r in steps:
             print(f"profile: batch {r['batch']:>4}: decode step {r['step_ms']:8.3f} ms, {r['tok_s']:9.1f} tok/s")
         print(f"wrote {args.profile_out}")

@@ -1,0 +1,49 @@
+"""``megaserve bench throughput --profile-out``: the file it writes is what calibration reads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from megaserve.bench import profile_out
+from planner import measurements
+from planner.catalog import DEFAULT_GPUS
+from planner.profile import Efficiency
+
+
+def test_decode_steps_are_measured_per_batch_on_the_cpu_engine():
+    options = dict(model="builtin:tiny-moe", dtype="auto", device="cpu", max_model_len=None, max_num_seqs=8,
+                   attention_replicas=1, expert_workers=1, microbatches=1, transport="inproc",
+                   aggregation="per_layer", expert_aggregation_wait_ms=0.5, cuda_graphs=False)
+    runs = profile_out.measure(options, [1, 3], input_len=4, output_len=3, seed=0)
+    assert [r["batch"] for r in runs] == [1, 3]
+    for r in runs:
+        assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-2)
+        assert r["prefill_ms"] > 0 and (r["input_len"], r["output_len"]) == (4, 3)
+
+
+def test_written_file_round_trips_through_the_planner(tmp_path):
+    args = argparse.Namespace(model="random:qwen3-30b-a3b:2", dtype="bfloat16", profile_gpu=None,
+                              argv=["--model", "random:qwen3-30b-a3b:2", "--profile-out", "x.json"])
+    runs = [{"batch": 8, "input_len": 64, "output_len": 32, "step_ms": 1.5, "tok_s": 5333.3},
+            {"num_prompts": 16, "max_num_seqs": 8, "input_len": 64, "output_len": 32, "tok_s": 4000.0,
+             "includes_prefill": True}]
+    link = [{"kind": "link", "bytes": 1 << 20, "seconds": 1e-5}]
+    path = tmp_path / "x.json"
+    profile_out.write(str(path), args, "NVIDIA H200", runs, link)
+    data = json.loads(path.read_text())
+    assert data["gpu"] == "H200" and data["measurements"] == link
+    assert "--profile-out x.json" in data["source"]["command"] and data["source"]["commit"]
+    parsed = measurements.parse_runs(data, "x.json")
+    assert [r.step_ms for r in parsed] == [1.5, None] and parsed[0].model.num_layers == 2
+    assert all(measurements.predict(r, DEFAULT_GPUS["H200"], Efficiency()).tok_s > 0 for r in parsed)
+
+
+def test_names_map_to_the_planner_catalog_and_models():
+    assert profile_out.catalog_gpu("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert profile_out.catalog_gpu("NVIDIA H200") == "H200" and profile_out.catalog_gpu("Quadro") is None
+    assert profile_out.planner_model("random:qwen3-30b-a3b:48") == ("qwen3-30b-a3b", 48)
+    with pytest.raises(ValueError, match="random:<preset>:<layers>"):
+        profile_out.planner_model("builtin:tiny-moe")
