@@ -38,3 +38,65 @@ def test_engine_thread_failure_marks_the_server_failed(model_cache):
         await engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_engine_failure_reaches_clients_without_internals(model_cache):
+    """An engine fault whose message carries a worker's traceback: HTTP and gRPC clients
+    get a short error naming no file, line or exception text; the log has the details."""
+    import grpc
+    from aiohttp import web
+
+    from megaserve.engine.async_engine import AsyncLLMEngine
+    from megaserve.server.client import build_request, generation_stub
+    from megaserve.server.grpc_service import GenerationService, build_grpc_server
+    from megaserve.server.openai_http import build_app
+
+    from .conftest import free_port, http_post
+    from .test_hostile import assert_clean
+
+    secret = 'Traceback (most recent call last):\n  File "/secret/worker.py", line 7'
+
+    async def scenario():
+        engine = AsyncLLMEngine(model="builtin:tiny-moe", dtype="float32", device="cpu",
+                                max_num_seqs=4, max_model_len=256, seed=0)
+
+        def broken_step():
+            raise RuntimeError(secret)
+
+        engine.engine.step = broken_step
+        core = ServingCore("builtin:tiny-moe", max_num_seqs=4, max_waiting=4)
+        core.engine, core.state = engine, ServerState.SERVING
+        runner = web.AppRunner(build_app(core))
+        await runner.setup()
+        http_port, grpc_port = free_port(), free_port()
+        await web.TCPSite(runner, "127.0.0.1", http_port).start()
+        server, _ = build_grpc_server(GenerationService(core, "float32", "cpu"),
+                                      f"127.0.0.1:{grpc_port}")
+        await server.start()
+        try:
+            status, body = await asyncio.to_thread(
+                http_post, f"http://127.0.0.1:{http_port}/v1/completions",
+                {"prompt": "boom", "max_tokens": 3})
+            core.state = ServerState.SERVING  # let the gRPC call reach the dead engine too
+
+            def grpc_call():
+                with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                    try:
+                        list(generation_stub(channel)["Generate"](build_request("boom"),
+                                                                  timeout=30))
+                    except grpc.RpcError as e:
+                        return e.code(), e.details()
+                return None, ""
+            code, details = await asyncio.to_thread(grpc_call)
+        finally:
+            await server.stop(0)
+            await runner.cleanup()
+            await engine.shutdown()
+        return status, body, code, details
+
+    status, body, code, details = asyncio.run(scenario())
+    assert status == 500 and body["error"]["type"] == "internal_error", body
+    for message in (body["error"]["message"], details):
+        assert_clean(message)
+        assert "secret" not in message and "see the server log" in message
+    assert code is not None
