@@ -4,12 +4,12 @@ The baseline disaggregation has to beat. A co-located unit of ``tp * ep`` GPUs o
 runs ``ep`` data-parallel attention ranks of ``tp`` GPUs each (tensor parallel within a
 rank) and splits the experts of every MoE layer over the ``ep`` ranks (expert parallel):
 
-* ``ep = 1``: data-parallel replicas of the whole model on one GPU or a TP group, the
-  usual choice where the model fits (the engine's single-GPU path, what calibration
-  measures);
-* ``tp = 1, ep > 1``: DP attention + EP over the same GPUs, for a model that fits no
-  single GPU (or where EP's larger expert GEMMs pay). Tokens go to the ranks holding their
-  experts and back with an all-to-all over the intra-node link.
+* one GPU (``tp = ep = 1``): data-parallel replicas of the whole model, the engine's
+  single-GPU path and what calibration measures;
+* where no single GPU of the type can serve the model (memory, or the TPOT SLO at batch
+  1): TP groups (``ep = 1``) and DP attention + EP over the same GPUs (``tp = 1``), where
+  tokens go to the ranks holding their experts and back with an all-to-all over the
+  intra-node link.
 
 There is no ping-pong (m = 1): one layer is ``attention + dispatch + experts + combine``
 in series on the same GPU, plus the calibrated overheads, which a co-located GPU pays once
@@ -108,6 +108,10 @@ def find_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, prof
     if ok.any():
         t1 = colocated_step(model, work, perf.Hw(gpus, profile, g["g"][ok]), g["tp"][ok], g["ep"][ok], 1).t_total
         ok[ok] = t1 <= work.tpot_ms / 1e3
+    # NOTE: multi-GPU units only where a single GPU of the type cannot serve the model
+    # (memory or SLO): otherwise data-parallel single-GPU replicas are the co-located choice.
+    single = ok & (g["tp"] * g["ep"] == 1)
+    ok &= (g["tp"] * g["ep"] == 1) | ~np.isin(g["g"], g["g"][single])
     g, b_cap = {k: v[ok] for k, v in g.items()}, b_cap[ok].astype(np.int64)
     hw = perf.Hw(gpus, profile, g["g"])
     b = binary_search_batch(lambda b_: colocated_step(model, work, hw, g["tp"], g["ep"], b_).t_total,

@@ -157,10 +157,10 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
         r = f["row"]
         lines.append(
             f"  {name}: {sel.throughput:,.0f} tok/s on {sum(sel.gpus_used.values())} GPUs, cost {sel.cost:.2f}/h; "
-            f"main unit {r['attn_gpu']}/{r['expert_gpu']} {r['gpus']} GPUs, TPOT {r['tpot'] * 1e3:.1f} ms")
+            f"main unit {r['attn_gpu']}/{r['expert_gpu']}, {r['gpus']} GPU(s), TPOT {r['tpot'] * 1e3:.1f} ms")
         lines.append(
-            f"    batch {f['seqs_per_gpu']:.0f} seq per GPU (limit: {r['bottleneck']}), attention-GPU memory "
-            f"{f['kv_gb']:.1f} GB; expert GEMM {f['rows_per_expert']:.1f} rows per expert; communication "
+            f"    {f['seqs_per_gpu']:.0f} sequences per GPU (limit: {r['bottleneck']}), {f['kv_gb']:.1f} GB used per "
+            f"attention GPU (weights + KV); {f['rows_per_expert']:.1f} rows per expert GEMM; communication "
             f"{f['comm_share']:.0%} of a layer's round trip; {f['per_gpu']:,.0f} tok/s per GPU")
     if len(best) < 2:
         return "\n".join(lines)
@@ -171,8 +171,9 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
     what = "throughput" if key(wsel) == wsel.throughput else "tokens per cost"
     lines.append(f"winner: {w}, {key(wsel) / max(key(lsel), 1e-12):.2f}x the {what} of {l}")
     lines.append(
-        f"  because per GPU it decodes {wf['seqs_per_gpu']:.0f} vs {lf['seqs_per_gpu']:.0f} sequences at the SLO "
-        f"({wf['per_gpu']:,.0f} vs {lf['per_gpu']:,.0f} tok/s per GPU), its expert GEMMs take "
-        f"{wf['rows_per_expert']:.1f} vs {lf['rows_per_expert']:.1f} rows per expert, and communication is "
-        f"{wf['comm_share']:.0%} vs {lf['comm_share']:.0%} of a layer")
+        f"  {w} vs {l}: {wf['seqs_per_gpu']:.0f} vs {lf['seqs_per_gpu']:.0f} sequences per GPU within the SLO "
+        f"({wf['per_gpu']:,.0f} vs {lf['per_gpu']:,.0f} tok/s per GPU); KV + weights {wf['kv_gb']:.1f} vs "
+        f"{lf['kv_gb']:.1f} GB per attention GPU; expert GEMMs of {wf['rows_per_expert']:.1f} vs "
+        f"{lf['rows_per_expert']:.1f} rows per expert; communication {wf['comm_share']:.0%} vs "
+        f"{lf['comm_share']:.0%} of a layer")
     return "\n".join(lines)

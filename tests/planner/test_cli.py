@@ -140,7 +140,8 @@ def test_issue_example_table_has_both_layouts_and_explain_names_the_winner(tmp_p
     winner = out.stdout.split("winner: ")[1].split(",")[0]
     best_line = out.stdout.split("best plan:")[1].splitlines()[0]
     assert f"[{winner}:" in best_line and winner in ("colocated", "disaggregated")
-    assert "rows per expert" in out.stdout and "sequences at the SLO" in out.stdout
+    assert f"  {winner} vs " in out.stdout and "sequences per GPU within the SLO" in out.stdout
+    assert "rows per expert" in out.stdout
     data = json.loads(run(*EXAMPLE, "--cluster", cl, "--json", "--top", "20").stdout)
     assert {row["layout"] for row in data["top"]} == {"colocated", "disaggregated"}
     assert data["plan"]["units"][0]["layout"] == winner
