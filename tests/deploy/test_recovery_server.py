@@ -1,0 +1,101 @@
+"""``megaserve serve`` (local launcher, worker processes over tcp) survives a SIGKILLed expert
+worker: streams in flight complete bitwise, health dips and comes back; an idle death is
+reported within 2 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from megaserve.sampling_params import SamplingParams
+from tests.server.conftest import ServerProcess, http_get
+
+from .serving import REQUESTS, HealthPoller, Stream, alive, comm, descendants, wait_for
+
+MODEL = "builtin:tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("megaserve-cache"))
+    old = os.environ.get("MEGASERVE_CACHE")
+    os.environ["MEGASERVE_CACHE"] = cache
+    from megaserve.models.builtin import resolve_model
+
+    resolve_model(MODEL)
+    yield cache
+    if old is None:
+        os.environ.pop("MEGASERVE_CACHE", None)
+    else:
+        os.environ["MEGASERVE_CACHE"] = old
+
+
+def reference_outputs():
+    from megaserve import LLM
+
+    with LLM(model=MODEL, dtype="float32", max_model_len=512, seed=0) as llm:
+        return [llm.generate(p, SamplingParams(**s))[0].outputs[0] for p, s in REQUESTS]
+
+
+def expert_pid(server: ServerProcess, index: int) -> int:
+    pids = [p for p in descendants(server.proc.pid) if comm(p) == f"megaserve-E{index}"]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_server_survives_killed_expert_worker(model_cache, tmp_path):
+    expected = reference_outputs()
+    server = ServerProcess(tmp_path / "server.log", model_cache, "--dtype", "float32",
+                           "--max-model-len", "512", "--attention-replicas", "2",
+                           "--expert-workers", "2", "--transport", "tcp")
+    poller = HealthPoller(server.grpc_address)
+    workers: list[int] = []
+    try:
+        server.wait_ready(120)
+        poller.start()
+        wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 10, "SERVING")
+
+        # 1. Mid-stream: every stream has tokens, none is complete, then E0 dies.
+        streams = [Stream(server.grpc_address, p, s) for p, s in REQUESTS]
+        for s in streams:
+            s.start()
+        wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
+                 "first tokens of every stream")
+        victim = expert_pid(server, 0)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        assert not any(s.complete is not None for s in streams), "a stream ended before the kill"
+        for s in streams:
+            s.join(240)
+        for s, exp in zip(streams, expected):
+            assert s.error is None, s.error
+            assert list(s.complete.output_ids) == exp.token_ids
+            assert s.complete.text == exp.text
+            assert s.chunk_ids == exp.token_ids and s.chunk_text == exp.text
+        down = poller.first("NOT_SERVING", killed)
+        assert down is not None and down - killed < 2.0, "health did not dip"
+        wait_for(lambda: poller.history[-1][1] == "SERVING", 60, "health back")
+        assert expert_pid(server, 0) != victim
+
+        # 2. Idle: E1 dies with no request in flight; health reports it within 2 s.
+        victim = expert_pid(server, 1)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: poller.first("NOT_SERVING", killed) is not None, 5, "NOT_SERVING")
+        assert poller.first("NOT_SERVING", killed) - killed < 2.0
+        status, body = http_get(server.url + "/health")
+        assert status in (200, 503)  # 503 RECOVERING unless the restart already finished
+        wait_for(lambda: poller.first("SERVING", poller.first("NOT_SERVING", killed)) is not None,
+                 60, "health back after the idle kill")
+        assert http_get(server.url + "/health")[0] == 200
+        again = Stream(server.grpc_address, *REQUESTS[1])
+        again.run()
+        assert again.error is None and list(again.complete.output_ids) == expected[1].token_ids
+        workers = descendants(server.proc.pid)
+    finally:
+        poller.stop()
+        assert server.stop() == 0, server.log()
+    wait_for(lambda: not any(alive(p) for p in workers), 15, "workers to exit")
