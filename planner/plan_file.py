@@ -6,9 +6,11 @@ Schema (docs/planner.md has the full description)::
     model: mixtral-8x22b            # built-in name or config.json path given to the planner
     objective: throughput           # or cost
     workload: {input_len, output_len, tpot_ms, ttft_ms, expert_skew}
-    summary: {throughput_tok_s, cost_per_hour, tokens_per_cost, gpus: {TYPE: n}, ilp_status, ilp_gap}
+    summary: {throughput_tok_s, cost_per_hour, tokens_per_cost, tokens_per_joule, gpus: {TYPE: n},
+              ilp_status, ilp_gap}
     units:                          # deployment units; each is `copies` identical deployments
       - copies: 2
+        layout: disaggregated       # or colocated: attention and experts on the same GPUs
         attention: {gpu: H20, tp: 4, replicas: 4, max_batch_per_replica: 632}
         experts: {gpu: L40S, tp: 2, workers: 8, placement: [[0], [1], ...]}  # expert ids per worker
         microbatches: 2

@@ -1,12 +1,16 @@
 """Efficiency factors of the roofline model, per GPU type, and their profile file.
 
 A profile is written by ``megaserve plan calibrate`` (see planner/calibrate.py) and read
-by ``megaserve plan --profile``. Format (YAML)::
+by ``megaserve plan --profile`` (a path, a shipped name in ``SHIPPED``, or ``none``).
+Format (YAML)::
 
     version: 1
     default: {hbm_eff: 0.8, flops_eff: 0.7, ...}   # fields of Efficiency; any subset
     gpus:
       H20: {hbm_eff: 0.83}                          # per-GPU overrides of the default
+    fits:                                           # optional: how each GPU was obtained
+      H20: {points: 9, max_err: 0.04, mean_err: 0.02, before_max_err: 3.5, files: [...]}
+      H100-SXM: {transferred_from: H200}            # copied, not measured
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class Profile:
         for name in gpu_names:
             fit = self.fits.get(name)
             if name not in self.gpus:
-                lines.append(f"  {name}: datasheet efficiency defaults, not calibrated (error unknown)")
+                what = "datasheet efficiency defaults" if self.default == Efficiency() else "the profile's default factors"
+                lines.append(f"  {name}: {what}, not calibrated (error unknown)")
             elif fit and "max_err" in fit:
                 lines.append(
                     f"  {name}: calibrated on {fit.get('points', '?')} measurements; measured error "
