@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -136,7 +137,8 @@ def test_issue_example_table_has_both_layouts_and_explain_names_the_winner(tmp_p
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("deployment units by")[1].split("\n\n")[0]
     assert " colocated " in table and " disaggregated " in table
-    assert "profile: hopper" in out.stdout and "H200: calibrated on 9 measurements; measured error max" in out.stdout
+    assert "profile: hopper" in out.stdout
+    assert re.search(r"H200: calibrated on \d+ measurements; measured error max \d+\.\d%", out.stdout)
     winner = out.stdout.split("winner: ")[1].split(",")[0]
     best_line = out.stdout.split("best plan:")[1].splitlines()[0]
     assert f"[{winner}:" in best_line and winner in ("colocated", "disaggregated")
