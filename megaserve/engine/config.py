@@ -8,7 +8,10 @@ from dataclasses import dataclass
 TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
 AGGREGATIONS = ("per_layer", "lockstep")
 DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+# KV pool of a CPU engine without kv_cache_memory_bytes: at most this, and no more than
+# max_num_seqs full-length requests need (megaserve.engine.memory).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEVICES = ("auto", "cpu", "cuda")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -87,9 +90,14 @@ class EngineConfig:
     """How to load and run a model. ``None`` fields are derived from the model.
 
     max_model_len: prompt + generated tokens per request (default: the model's
-    max_position_embeddings, capped at 4096). num_kv_blocks: size of each attention
-    replica's KV pool (default: enough for ``max_num_seqs`` full-length requests within
-    ``kv_cache_bytes``). attention_replicas / expert_workers / microbatches / transport:
+    max_position_embeddings, capped at 4096). device: "auto" (CUDA when torch sees a GPU,
+    else CPU; resolved on construction), "cpu", "cuda" or "cuda:N".
+    KV pool of each attention worker (vLLM's names, megaserve.engine.memory), first match:
+    num_kv_blocks (blocks), kv_cache_memory_bytes (bytes), else on CUDA
+    gpu_memory_utilization (the fraction of the GPU's memory the engine process may use:
+    the pool gets what the weights, a profiling forward of max_num_batched_tokens tokens
+    and the CUDA graphs leave), on CPU ``max_num_seqs`` full-length requests within
+    DEFAULT_CPU_KV_CACHE_BYTES. attention_replicas / expert_workers / microbatches / transport:
     the disaggregated layout (defaults: everything in this process, one micro-batch).
     cpu_threads: torch intra-op threads of a CPU engine, pinned per process. One thread is
     the default: the CPU kernels run many small fixed-shape GEMM tiles, which OpenMP
@@ -100,13 +108,14 @@ class EngineConfig:
 
     model: str = "builtin:tiny-moe"
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"
     max_num_seqs: int = 64
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     seed: int = 0
     attention_replicas: int = 1
     expert_workers: int = 1
@@ -129,6 +138,10 @@ class EngineConfig:
     # (threads or processes of this host) or "ray" (Ray actors; needs a process transport).
     launcher: str = "local"
     ray_address: str | None = None  # the Ray cluster to join ("auto", "ray://host:10001")
+    # The GPU type (Ray accelerator type, e.g. "H100") the launcher places attention replicas
+    # / expert workers on, from a plan; None: any node with the resources.
+    attention_gpu_type: str | None = None
+    expert_gpu_type: str | None = None
 
     def __post_init__(self) -> None:
         if self.launcher not in ("local", "ray"):
@@ -138,15 +151,25 @@ class EngineConfig:
                              "process transport, e.g. transport='tcp'")
         if self.ray_address is not None and self.launcher != "ray":
             raise ValueError("ray_address is only used with launcher='ray'")
+        for name in ("attention_gpu_type", "expert_gpu_type"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a GPU type name such as 'H100', got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "attention_replicas", "expert_workers", "microbatches", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        value = self.kv_cache_memory_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {value!r}")
+        value = self.gpu_memory_utilization
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 1):
@@ -166,5 +189,17 @@ class EngineConfig:
                 f"expert_workers={self.expert_workers}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES or (
+                self.device.startswith(("auto", "cpu")) and ":" in self.device):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device == "auto":
+            object.__setattr__(self, "device", resolve_device(self.device))
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` → ``"cuda"`` where torch sees a GPU, else ``"cpu"``; others unchanged."""
+    if device != "auto":
+        return device
+    import torch  # here, not at import: the config module stays light
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
