@@ -135,7 +135,8 @@ class EngineConfig:
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (vLLM's keys).
     speculative_config: SpeculativeConfig | None = None
     # Where the workers of a disaggregated layout run (megaserve.runtime.launcher): "local"
-    # (threads or processes of this host) or "ray" (Ray actors; needs a process transport).
+    # (threads or processes of this host) or "ray" (Ray actors; needs a process transport,
+    # which megaserve.runtime.launcher.make_launcher checks).
     launcher: str = "local"
     ray_address: str | None = None  # the Ray cluster to join ("auto", "ray://host:10001")
     # The GPU type (Ray accelerator type, e.g. "H100") the launcher places attention replicas
@@ -146,9 +147,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.launcher not in ("local", "ray"):
             raise ValueError(f"launcher must be one of ['local', 'ray'], got {self.launcher!r}")
-        if self.launcher == "ray" and self.transport == "inproc":
-            raise ValueError("launcher 'ray' runs workers as Ray actors (processes): choose a "
-                             "process transport, e.g. transport='tcp'")
         if self.ray_address is not None and self.launcher != "ray":
             raise ValueError("ray_address is only used with launcher='ray'")
         for name in ("attention_gpu_type", "expert_gpu_type"):
