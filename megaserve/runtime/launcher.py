@@ -230,6 +230,9 @@ def make_launcher(name: str, use_processes: bool, ray_address: str | None = None
     if name == "local":
         return LocalLauncher(use_processes)
     if name == "ray":
+        if not use_processes:
+            raise ValueError("launcher 'ray' runs workers as Ray actors (processes): choose a "
+                             "process transport, e.g. transport='tcp'")
         try:
             from deploy.ray_launcher import RayLauncher
         except ImportError as e:

@@ -1,0 +1,264 @@
+"""The Ray launcher: every attention replica and expert worker of a plan unit as a Ray actor.
+
+Placement (vLLM's Ray executor and Ray Serve LLM conventions)::
+
+    one placement group per plan unit, strategy PACK, one bundle per worker (rank order):
+        attention replica i → {"CPU": 1, "GPU": g, "accelerator_type:<attention GPU>": 0.001}
+        expert worker j     → {"CPU": 1, "GPU": g, "accelerator_type:<expert GPU>": 0.001}
+    g = 1 on CUDA (the runtime runs every worker at tp=1), 0 on CPU. Ray gives each node
+    with GPUs of type T the resource ``accelerator_type:T``; KubeRay worker groups get it from
+    ``ray.io/accelerator-type`` / rayStartParams (see deploy/k8s.py).
+
+Messaging: the front-end (the driver, where ``megaserve serve`` runs) sends a worker its
+messages through an actor method (``send``, queued inside the actor, so the worker's own
+``inbox.get_nowait()`` stays local); workers send theirs to one mailbox actor per group,
+fire-and-forget (Ray keeps the order of one caller's calls to one actor). Workers find each
+other through the driver's rendezvous server (its node IP, an ephemeral port), not through
+fixed ports. A worker is dead when its ``run`` call has returned (it stopped or failed) or
+its actor died; the driver polls that with ``ray.wait(timeout=0)``.
+
+Recovery replaces the group's actors (new actors in the same placement-group bundles, which
+Ray re-places if a node was lost); the placement group lives until ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import queue
+import time
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megaserve.runtime.launcher import process_title, set_process_title
+from megaserve.runtime.workers import WorkerSpec, run_worker
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+ACCELERATOR_SHARE = 0.001  # what a bundle asks of accelerator_type:<T> (as Ray's own option)
+ENV_PREFIXES = ("MEGASERVE_",)  # environment forwarded to the worker actors
+
+
+@ray.remote(num_cpus=0)
+class Mailbox:
+    """Worker → front-end messages of one group (an async actor)."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue | None = None
+
+    def _q(self) -> asyncio.Queue:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        return self._queue
+
+    async def put(self, message: Any) -> None:
+        self._q().put_nowait(message)
+
+    async def take(self, timeout: float) -> list[Any]:
+        """Everything queued, waiting up to ``timeout`` s for the first message."""
+        q = self._q()
+        items = []
+        if q.empty() and timeout > 0:
+            try:
+                items.append(await asyncio.wait_for(q.get(), timeout))
+            except asyncio.TimeoutError:
+                return []
+        while not q.empty():
+            items.append(q.get_nowait())
+        return items
+
+
+class _Outbox:
+    """What run_worker sees as its outbox: ``put`` sends to the mailbox without waiting."""
+
+    def __init__(self, mailbox: Any) -> None:
+        self._mailbox = mailbox
+
+    def put(self, message: Any) -> None:
+        self._mailbox.put.remote(message)
+
+
+@ray.remote(max_concurrency=4)
+class RayWorker:
+    """One worker (megaserve.runtime.workers.run_worker) in a threaded actor: ``run``
+    blocks for the worker's life; ``send`` and ``info`` answer meanwhile."""
+
+    def __init__(self, spec: WorkerSpec, mailbox: Any) -> None:
+        self._spec = spec
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox = _Outbox(mailbox)
+
+    def run(self) -> None:
+        # The actor's own pid stands for the front-end: Ray ends a (non-detached) actor when
+        # its driver dies, so the worker's parent check follows the actor's life. Ray sets
+        # CUDA_VISIBLE_DEVICES to the bundle's GPU, which is cuda:0 in here.
+        device = "cuda:0" if self._spec.device.startswith("cuda") else self._spec.device
+        spec = replace(self._spec, parent_pid=os.getpid(), device=device)
+        set_process_title(process_title(spec))
+        run_worker(spec, self._inbox, self._outbox)
+
+    def send(self, message: Any) -> None:
+        self._inbox.put(message)
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
+class RayHandle:
+    """The front-end's view of one worker actor."""
+
+    def __init__(self, name: str, actor: Any, run_ref: Any) -> None:
+        self.name = name
+        self.actor = actor
+        self.run_ref = run_ref
+
+    def send(self, message: Any) -> None:
+        self.actor.send.remote(message)
+
+    def is_alive(self) -> bool:
+        ready, _ = ray.wait([self.run_ref], timeout=0, fetch_local=False)
+        return not ready
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+    def join(self, timeout: float) -> None:
+        ray.wait([self.run_ref], timeout=timeout, fetch_local=False)
+
+
+class RayGroup:
+    """The worker actors of one mesh and their mailbox."""
+
+    def __init__(self, handles: list[RayHandle], mailbox: Any) -> None:
+        self.handles = handles
+        self._mailbox = mailbox
+        self._received: collections.deque = collections.deque()
+        self._stopped = False
+
+    def receive(self, timeout: float) -> Any | None:
+        if not self._received and not self._stopped:
+            try:
+                self._received.extend(ray.get(self._mailbox.take.remote(timeout),
+                                              timeout=timeout + 30))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                return None
+        return self._received.popleft() if self._received else None
+
+    def dead(self) -> list[str]:
+        refs = [h.run_ref for h in self.handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        ready = set(ready)
+        return [h.name for h in self.handles if h.run_ref in ready]
+
+    def stop(self, grace_s: float) -> None:
+        if self._stopped:
+            return
+        for handle in self.handles:
+            handle.send(("stop",))
+        refs = [h.run_ref for h in self.handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s, fetch_local=False)
+        if len(ready) < len(refs):
+            logger.warning("killing %d worker actor(s) after %.0fs", len(refs) - len(ready), grace_s)
+        # Drain what the workers sent on their way out (expert stats) before the mailbox goes.
+        try:
+            self._received.extend(ray.get(self._mailbox.take.remote(0), timeout=10))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass
+        self._stopped = True
+        for handle in self.handles:  # a stopped worker's actor still holds its bundle
+            handle.kill()
+        ray.kill(self._mailbox, no_restart=True)
+
+
+def _bundle(spec: WorkerSpec) -> dict[str, float]:
+    bundle = {"CPU": 1.0}
+    if spec.device.startswith("cuda"):
+        bundle["GPU"] = 1.0
+    gpu_type = (spec.engine.attention_gpu_type if spec.role == "attention"
+                else spec.engine.expert_gpu_type)
+    if gpu_type:
+        bundle[f"accelerator_type:{gpu_type}"] = ACCELERATOR_SHARE
+    return bundle
+
+
+class RayLauncher:
+    """Launches worker groups on a Ray cluster (see the module docstring).
+
+    ``address``: the cluster to join (``"auto"``, ``"ray://host:10001"``, a GCS address);
+    None joins the one this process is already connected to, or starts a local one.
+    Raises RuntimeError where the plan's GPUs cannot be placed within PLACEMENT_TIMEOUT_S.
+    """
+
+    def __init__(self, address: str | None = None,
+                 placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                     runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                               if k.startswith(ENV_PREFIXES)}})
+        self._placement_timeout_s = placement_timeout_s
+        self._pg = None
+        self._bundles: list[dict[str, float]] = []
+        self.rendezvous_host = ray.util.get_node_ip_address()
+
+    @property
+    def placement_group(self) -> Any:
+        return self._pg
+
+    def _reserve(self, specs: list[WorkerSpec]) -> None:
+        bundles = [_bundle(spec) for spec in specs]
+        if self._pg is not None and bundles == self._bundles:
+            return
+        self._pg = placement_group(bundles, strategy="PACK", name=f"megaserve-{os.getpid()}")
+        self._bundles = bundles
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._placement_timeout_s)
+        if not ready:
+            needed = collections.Counter()
+            for bundle in bundles:
+                needed.update(bundle)
+            available = ray.cluster_resources()
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise RuntimeError(
+                f"cannot place the workers within {self._placement_timeout_s:.0f}s: they need "
+                f"{dict(needed)} (one bundle per worker: {bundles}); the cluster has "
+                f"{available}. Add nodes of the planned GPU types or change the plan.")
+
+    def start(self, specs: list[WorkerSpec]) -> RayGroup:
+        self._reserve(specs)
+        mailbox = Mailbox.remote()
+        handles = []
+        for rank, spec in enumerate(specs):
+            bundle = self._bundles[rank]
+            actor = RayWorker.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                name=f"megaserve-{os.getpid()}-{spec.role}-{spec.index}-{time.monotonic_ns()}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=rank),
+            ).remote(spec, mailbox)
+            handles.append(RayHandle(f"megaserve-{spec.role}-{spec.index}", actor,
+                                     actor.run.remote()))
+        return RayGroup(handles, mailbox)
+
+    def restart(self, group: RayGroup, specs: list[WorkerSpec]) -> RayGroup:
+        group.stop(grace_s=1.0)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self._placement_timeout_s)
+        if not ready:
+            raise RuntimeError("the placement group lost nodes and Ray could not re-place "
+                               f"it within {self._placement_timeout_s:.0f}s")
+        return self.start(specs)
+
+    def close(self) -> None:
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
