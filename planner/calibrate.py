@@ -247,7 +247,8 @@ def error_table(fit: RunFit) -> str:
     for b, a in zip(fit.before, fit.after):
         lines.append(f"  {a.label:<76} {a.measured_tok_s:>9.1f} {b.predicted_tok_s:>9.1f} {b.worst:>7.1%} "
                      f"{a.predicted_tok_s:>9.1f} {a.worst:>6.1%}")
-    lines.append(f"  max error: before {max(e.worst for e in fit.before):.1%}, after {max(e.worst for e in fit.after):.1%}")
+    before, after = max(e.worst for e in fit.before), max(e.worst for e in fit.after)
+    lines.append(f"  max error: before {before:.1%}, after {after:.1%}")
     return "\n".join(lines)
 
 

@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Plan a disaggregated MoE deployment (attention and experts on different GPU types) "
         "over a GPU inventory. 'megaserve plan calibrate --help' fits efficiency factors.",
     )
-    p.add_argument("--model", required=True, help="built-in name (e.g. mixtral-8x22b) or path to config.json")
+    p.add_argument("--model", required=True,
+                   help="built-in name (e.g. mixtral-8x22b), an HF checkpoint directory or its "
+                   "config.json, or builtin:NAME (megaserve's generated test models)")
     p.add_argument("--cluster", required=True, help="cluster YAML: inventory and GPU overrides (examples/cluster.yaml)")
     p.add_argument("--tpot-ms", type=float, default=150.0, help="time-per-output-token SLO (default 150)")
     p.add_argument("--ttft-ms", type=float, default=None, help="time-to-first-token SLO (default: none)")

@@ -105,7 +105,8 @@ def _explain_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
     return "\n".join([
         f"unit: co-located on {tp * ep} x {g.name}: {ep} attention rank(s) of tp={tp}, experts split over "
         f"{ep} rank(s) ({int(perf.experts_per_worker(model, ep))} each); batch {b} per rank",
-        f"per MoE layer: attention roofline {attn * us:.1f} us + {_overheads(hw, b)} = T_a {float(step.t_a) * us:.1f} us",
+        f"per MoE layer: attention roofline {attn * us:.1f} us + {_overheads(hw, b)} = "
+        f"T_a {float(step.t_a) * us:.1f} us",
         f"  experts: {ep * b} tokens x top-{model.top_k} over {model.num_experts} experts = {rows:.1f} rows per "
         f"expert GEMM -> T_e {float(step.t_e) * us:.1f} us",
         f"  all-to-all one way T_c {float(all_to_all_time(model, work, hw, ep, b)) * us:.1f} us (0 when ep = 1)",

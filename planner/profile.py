@@ -87,7 +87,8 @@ class Profile:
         for name in gpu_names:
             fit = self.fits.get(name)
             if name not in self.gpus:
-                what = "datasheet efficiency defaults" if self.default == Efficiency() else "the profile's default factors"
+                what = ("datasheet efficiency defaults" if self.default == Efficiency()
+                        else "the profile's default factors")
                 lines.append(f"  {name}: {what}, not calibrated (error unknown)")
             elif fit and "max_err" in fit:
                 lines.append(
