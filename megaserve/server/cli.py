@@ -43,9 +43,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an HTTP connection may go without a complete request "
                         "head, idle keep-alive included, before it is closed "
                         "(default: %(default)s)")
+    p.add_argument("--launcher", default="local", choices=["local", "ray"],
+                   help="where the workers of a disaggregated layout run: processes of this "
+                        "host, or Ray actors placed by the plan's GPU types (pip install "
+                        "'megaserve[ray]'; needs --transport tcp or another process "
+                        "transport) (default: %(default)s)")
+    p.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join with --launcher ray: 'auto' (the one "
+                        "this node belongs to), ray://HOST:10001 or HOST:6379 (default: "
+                        "the one already connected, else a new local one)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
+
+def _launcher_options(args: argparse.Namespace) -> dict:
+    """EngineConfig options of --launcher / --ray-address (GPU types from --plan for Ray)."""
+    if args.launcher == "local":
+        if args.ray_address is not None:
+            raise ValueError("--ray-address: only used with --launcher ray")
+        return {}
+    if runtime_options(args).get("transport", "inproc") == "inproc":
+        raise ValueError("--launcher ray: the workers are Ray actors, each its own process; "
+                         "add --transport tcp")
+    options = {"launcher": "ray", "ray_address": args.ray_address}
+    if args.plan:
+        from deploy.plans import plan_gpu_options
+
+        options.update(plan_gpu_options(args.plan, args.plan_unit))
+    return options
 
 
 def main(argv: list[str]) -> int:
@@ -56,13 +82,14 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:  # argparse printed the message
         return int(e.code or 0)
     try:
-        engine = {**runtime_options(args), "seed": args.seed}
+        engine = {**runtime_options(args), "seed": args.seed, **_launcher_options(args)}
         EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
         config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
                              http_port=args.http_port, max_waiting=args.max_waiting,
                              grace_period=args.grace_period, api_key=args.api_key,
                              timeout_keep_alive=args.timeout_keep_alive)
-        check_runtime(engine)  # model, device, workers, transport: before binding ports
+        if args.launcher == "local":  # with Ray, the cluster's nodes run the workers
+            check_runtime(engine)  # model, device, workers, transport: before binding ports
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return EXIT_USAGE
