@@ -1,0 +1,269 @@
+"""Speculative decoding on CPU, float32: greedy token ids and logprobs are bitwise those of
+decoding without speculation (n-gram and draft-model proposers, k in 1..6, crowds arriving
+at random steps, prefix-cache hits, chunked prefill, a cramped pool that preempts); seeded
+sampling with speculation is reproducible whatever else runs; and the speculative sampling
+rule gives the target's distribution (chi-square over a fixed seed set)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import stats as scipy_stats
+
+from megaserve.engine.config import EngineConfig, SpeculativeConfig
+from megaserve.engine.engine import LLMEngine
+from megaserve.models.builtin import resolve_model
+from megaserve.sampling_params import SamplingParams
+from tests.megaserve.hf_models import make_checkpoint
+
+MAX_MODEL_LEN = 160
+SIGNIFICANCE = 1e-3  # chi-square tests below; the seed sets are fixed, so never flaky
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """Draft checkpoints for the built-in target (vocabulary 512): the target itself
+    (every greedy draft accepted) and a 1-layer random model (most rejected)."""
+    other = tmp_path_factory.mktemp("draft") / "other"
+    make_checkpoint(other, "qwen3_moe", seed=3, vocab_size=512, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                    num_experts_per_tok=2)
+    return {"same": str(resolve_model("builtin:tiny-moe")), "other": str(other)}
+
+
+class Engines:
+    """Engines built on first use, keyed by (method, k, variant)."""
+
+    VARIANTS = {
+        "roomy": {},
+        "chunked": dict(max_num_batched_tokens=23),
+        "cramped": dict(max_num_batched_tokens=40, num_kv_blocks=24),
+    }
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+        self._engines: dict = {}
+        self.reference = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                                enable_prefix_caching=False))
+
+    def get(self, method: str, k: int, variant: str) -> LLMEngine:
+        key = (method, k, variant)
+        if key not in self._engines:
+            if method == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+            else:
+                spec = {"model": self.drafts[method], "num_speculative_tokens": k}
+            self._engines[key] = LLMEngine(EngineConfig(
+                dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+                speculative_config=spec, **self.VARIANTS[variant]))
+        return self._engines[key]
+
+
+@pytest.fixture(scope="module")
+def engines(drafts):
+    return Engines(drafts)
+
+
+def run(engine: LLMEngine, arrivals, step_sizes: list | None = None) -> dict:
+    """Add each (step, id, prompt, params) at its step; run to completion; id → output.
+    ``step_sizes`` collects the draft counts of each step's sequences."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    done = {}
+    step = 0
+    execute = engine.runner.execute
+    if step_sizes is not None:
+        def recording(scheduled):
+            step_sizes.append(sorted(s.num_draft_tokens for s in scheduled if s.samples))
+            return execute(scheduled)
+        engine.runner.execute = recording
+    try:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= step:
+                _, request_id, prompt, params = pending.pop(0)
+                engine.add_request(request_id, prompt, params)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            step += 1
+    finally:
+        engine.runner.execute = execute
+    assert engine.pool.num_free == engine.pool.num_blocks
+    return done
+
+
+def signature(out):
+    c = out.outputs[0]
+    logprobs = [sorted(d.items()) for d in c.logprobs] if c.logprobs is not None else None
+    return c.token_ids, logprobs, c.finish_reason
+
+
+GREEDY = [
+    SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=9, temperature=0, logprobs=0, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0, logprobs=1),  # may stop at EOS
+]
+SAMPLED = [
+    SamplingParams(max_tokens=16, temperature=0.8, seed=3, logprobs=1, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=1.1, seed=8, top_k=30, top_p=0.9, logprobs=1,
+                   ignore_eos=True),
+]
+
+
+def repetitive_arrivals(rng: random.Random, num_requests: int, greedy_only: bool):
+    """Prompts repeating short random patterns (so n-gram lookup finds matches), some
+    sharing prefixes, arriving at random steps."""
+    patterns = [[rng.randrange(512) for _ in range(rng.randrange(2, 8))] for _ in range(3)]
+    arrivals = []
+    for i in range(num_requests):
+        pattern = rng.choice(patterns)
+        prompt = (pattern * 40)[: rng.randrange(1, 90)] + [rng.randrange(512) for _ in range(rng.randrange(3))]
+        params = rng.choice(GREEDY if greedy_only or rng.random() < 0.6 else SAMPLED)
+        arrivals.append((rng.randrange(8), f"r{i}", prompt, params))
+    return arrivals
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), num_requests=st.integers(1, 12), k=st.integers(1, 6),
+       method=st.sampled_from(["ngram", "same", "other"]),
+       variant=st.sampled_from(["roomy", "chunked", "cramped"]))
+def test_speculation_is_bitwise_invisible(engines, seed, num_requests, k, method, variant):
+    """Greedy: equal to decoding without speculation, each request alone. Seeded
+    sampling: equal to the same speculative engine serving the request alone."""
+    rng = random.Random(seed)
+    arrivals = repetitive_arrivals(rng, num_requests, greedy_only=False)
+    engine = engines.get(method, k, variant)
+    got = run(engine, arrivals)
+    for _, request_id, prompt, params in arrivals:
+        if params.greedy:
+            alone = run(engines.reference, [(0, request_id, prompt, params)])[request_id]
+        else:
+            alone = run(engines.get(method, k, "roomy"), [(0, request_id, prompt, params)])[request_id]
+        assert signature(got[request_id]) == signature(alone), (request_id, method, k, variant)
+
+
+@pytest.mark.parametrize("method", ["ngram", "same", "other"])
+def test_drafts_are_accepted_and_rejected_with_mixed_counts(engines, method):
+    """One crowd per proposer: greedy output equals the reference, some drafts are
+    accepted (all of them for the draft that is the target), and some steps batch
+    sequences with different numbers of drafts."""
+    engine = engines.get(method, 4, "roomy")
+    before = engine.stats()
+    arrivals = repetitive_arrivals(random.Random(7), 10, greedy_only=True)
+    sizes: list = []
+    got = run(engine, arrivals, sizes)
+    after = engine.stats()
+    proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    assert proposed > 0
+    if method == "same":
+        assert accepted == proposed
+    else:  # the random draft hardly ever agrees with the target
+        assert accepted < proposed
+    if method == "ngram":
+        assert accepted > 0
+    assert any(len(set(s)) > 1 for s in sizes), "no step mixed draft counts"
+    for _, request_id, prompt, params in arrivals:
+        alone = run(engines.reference, [(0, request_id, prompt, params)])[request_id]
+        assert signature(got[request_id]) == signature(alone)
+
+
+def test_seeded_speculative_sampling_reproducible_and_seed_sensitive(engines):
+    engine = engines.get("other", 3, "roomy")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+
+    def tokens(seed):
+        params = SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True)
+        return run(engine, [(0, "s", prompt, params)])["s"].outputs[0].token_ids
+    assert tokens(1) == tokens(1)
+    assert tokens(1) != tokens(2)
+
+
+def test_bad_speculative_configs_are_refused(drafts, tmp_path):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown keys"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "x": 1})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="JSON"):
+        EngineConfig(speculative_config="{not json")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLMEngine(EngineConfig(dtype="float32", max_model_len=64, max_num_batched_tokens=3,
+                               speculative_config={"method": "ngram", "num_speculative_tokens": 3}))
+    small = tmp_path / "small"
+    make_checkpoint(small, "mixtral", vocab_size=100, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(EngineConfig(dtype="float32", max_model_len=64,
+                               speculative_config={"model": str(small), "num_speculative_tokens": 2}))
+
+
+# -- the sampling distribution ---------------------------------------------------------
+
+VOCAB = 8
+DIST_PROMPT = [1, 2, 3, 1, 2]
+NUM_SAMPLES = 3000  # seeds 0 .. NUM_SAMPLES - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    """A target and a draft over 8 tokens (the draft: a 1-layer model)."""
+    root = tmp_path_factory.mktemp("tiny_vocab")
+    shape = dict(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2,
+                 num_local_experts=4, num_experts_per_tok=2, initializer_range=0.25)
+    make_checkpoint(root / "target", "mixtral", seed=0, **shape)
+    make_checkpoint(root / "draft", "mixtral", seed=0, num_hidden_layers=1, **shape)
+    return root / "target", root / "draft"
+
+
+def _joint(path) -> np.ndarray:
+    """Exact `[V, V]` probabilities of a model's first two tokens after DIST_PROMPT at
+    temperature 1, from its full logprobs."""
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_model_len=64))
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB, ignore_eos=True)
+    first = run(engine, [(0, "a", DIST_PROMPT, params)])["a"].outputs[0].logprobs[0]
+    outs = run(engine, [(0, f"b{t}", DIST_PROMPT + [t], params) for t in range(VOCAB)])
+    p1 = np.array([math.exp(first[t]) for t in range(VOCAB)])
+    p2 = np.array([[math.exp(outs[f"b{t}"].outputs[0].logprobs[0][u]) for u in range(VOCAB)]
+                   for t in range(VOCAB)])
+    return p1[:, None] * p2
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of observed counts to probabilities; cells expecting fewer than 5
+    are pooled (the chi-square approximation needs it)."""
+    expected = probs.flatten() / probs.sum() * counts.sum()
+    observed = counts.flatten()
+    big = expected >= 5
+    expected = np.append(expected[big], expected[~big].sum())
+    observed = np.append(observed[big], observed[~big].sum())
+    return float(scipy_stats.chisquare(observed, expected).pvalue)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method):
+    target, draft = tiny_vocab
+    if method == "draft_model":
+        spec = {"model": str(draft), "num_speculative_tokens": 2}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    engine = LLMEngine(EngineConfig(model=str(target), dtype="float32", max_model_len=64,
+                                    max_num_seqs=256, speculative_config=spec))
+    outs = run(engine, [(0, f"s{s}", DIST_PROMPT,
+                         SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True))
+                        for s in range(NUM_SAMPLES)])
+    counts = np.zeros((VOCAB, VOCAB))
+    for out in outs.values():
+        first, second = out.outputs[0].token_ids
+        counts[first, second] += 1
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert _chi_square_p(counts, _joint(target)) > SIGNIFICANCE
+    # The test has power: the same samples reject the draft's own distribution.
+    assert _chi_square_p(counts, _joint(draft)) < SIGNIFICANCE
