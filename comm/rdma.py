@@ -50,7 +50,9 @@ def rdma_unavailable() -> str | None:
     try:
         import pyverbs.device as vd
     except ImportError:
-        return "pyverbs is not installed (pip install 'megaserve[rdma]'; needs rdma-core)"
+        return ("pyverbs is not importable: it ships with rdma-core, not on PyPI (Debian/Ubuntu: "
+                "apt install python3-pyverbs; Fedora/RHEL: dnf install python3-pyverbs; in a "
+                "virtualenv, create it with --system-site-packages)")
     if not vd.get_device_list():
         return "pyverbs is installed but no RDMA device exists on this machine"
     return None
@@ -143,7 +145,7 @@ class RdmaEndpoint(TcpEndpoint):
             from pyverbs.cq import CQ
             from pyverbs.pd import PD
         except ImportError as e:
-            raise ValueError("the rdma provider needs pyverbs (pip install 'megaserve[rdma]')") from e
+            raise ValueError(f"the rdma provider needs pyverbs: {rdma_unavailable()}") from e
         self._e = import_verbs_enums()
         names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in vd.get_device_list()]
         if not names:

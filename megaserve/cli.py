@@ -47,6 +47,30 @@ def _run(target: str, argv: list[str]) -> int:
     return int(getattr(module, func_name)(argv) or 0)
 
 
+def _plan_argv(argv: list[str]) -> list[str]:
+    """``megaserve plan`` arguments with ``--model builtin:NAME`` (megaserve's built-in test
+    models, which the planner does not know) replaced by the generated checkpoint
+    directory, so every model ``megaserve serve`` takes can be planned. The planner itself
+    never imports megaserve (nor torch)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        value = out[i + 1] if arg == "--model" and i + 1 < len(out) else \
+            arg.partition("=")[2] if arg.startswith("--model=") else None
+        if value is None or not value.startswith("builtin:"):
+            continue
+        from megaserve.models.builtin import resolve_model  # numpy only, no torch
+
+        try:
+            path = str(resolve_model(value))
+        except ValueError as e:
+            raise SystemExit(f"megaserve plan: {e}") from None
+        if arg == "--model":
+            out[i + 1] = path
+        else:
+            out[i] = f"--model={path}"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -68,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0 if rest and rest[0] in ("-h", "--help") else EXIT_USAGE
         return _run(BENCHMARKS[rest[0]], rest[1:])
+    if command == "plan":
+        try:
+            rest = _plan_argv(rest)
+        except SystemExit as e:
+            print(e, file=sys.stderr)
+            return EXIT_USAGE
     return _run(COMMANDS[command][0], rest)
 
 
