@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
+DATA_PLANES = ("auto", "device", "host")
 AGGREGATIONS = ("per_layer", "lockstep")
 DEFAULT_MAX_MODEL_LEN = 4096
 # KV pool of a CPU engine without kv_cache_memory_bytes: at most this, and no more than
@@ -143,8 +144,20 @@ class EngineConfig:
     # / expert workers on, from a plan; None: any node with the resources.
     attention_gpu_type: str | None = None
     expert_gpu_type: str | None = None
+    # Run attention and experts as separate workers even in the (1, 1, inproc) layout
+    # (threads of this process with their own CUDA streams and the device data plane).
+    disaggregate: bool = False
+    # How dispatch/combine move on CUDA (megaserve.runtime.device_plane): "device" (buffers
+    # registered once, device-side counts, stream flags, CUDA graphs for both roles),
+    # "host" (frames through comm endpoints), "auto" (device where it applies: CUDA, one
+    # attention replica, inproc or cuda_ipc).
+    data_plane: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
+        if not isinstance(self.disaggregate, bool):
+            raise ValueError(f"disaggregate must be True or False, got {self.disaggregate!r}")
         if self.launcher not in ("local", "ray"):
             raise ValueError(f"launcher must be one of ['local', 'ray'], got {self.launcher!r}")
         if self.ray_address is not None and self.launcher != "ray":
