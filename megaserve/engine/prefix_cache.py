@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,3 +74,48 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+class PrefixRouter:
+    """Cache-aware routing for a front-end over several attention replicas.
+
+    The front-end cannot see the replicas' pools, so it remembers which full prompt
+    blocks it sent where (per replica, least recently sent forgotten first beyond
+    ``capacity_blocks``, about what a pool holds). A request goes to the replica that
+    minimises ``load - reused tokens``: the replica holding its prefix wins while its
+    outstanding work exceeds the others' by less than the prefill it saves, so a hot
+    prefix never piles all traffic onto one replica. Ties go to the lower load, then index.
+    Routing never changes outputs (prefix hits are bitwise invisible); it saves prefill.
+    """
+
+    def __init__(self, num_replicas: int, block_size: int, root: bytes,
+                 capacity_blocks: int = 1 << 16) -> None:
+        self.block_size = block_size
+        self.root = root
+        self.capacity_blocks = capacity_blocks
+        self._sent: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def matched_tokens(self, replica: int, block_hashes: list[bytes]) -> int:
+        """Tokens of the longest prefix of ``block_hashes`` sent to ``replica``."""
+        sent = self._sent[replica]
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in sent:
+                break
+            count += 1
+        return count * self.block_size
+
+    def route(self, token_ids: list[int], loads: list[int]) -> int:
+        """The replica for a prompt given each replica's outstanding work (tokens);
+        records the prompt's full blocks as sent there."""
+        hashes = prompt_block_hashes(token_ids, self.block_size, self.root)
+        usable = hashes[: (len(token_ids) - 1) // self.block_size]  # the last token always runs
+        replica = min(range(len(loads)),
+                      key=lambda r: (loads[r] - self.matched_tokens(r, usable), loads[r], r))
+        sent = self._sent[replica]
+        for block_hash in hashes:
+            sent[block_hash] = None
+            sent.move_to_end(block_hash)
+        while len(sent) > self.capacity_blocks:
+            sent.popitem(last=False)
+        return replica

@@ -24,8 +24,9 @@ from dataclasses import replace
 
 from comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import (EngineStats, Prompt, derive_seed, load_tokenizer,
-                                     resolve_max_model_len, validate_prompt)
+from megaserve.engine.engine import (EngineStats, Prompt, cache_root, derive_seed,
+                                     load_tokenizer, resolve_max_model_len, validate_prompt)
+from megaserve.engine.prefix_cache import PrefixRouter
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import resolve_dtype
@@ -134,6 +135,11 @@ class DisaggregatedEngine:
         self._arrivals = itertools.count()
         self._owner: dict[str, int] = {}  # request id → replica
         self._load = [0] * config.attention_replicas  # outstanding token work per replica
+        # Cache-aware routing: requests sharing a prefix go where it is cached.
+        self._router = None
+        if config.enable_prefix_caching and config.attention_replicas > 1:
+            root = cache_root(path, resolve_dtype(config.dtype, self.model_config), config.block_size)
+            self._router = PrefixRouter(config.attention_replicas, config.block_size, root)
         self._work: dict[str, int] = {}
         self._prompts: dict[str, str | None] = {}  # text prompts (replicas only see ids)
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
@@ -324,7 +330,10 @@ class DisaggregatedEngine:
         arrival = next(self._arrivals)
         if seed is None:
             seed = derive_seed(self.config.seed, arrival)
-        replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+        if self._router is not None:
+            replica = self._router.route(ids, self._load)
+        else:
+            replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
         work = len(ids) + params.max_tokens
         self._owner[request_id] = replica
         self._work[request_id] = work
@@ -444,4 +453,8 @@ class DisaggregatedEngine:
             prompt_tokens_total=self._stats_base[0] + sum(s.prompt_tokens_total for s in known),
             generation_tokens_total=self._stats_base[1] + sum(s.generation_tokens_total for s in known),
             num_preemptions=self._stats_base[2] + sum(s.num_preemptions for s in known),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
+            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in known),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in known),
         )
