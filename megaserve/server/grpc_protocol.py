@@ -15,6 +15,7 @@ event loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -140,6 +141,9 @@ def parse_generate(req: pb.GenerateRequest) -> ParsedGenerate:
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError.invalid("stop_token_ids", f"{len(sp.stop_token_ids)} ids: at most "
                                    f"{MAX_STOP_TOKEN_IDS}")
+    for name in ("temperature", "top_p", "min_p"):
+        if sp.HasField(name) and not math.isfinite(getattr(sp, name)):
+            raise RequestError.invalid(name, f"must be a finite number, got {getattr(sp, name)}")
     kwargs: dict = {}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if sp.HasField(name):

@@ -37,6 +37,26 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     assert e.value.message.startswith(f"{field}: ")
 
 
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": math.inf}, "temperature"), ({"temperature": math.nan}, "temperature"),
+    ({"top_p": -math.inf}, "top_p"), ({"logprobs": 10**9}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"), ({"stop": ["x"] * 65}, "stop"),
+])
+def test_grpc_non_finite_and_unbounded_params_are_refused(kwargs, field):
+    with pytest.raises(RequestError) as e:
+        parse_generate(build_request("hi", **kwargs))
+    assert e.value.param == field and e.value.message.startswith(f"{field}: ")
+
+
+def test_grpc_parse_is_linear_on_repeated_0xff():
+    import time
+
+    start = time.perf_counter()
+    bad = deserialize_generate(b"\xff" * (4 << 20))
+    assert isinstance(bad, BadMessage) and bad.error.param == "request"
+    assert time.perf_counter() - start < 1.0  # was quadratic: 18 s for 1 MB
+
+
 def test_wire_with_both_text_and_token_ids_is_refused():
     both = (pb.GenerateRequest(text="hi").SerializeToString()
             + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])).SerializeToString())

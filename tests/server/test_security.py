@@ -23,10 +23,11 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def keyed_server(model_cache, tmp_path_factory, monkeypatch_module):
-    """A server whose key comes from MEGASERVE_API_KEY (the flag's default)."""
+    """A server whose key comes from MEGASERVE_API_KEY (the flag's default), with the
+    default ``--dtype auto``."""
     monkeypatch_module.setenv("MEGASERVE_API_KEY", KEY)
     srv = ServerProcess(tmp_path_factory.mktemp("keyed") / "server.log", model_cache,
-                        "--dtype", "float32", "--max-model-len", "512")
+                        "--max-model-len", "512")
     monkeypatch_module.delenv("MEGASERVE_API_KEY")
     try:
         srv.wait_ready()
@@ -92,6 +93,7 @@ def test_api_key_guards_grpc_and_leaves_grpc_health_open(keyed_server):
         info = stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=10,
                                     metadata=auth_metadata(KEY))
         assert info.model_name == "builtin:tiny-moe"
+        assert info.dtype == "float32"  # resolved from the checkpoint, not "auto"
 
 
 def test_serve_refuses_an_empty_api_key(model_cache):
