@@ -58,6 +58,8 @@ class _EngineCollector:
              "finished (running, waiting or being validated).", float(self._num_in_flight())),
             ("megaserve:num_kv_blocks", "KV-cache blocks in total.", total),
             ("megaserve:num_free_kv_blocks", "KV-cache blocks free.", stat("num_free_kv_blocks")),
+            ("megaserve:prefix_cache_hit_rate", "Prefix-cache hits / queries in tokens, "
+             "since start (0-1).", stat("prefix_cache_hits") / max(1.0, stat("prefix_cache_queries"))),
         ]
         for name, help_, value in gauges:
             family = GaugeMetricFamily(name, help_, labels=["model_name"])
@@ -65,7 +67,15 @@ class _EngineCollector:
             yield family
         for name, help_, field in [
                 ("vllm:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total"),
-                ("vllm:generation_tokens", "Tokens generated.", "generation_tokens_total")]:
+                ("vllm:generation_tokens", "Tokens generated.", "generation_tokens_total"),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 "prefix_cache_queries"),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 "prefix_cache_hits"),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 "spec_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 "spec_num_accepted_tokens")]:
             family = CounterMetricFamily(name, help_, labels=["model_name"])
             family.add_metric([self._model], stat(field))
             yield family

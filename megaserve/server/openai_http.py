@@ -283,8 +283,11 @@ async def _run_choices(core: ServingCore, choices: list[_Choice]):
 def _usage(choices: list[_Choice], finals: dict[int, Delta], n: int) -> dict[str, int]:
     prompt = sum(len(c.prompt_ids) for c in choices if c.index % n == 0)
     completion = sum(len(d.output_ids) for d in finals.values())
+    # Prompt tokens served from the prefix cache, once per prompt (OpenAI's field).
+    cached = sum(d.cached_tokens for i, d in finals.items() if i % n == 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _logprobs(core: ServingCore, req: oai.OpenAIRequest, ids: list[int], lps, offset: int):

@@ -54,6 +54,8 @@ def test_completion_equals_llm_generate(server, llm):
     assert lps["token_ids"] == expected.outputs[0].token_ids
     assert lps["token_logprobs"] == [d[t] for t, d in zip(expected.outputs[0].token_ids,
                                                            expected.outputs[0].logprobs)]
+    cached = body["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < len(expected.prompt_token_ids)  # earlier tests may have cached PROMPT
     assert body["usage"] == {"prompt_tokens": len(expected.prompt_token_ids),
                              "completion_tokens": 20, "total_tokens": len(expected.prompt_token_ids) + 20}
 
