@@ -42,6 +42,13 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         help="expert workers gather frames this long to batch replicas together")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV cache of shared prompt prefixes "
+                        "(bitwise invisible in outputs; default: on)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 3} or '
+                             '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
 
 
 def runtime_options(args: argparse.Namespace) -> dict:
@@ -57,6 +64,8 @@ def runtime_options(args: argparse.Namespace) -> dict:
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
         cuda_graphs=not args.no_cuda_graphs,
     )
+    options.update(enable_prefix_caching=args.enable_prefix_caching,
+                   speculative_config=args.speculative_config)
     if args.plan:
         from megaserve.runtime.plan import engine_options_from_plan
 
