@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 import kernels
@@ -139,19 +140,21 @@ class NgramProposer(Proposer):
         return len(self.lookup(seq))
 
     def lookup(self, seq: Sequence) -> tuple[int, ...]:
+        """The proposal for ``seq`` (at most :meth:`limit` tokens, possibly none)."""
         limit = self.limit(seq)
         if limit == 0:
             return ()
-        tokens = seq.prompt_token_ids + seq.output_token_ids
-        total = len(tokens)
+        tokens = np.asarray(seq.prompt_token_ids + seq.output_token_ids, dtype=np.int64)  # [L]
+        total = tokens.shape[0]
         for n in range(self.config.prompt_lookup_max, self.config.prompt_lookup_min - 1, -1):
             if n >= total:
                 continue
-            suffix = tokens[total - n:]
-            for start in range(total - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    follow = tokens[start + n:start + n + limit]
-                    return tuple(follow)
+            # Windows starting at 0 .. L-n-1 (each followed by at least one token): [L-n, n]
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tuple(tokens[start:start + limit].tolist())
         return ()
 
     def propose(self, items):

@@ -20,6 +20,7 @@ from megaserve.engine.engine import LLMEngine
 from megaserve.models.builtin import resolve_model
 from megaserve.sampling_params import SamplingParams
 from tests.megaserve.hf_models import make_checkpoint
+from tests.megaserve.test_prefix_cache import run as run_arrivals
 
 MAX_MODEL_LEN = 160
 SIGNIFICANCE = 1e-3  # chi-square tests below; the seed sets are fixed, so never flaky
@@ -70,30 +71,20 @@ def engines(drafts):
 
 
 def run(engine: LLMEngine, arrivals, step_sizes: list | None = None) -> dict:
-    """Add each (step, id, prompt, params) at its step; run to completion; id → output.
-    ``step_sizes`` collects the draft counts of each step's sequences."""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    done = {}
-    step = 0
+    """:func:`test_prefix_cache.run` (every block free afterwards); ``step_sizes``
+    collects the draft counts of each step's sampling sequences."""
+    if step_sizes is None:
+        return run_arrivals(engine, arrivals)
     execute = engine.runner.execute
-    if step_sizes is not None:
-        def recording(scheduled):
-            step_sizes.append(sorted(s.num_draft_tokens for s in scheduled if s.samples))
-            return execute(scheduled)
-        engine.runner.execute = recording
+
+    def recording(scheduled):
+        step_sizes.append(sorted(s.num_draft_tokens for s in scheduled if s.samples))
+        return execute(scheduled)
+    engine.runner.execute = recording
     try:
-        while pending or engine.has_unfinished_requests():
-            while pending and pending[0][0] <= step:
-                _, request_id, prompt, params = pending.pop(0)
-                engine.add_request(request_id, prompt, params)
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            step += 1
+        return run_arrivals(engine, arrivals)
     finally:
         engine.runner.execute = execute
-    assert engine.pool.num_free == engine.pool.num_blocks
-    return done
 
 
 def signature(out):
@@ -267,3 +258,21 @@ def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method):
     assert _chi_square_p(counts, _joint(target)) > SIGNIFICANCE
     # The test has power: the same samples reject the draft's own distribution.
     assert _chi_square_p(counts, _joint(draft)) < SIGNIFICANCE
+
+
+def test_ngram_lookup_takes_the_latest_longest_match_within_limits():
+    from megaserve.engine.sequence import Sequence
+    from megaserve.engine.spec_decode import NgramProposer
+
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                               prompt_lookup_max=2), max_model_len=100)
+
+    def propose(tokens, max_tokens=50):
+        seq = Sequence("s", None, list(tokens), SamplingParams(max_tokens=max_tokens), 0, 0)
+        return proposer.lookup(seq)
+    # "7 8" occurred twice: the later occurrence wins; 3 tokens follow it.
+    assert propose([7, 8, 1, 2, 3, 7, 8, 4, 5, 6, 9, 7, 8]) == (4, 5, 6)
+    assert propose([8, 8, 5]) == ()  # neither "8 5" nor "5" occurred before
+    assert propose([5, 8, 6, 9, 8]) == (6, 9, 8)  # no 2-gram match: the 1-gram "8" does
+    assert propose([1, 2, 3]) == ()
+    assert propose([7, 8, 1, 2, 3, 7, 8], max_tokens=2) == (1,)  # room for 1 draft + 1 token
