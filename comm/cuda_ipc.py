@@ -32,6 +32,38 @@ logger = logging.getLogger(__name__)
 _OWN_SEGMENT_BYTES = 16 << 20
 
 
+def share_tensor(tensor: Any) -> bytes:
+    """A CUDA tensor as bytes another process of this host can map (:func:`open_tensor`).
+
+    The tensor should sit in a cudaMalloc segment of its own (allocate at least 16 MiB):
+    see the NOTE in ``CudaIpcEndpoint._ring_storage``. Keep it alive while peers use it.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps(reduce_tensor(tensor))
+
+
+def open_tensor(data: bytes) -> Any:
+    """Map a tensor shared by :func:`share_tensor` into this process (no copy).
+
+    NOTE: torch's sharing also exports an IPC event the opener waits on; buffers shared
+    at start-up have no pending writes, and opening that event is where 4-GPU runs failed
+    intermittently (cudaErrorInvalidResourceHandle), so it is skipped; a failed open is
+    retried once.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    rebuild, args = pickle.loads(data)
+    if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
+        args = (*args[:-1], False)  # event_sync_required
+    try:
+        return rebuild(*args)
+    except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
+        logger.warning("mapping a peer's CUDA buffer failed (%s); retrying once", e)
+        time.sleep(0.05)
+        return rebuild(*args)
+
+
 class CudaIpcEndpoint(TcpEndpoint):
     """Endpoint of one GPU worker process. ``device``: its CUDA device (default: current)."""
 
@@ -50,8 +82,6 @@ class CudaIpcEndpoint(TcpEndpoint):
         super().__init__(rank, world_size, config, host=host, port=port)
 
     def _ring_storage(self, hello: Hello) -> tuple[Any, bytes]:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         torch = self._torch
         # NOTE: a ring smaller than the caching allocator's large-segment threshold (10 MiB)
         # shares one cudaMalloc segment, hence one IPC handle, with other rings and tensors
@@ -63,28 +93,11 @@ class CudaIpcEndpoint(TcpEndpoint):
         size = max(self.config.ring_bytes, _OWN_SEGMENT_BYTES)
         ring = torch.empty(size, dtype=torch.uint8, device=self.device)[: self.config.ring_bytes]
         self._rings_keepalive.append(ring)
-        return ring, pickle.dumps(reduce_tensor(ring))
+        return ring, share_tensor(ring)
 
     def _attach(self, welcome: Hello) -> Any:
-        """The receiver's ring, mapped into this process.
-
-        NOTE: torch's CUDA tensor sharing also exports an IPC event that the opener waits
-        on, so that the producer's pending writes land first. A ring has none (it is never
-        written by its owner), and opening that event is where 4-GPU runs failed
-        intermittently (cudaErrorInvalidResourceHandle while experts on GPUs 1-3 mapped
-        rings on GPU 0), so it is skipped; a failed open is retried once.
-        """
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        rebuild, args = pickle.loads(welcome.extra)
-        if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
-            args = (*args[:-1], False)  # event_sync_required
-        try:
-            return rebuild(*args)
-        except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
-            logger.warning("mapping rank %d's ring failed (%s); retrying once", welcome.rank, e)
-            time.sleep(0.05)
-            return rebuild(*args)
+        """The receiver's ring, mapped into this process (:func:`open_tensor`)."""
+        return open_tensor(welcome.extra)
 
     def _prepare(self, payload: Any) -> tuple[Any, int]:
         """payload: a tensor (any dtype, contiguous or not, CUDA or CPU) or a list of them."""

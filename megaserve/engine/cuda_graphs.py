@@ -32,20 +32,22 @@ import kernels
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.expert_part import ExpertPart
-from megaserve.models.forward import LocalExperts, MicroBatch, run_layers
+from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run_layers
 
 logger = logging.getLogger(__name__)
 
 _TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
 
 
-def capture_sizes(max_batch: int) -> list[int]:
+def capture_sizes(max_batch: int, multiple: int = 1) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, then multiples of 8 up to ``max_batch`` (which is
-    always included). Raises ``ValueError`` for ``max_batch < 1``."""
+    always included), each rounded up to a multiple of ``multiple`` (the micro-batch
+    count, so every micro-batch of a captured size has the same rows). Raises
+    ``ValueError`` for ``max_batch < 1``."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
-    return sizes + [max_batch]
+    return sorted({-(-s // multiple) * multiple for s in sizes + [max_batch]})
 
 
 def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
@@ -63,17 +65,22 @@ class DecodeGraphs:
     one engine thread drives it. Raises ``ValueError`` at construction for bad sizes.
     """
 
-    def __init__(self, attention: AttentionPart, experts: ExpertPart,
+    def __init__(self, attention: AttentionPart, experts: ExpertPart | ExpertClient,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 max_batch: int, max_model_len: int, capture: bool = True) -> None:
+                 max_batch: int, max_model_len: int, capture: bool = True,
+                 microbatches: int = 1) -> None:
         self.attention = attention
-        self.experts = LocalExperts(experts)
+        # An ExpertPart runs in this graph; an ExpertClient with ``graph_step`` (the device
+        # data plane) is told before each replay, and its dispatch/combine are captured.
+        self.experts = LocalExperts(experts) if isinstance(experts, ExpertPart) else experts
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sizes = capture_sizes(max_batch)
+        self.microbatches = microbatches
+        self.sizes = capture_sizes(max_batch, microbatches)
         self.table_width = -(-max_model_len // block_size)  # W
         self.capture = capture
         device = attention.device
+        max_batch = self.sizes[-1]
         cols = _TABLE + self.table_width
         self._static = torch.zeros(max_batch, cols, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
@@ -115,7 +122,15 @@ class DecodeGraphs:
         if entry is None:
             entry = self._capture(b)
         graph, out = entry
+        graph_step = getattr(self.experts, "graph_step", None)
+        if graph_step is not None:
+            graph_step(b, self.microbatches)
         graph.replay()
+        wait = getattr(self.experts, "wait", None)
+        if wait is not None:  # bounded: a dead expert worker raises, never hangs
+            done = torch.cuda.Event()
+            done.record()
+            wait(done)
         self.num_steps += 1
         return out[:n]
 
@@ -140,15 +155,20 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         """The decode forward over static rows ``[:b]``: `[b, V]` float32 log-probs."""
         rows = self._static[:b]
-        meta = AttentionMetadata(
-            positions=rows[:, _POSITION].long(),
-            slot_mapping=rows[:, _SLOT].long(),
-            block_tables=rows[:, _TABLE:].contiguous(),
-            context_lens=rows[:, _CONTEXT].contiguous(),
-            query_start_loc=self._query_start_loc[: b + 1],
-        )
-        batch = MicroBatch(rows[:, _TOKEN].long(), meta)
-        (hidden,) = run_layers(self.attention, self.experts, [batch], self.kv_caches)
+        m = self.microbatches
+        part = b // m  # captured sizes are multiples of m
+        batches = []
+        for i in range(m):
+            r = rows[i * part:(i + 1) * part]
+            batches.append(MicroBatch(r[:, _TOKEN].long(), AttentionMetadata(
+                positions=r[:, _POSITION].long(),
+                slot_mapping=r[:, _SLOT].long(),
+                block_tables=r[:, _TABLE:].contiguous(),
+                context_lens=r[:, _CONTEXT].contiguous(),
+                query_start_loc=self._query_start_loc[: part + 1],
+            )))
+        hidden = run_layers(self.attention, self.experts, batches, self.kv_caches)
+        hidden = torch.cat(hidden) if m > 1 else hidden[0]  # [b, D]
         return kernels.log_softmax(self.attention.logits(hidden))
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -269,7 +269,14 @@ def make_engine(config: EngineConfig):
     """The engine for a config: everything in this process (the defaults), or a
     front-end over attention and expert workers (any of R, E, m, transport changed)."""
     layout = (config.attention_replicas, config.expert_workers, config.transport)
-    disaggregated = layout != (1, 1, "inproc") or config.expert_placement is not None
+    from megaserve.runtime.device_engine import uses_device_plane
+
+    if uses_device_plane(config):
+        from megaserve.runtime.device_engine import DevicePlaneEngine
+
+        return DevicePlaneEngine(config)
+    disaggregated = (layout != (1, 1, "inproc") or config.expert_placement is not None
+                     or config.disaggregate)
     if disaggregated:
         from megaserve.runtime.cluster import DisaggregatedEngine
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from comm import CommError
 from megaserve.engine import spec_decode
 from megaserve.engine.cuda_graphs import DecodeGraphs
 from megaserve.engine.scheduler import ScheduledSeq
@@ -94,6 +95,7 @@ class ModelRunner:
                 self.kv_caches,
             )
             h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, D]
+            self._wait_experts()
             if not rows:
                 return results
             logprobs = kernels.log_softmax(
@@ -116,6 +118,8 @@ class ModelRunner:
             return None
         try:
             return self.decode_graphs.run(scheduled)
+        except CommError:
+            raise  # a lost expert worker is not a capture failure
         except RuntimeError as e:
             # Capture failed (a host sync in some kernel). The warm-up wrote the same K/V
             # values the eager step writes again, so falling back is safe.
@@ -123,14 +127,30 @@ class ModelRunner:
             self._graphs_failed = True
             return None
 
+    def _wait_experts(self) -> None:
+        """On the device data plane, wait (bounded, polling an event) until the experts'
+        rows of this eager step are in: a dead expert worker raises instead of hanging."""
+        wait = getattr(self.experts, "wait", None)
+        if wait is not None:
+            done = torch.cuda.Event()
+            done.record()
+            wait(done)
+
     def _build_decode_graphs(self) -> bool:
-        """Create the decode graphs (CUDA, in-process experts only); False where off."""
-        if self.device.type != "cuda" or not isinstance(self.experts, LocalExperts):
+        """Create the decode graphs (CUDA; in-process experts, or the device data plane,
+        whose dispatch and combine are captured too); False where off."""
+        if isinstance(self.experts, LocalExperts):
+            client, microbatches = self.experts.experts, 1
+        elif hasattr(self.experts, "graph_step"):
+            client, microbatches = self.experts, self.microbatches
+        else:
+            return False
+        if self.device.type != "cuda":
             return False
         try:
             self.decode_graphs = DecodeGraphs(
-                self.attention, self.experts.experts, self.kv_caches, self.block_size,
-                self.max_num_seqs, int(self.attention.cos.shape[0]),
+                self.attention, client, self.kv_caches, self.block_size,
+                self.max_num_seqs, int(self.attention.cos.shape[0]), microbatches=microbatches,
             )
         except ValueError as e:  # e.g. max_num_seqs < 1
             logger.info("decode CUDA graphs off: %s", e)

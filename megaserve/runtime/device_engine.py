@@ -1,0 +1,281 @@
+"""DevicePlaneEngine: one attention replica and E expert workers over the device data plane.
+
+The attention replica is an :class:`~megaserve.engine.engine.LLMEngine` in this process,
+stepped by the caller on a CUDA stream of its own, whose experts are a
+:class:`~megaserve.runtime.device_plane.DeviceExperts`. Expert workers are threads of this
+process (``transport="inproc"`` with ``disaggregate=True``: each with its own stream; only
+the byte mover is local) or processes of this host (``transport="cuda_ipc"``: the
+buffers are CUDA IPC mappings). Either way, decode steps are one CUDA graph per role and one
+host message per expert worker (megaserve.runtime.device_plane).
+
+It has the synchronous engine's interface, so ``LLM`` and ``AsyncLLMEngine`` use it
+unchanged. Raises ``ValueError`` for a layout it does not run (CPU, several replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from megaserve.engine.config import EngineConfig
+from megaserve.engine.engine import LLMEngine
+from megaserve.models.builtin import resolve_model
+from megaserve.models.config import ModelConfig
+from megaserve.models.loader import load_model, resolve_dtype
+from megaserve.runtime.device_plane import (DeviceExperts, ExpertInbox, ExpertLink, ExpertServer,
+                                            PlaneShape, ReplicaInbox, _Done)
+from megaserve.runtime.placement import ExpertPlacement
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
+
+
+def device_plane_reason(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot run on the device data plane, or None if it can."""
+    if not config.device.startswith("cuda"):
+        return "the device data plane needs CUDA"
+    if config.attention_replicas != 1:
+        return "the device data plane runs one attention replica so far"
+    if config.transport not in ("inproc", "cuda_ipc"):
+        return f"the device data plane moves bytes in-process or over cuda_ipc, not {config.transport}"
+    if config.speculative_config is not None:
+        return "speculative decoding runs on the host data plane"
+    return None
+
+
+def uses_device_plane(config: EngineConfig) -> bool:
+    """True where ``make_engine`` should build a :class:`DevicePlaneEngine`."""
+    if config.data_plane == "host":
+        return False
+    split = config.disaggregate or (config.attention_replicas, config.expert_workers,
+                                    config.transport) != (1, 1, "inproc")
+    if not split:
+        return False
+    reason = device_plane_reason(config)
+    if config.data_plane == "device" and reason is not None:
+        raise ValueError(f"data_plane='device': {reason}")
+    return reason is None
+
+
+@dataclass(frozen=True)
+class ExpertWorkerSpec:
+    """What an expert worker process needs (picklable)."""
+
+    index: int
+    model: str
+    dtype: str
+    device: str
+    expert_ids: tuple[int, ...]
+    shape: PlaneShape
+    moe_layers: tuple[int, ...]
+    replica_handle: bytes  # the replica's ReplicaInbox storage (comm.cuda_ipc.share_tensor)
+    parent_pid: int
+
+
+def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
+    return load_model(resolve_model(model), dtype, device, attention=False,
+                      expert_ids=list(expert_ids)).experts
+
+
+def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
+    """Entry point of an expert worker process (``cuda_ipc``)."""
+    from comm.cuda_ipc import open_tensor, share_tensor
+
+    try:
+        device = torch.device(spec.device)
+        torch.cuda.set_device(device)
+        part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids)
+        inbox = ExpertInbox(spec.shape, device)
+        replica = ReplicaInbox(spec.shape, storage=open_tensor(spec.replica_handle))
+        server = ExpertServer(part, spec.index, spec.shape, inbox, replica,
+                              list(spec.moe_layers), device)
+        torch.cuda.synchronize()
+        replies.put(("ready", spec.index, share_tensor(inbox.storage)))
+
+        def parent_gone() -> bool:
+            try:
+                os.kill(spec.parent_pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        server.serve(messages, None, parent_gone)
+        torch.cuda.synchronize()
+    except BaseException as e:  # noqa: BLE001 - reported to the front-end
+        logger.exception("expert worker %d failed", spec.index)
+        replies.put(("error", spec.index, f"{type(e).__name__}: {e}"))
+
+
+class DevicePlaneEngine:
+    """Front-end; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
+                 timeout_s: float = 60.0) -> None:
+        reason = device_plane_reason(config)
+        if reason is not None:
+            raise ValueError(reason)
+        path = resolve_model(config.model)
+        model_config = ModelConfig.from_dir(path)
+        if placement is None:
+            placement = (ExpertPlacement(model_config.num_experts, config.expert_placement)
+                         if config.expert_placement is not None
+                         else ExpertPlacement.even(model_config.num_experts, config.expert_workers))
+        self.placement = placement
+        self.device = torch.device(config.device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        self.shape = PlaneShape(
+            num_workers=placement.num_workers, microbatches=config.microbatches,
+            capacity=max(config.max_num_batched_tokens, config.max_num_seqs),
+            hidden=model_config.hidden_size, top_k=model_config.top_k,
+            num_experts=model_config.num_experts,
+            dtype=resolve_dtype(config.dtype, model_config))
+        self.moe_layers = [i for i, moe in enumerate(model_config.moe_layers) if moe]
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._processes: list = []
+        self._queues: list = []
+        self._stop = threading.Event()
+        self.replica_inbox = ReplicaInbox(self.shape, self.device)
+        self.servers: list[ExpertServer] = []  # in-process workers (for stats and tests)
+        try:
+            if config.transport == "inproc":
+                links = self._start_threads(config, str(path))
+            else:
+                links = self._start_processes(config, str(path))
+            self.experts = DeviceExperts(self.shape, links, self.replica_inbox,
+                                         placement.owner_table(), timeout_s=timeout_s)
+            engine_config = replace(config, model=str(path), attention_replicas=1,
+                                    expert_workers=1, transport="inproc", expert_placement=None,
+                                    disaggregate=False)
+            self.stream = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self.stream):
+                self.engine = LLMEngine(engine_config, experts=self.experts)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config = config
+        self.model_name = config.model
+
+    # -- workers ----------------------------------------------------------------------
+
+    def _start_threads(self, config: EngineConfig, path: str) -> list[ExpertLink]:
+        links = []
+        for index, expert_ids in enumerate(self.placement.workers):
+            part = _load_experts(path, config.dtype, config.device, expert_ids)
+            inbox = ExpertInbox(self.shape, self.device)
+            server = ExpertServer(part, index, self.shape, inbox, self.replica_inbox,
+                                  self.moe_layers, self.device)
+            messages: queue.Queue = queue.Queue()
+            done = _Done()
+            thread = threading.Thread(
+                target=self._serve_thread, args=(server, messages, done),
+                name=f"megaserve-expert-{index}", daemon=True)
+            thread.start()
+            self.servers.append(server)
+            self._threads.append(thread)
+            self._queues.append(messages)
+            links.append(ExpertLink(inbox, messages, done))
+        torch.cuda.synchronize()  # buffers zeroed before any flag is read
+        return links
+
+    def _serve_thread(self, server: ExpertServer, messages, done: _Done) -> None:
+        torch.cuda.set_device(self.device)
+        try:
+            server.serve(messages, done, self._stop.is_set)
+        except BaseException:  # noqa: BLE001 - surfaced to the replica through `done`
+            logger.exception("expert worker %d failed", server.index)
+
+    def _start_processes(self, config: EngineConfig, path: str) -> list[ExpertLink]:
+        from comm.cuda_ipc import open_tensor, share_tensor
+
+        ctx = multiprocessing.get_context("spawn")
+        self._replies = ctx.Queue()
+        torch.cuda.synchronize()  # the replica's buffers are zeroed before they are shared
+        handle = share_tensor(self.replica_inbox.storage)
+        for index, expert_ids in enumerate(self.placement.workers):
+            spec = ExpertWorkerSpec(index, path, config.dtype, str(self.device),
+                                    tuple(expert_ids), self.shape, tuple(self.moe_layers),
+                                    handle, os.getpid())
+            messages = ctx.Queue()
+            process = ctx.Process(target=run_expert_process, args=(spec, messages, self._replies),
+                                  name=f"megaserve-expert-{index}", daemon=True)
+            process.start()
+            self._processes.append(process)
+            self._queues.append(messages)
+        inboxes: dict[int, ExpertInbox] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(inboxes) < len(self._processes):
+            try:
+                message = self._replies.get(timeout=1.0)
+            except queue.Empty:
+                self._check_processes()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"expert workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
+                continue
+            if message[0] == "error":
+                raise RuntimeError(f"expert worker {message[1]} failed: {message[2]}")
+            inboxes[message[1]] = ExpertInbox(self.shape, storage=open_tensor(message[2]))
+        return [ExpertLink(inboxes[i], self._queues[i]) for i in range(len(self._processes))]
+
+    def _check_processes(self) -> None:
+        dead = [p.name for p in self._processes if not p.is_alive()]
+        if dead and not self._closed:
+            from megaserve.runtime.cluster import WorkerError
+
+            raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
+
+    def shutdown(self) -> None:
+        """Stop the expert workers (idempotent); kills processes that do not exit in time."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for messages in self._queues:
+            messages.put(("stop",))
+        deadline = time.monotonic() + STOP_GRACE_S
+        for worker in [*self._threads, *self._processes]:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                logger.warning("killing %s after %.0fs", process.name, STOP_GRACE_S)
+                process.kill()
+                process.join(5)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+    # -- the engine interface -----------------------------------------------------------
+
+    def step(self):
+        """One step of the replica (its stream); raises WorkerError for a dead worker."""
+        self._check_processes()
+        with torch.cuda.stream(self.stream):
+            return self.engine.step()
+
+    def add_request(self, *args, **kwargs):
+        with torch.cuda.stream(self.stream):
+            return self.engine.add_request(*args, **kwargs)
+
+    def abort_request(self, request_id: str):
+        with torch.cuda.stream(self.stream):
+            return self.engine.abort_request(request_id)
+
+    def __getattr__(self, name: str):
+        # validate, has_unfinished_requests, stats, tokenizer, vocab_size, max_model_len...
+        if name in ("engine", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)

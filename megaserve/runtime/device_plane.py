@@ -1,0 +1,444 @@
+"""The device-driven data plane: dispatch and combine with no host round trip per frame.
+
+Shape legend: m = micro-batches, E = expert workers, C = rows a micro-batch slot holds,
+c = rows a tick uses (<= C), T = tokens of a micro-batch, D = hidden, k = top-k.
+
+Every buffer is allocated once, at start-up, in the memory of the worker that *receives*
+it; the sender writes into it directly (same process: the same tensor; another process on
+the host: a CUDA IPC mapping). One slot per micro-batch is enough: dispatch (l + 1, i)
+is issued only after combine (l, i), which the expert side writes only after it has read
+its rows of (l, i)::
+
+    ExpertInbox (expert worker e's GPU)         ReplicaInbox (the attention replica's GPU)
+      rows   [m, C + 1, D]  (row C: dump row)     out   [m, E, C, k, D]
+      ids    [m, C + 1, k]  int32, -1: elsewhere  flags [m, E] int32   combine (i, e) done
+      counts [m] int32       rows packed
+      flags  [m] int32       dispatch (i) done
+
+Routing, packing rows per destination (stable: token order), counts, the expert-side
+masking of rows beyond the count, the grouped GEMM and the combine's gather are kernels;
+counts never leave the GPU. Arrival is a device flag (:mod:`comm.stream_flags`, a toggle)
+that the consumer's stream waits on.
+
+Steps run in one of two ways:
+
+* **graph steps** (decode): the attention worker replays one CUDA graph per batch bucket
+  (all layers, all micro-batches, flags included) after one host message per expert worker
+  (``("graph", c)``); the expert worker replays its CUDA graph of all layers and ticks for
+  ``c`` rows. The host never waits inside a step.
+* **eager steps** (prefill, mixed): one host message per tick. In one process the message
+  carries a CUDA event instead of using a flag (NOTE: a stream blocked on a flag while the
+  *same process* loads a kernel module deadlocks: the load waits for every stream of the
+  context; events are dependencies the driver knows about). Across processes the flags are
+  used, as in graph steps.
+
+HAZARD: a flag that never comes (a dead expert worker) would block the attention stream for
+ever: the host polls the step's completion event against ``timeout_s``, then raises every
+flag it waits on to ``ABORT`` from a side stream (:class:`comm.stream_flags.Releaser`) until
+the stream drains, and raises :class:`comm.CommTimeoutError`; that step's outputs are lost.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from comm import CommTimeoutError
+from comm import stream_flags as sf
+from megaserve.models.expert_part import ExpertPart
+
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class PlaneShape:
+    """Sizes of the exchange buffers (one replica, ``num_workers`` expert workers)."""
+
+    num_workers: int
+    microbatches: int
+    capacity: int  # C: rows of one micro-batch slot (the largest micro-batch)
+    hidden: int
+    top_k: int
+    num_experts: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "microbatches", "capacity", "hidden", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PlaneShape.{name} must be a positive integer, got {value!r}")
+
+
+def _carve(storage: torch.Tensor, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict:
+    """Views of ``storage`` (uint8) for each (name, shape, dtype), 256-byte aligned."""
+    views, offset = {}, 0
+    for name, shape, dtype in specs:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        views[name] = storage[offset: offset + nbytes].view(dtype).view(shape)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return views
+
+
+def _storage_bytes(specs) -> int:
+    total = 0
+    for _, shape, dtype in specs:
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    return total
+
+
+# Allocations of at least this size get their own cudaMalloc segment (hence their own IPC
+# handle) in PyTorch's caching allocator.
+_OWN_SEGMENT_BYTES = 16 << 20
+
+
+class _Buffers:
+    """One uint8 allocation carved into named views (one IPC handle per worker)."""
+
+    def __init__(self, specs, device: torch.device | str | None = None,
+                 storage: torch.Tensor | None = None) -> None:
+        size = _storage_bytes(specs)
+        if storage is None:
+            storage = torch.empty(max(size, _OWN_SEGMENT_BYTES), dtype=torch.uint8,
+                                  device=device)[:size]
+        self.storage = storage
+        self.__dict__.update(_carve(storage, specs))
+
+
+class ExpertInbox(_Buffers):
+    """What the replica writes into expert worker ``e`` (see the module NOTE)."""
+
+    def __init__(self, shape: PlaneShape, device=None, storage=None) -> None:
+        m, c, d, k = shape.microbatches, shape.capacity, shape.hidden, shape.top_k
+        super().__init__([("rows", (m, c + 1, d), shape.dtype), ("ids", (m, c + 1, k), torch.int32),
+                          ("counts", (m,), torch.int32), ("flags", (m,), torch.int32)],
+                         device, storage)
+        if storage is None:
+            self.flags.zero_()
+            self.counts.zero_()
+
+
+class ReplicaInbox(_Buffers):
+    """What expert workers write into the attention replica (see the module NOTE)."""
+
+    def __init__(self, shape: PlaneShape, device=None, storage=None) -> None:
+        m, e, c, k, d = (shape.microbatches, shape.num_workers, shape.capacity, shape.top_k,
+                         shape.hidden)
+        super().__init__([("out", (m, e, c, k, d), shape.dtype), ("flags", (m, e), torch.int32)],
+                         device, storage)
+        if storage is None:
+            self.flags.zero_()
+
+
+# -- eager steps in one process: per-tick messages carrying CUDA events ------------------
+
+
+class _Done:
+    """Completions of eager ticks, (layer, micro-batch) → event, handed across threads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self.failed: str | None = None
+
+    def put(self, key: tuple[int, int], event: torch.cuda.Event) -> None:
+        with self._cond:
+            self._events[key] = event
+            self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        with self._cond:
+            self.failed = why
+            self._cond.notify_all()
+
+    def take(self, key: tuple[int, int], timeout_s: float) -> torch.cuda.Event:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while key not in self._events:
+                if self.failed is not None:
+                    raise CommTimeoutError(f"expert worker failed: {self.failed}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(f"expert worker did not answer tick {key} "
+                                           f"within {timeout_s:.0f}s")
+                self._cond.wait(left)
+            return self._events.pop(key)
+
+
+@dataclass
+class PlaneStats:
+    """Host-side work of the data plane (what a test bounds per step)."""
+
+    host_messages: int = 0  # messages to expert workers
+    graph_steps: int = 0
+    eager_ticks: int = 0
+
+
+@dataclass
+class _Handle:
+    layer: int
+    microbatch: int
+    num_tokens: int
+    owners: torch.Tensor  # [T, k] expert worker of each (token, rank)
+    positions: torch.Tensor | None  # [E, T] row of token t in worker e's slot (E > 1)
+
+
+@dataclass
+class ExpertLink:
+    """The replica's view of one expert worker: its inbox, its message queue, and (same
+    process only) where its eager completions come back."""
+
+    inbox: ExpertInbox
+    messages: object  # queue.Queue or multiprocessing queue: ("graph", c) / ("tick", ...)
+    done: _Done | None = None  # same process: eager ticks complete through CUDA events
+
+
+class DeviceExperts:
+    """The attention side's ExpertClient over the device data plane (one replica).
+
+    ``owner``: `[num_experts]` int64, the expert worker of each expert id. Raises
+    ``ValueError`` when a micro-batch has more tokens than the slots hold.
+    """
+
+    def __init__(self, shape: PlaneShape, links: list[ExpertLink], inbox: ReplicaInbox,
+                 owner: torch.Tensor, timeout_s: float = 60.0) -> None:
+        if len(links) != shape.num_workers:
+            raise ValueError(f"{len(links)} expert links for {shape.num_workers} workers")
+        self.shape = shape
+        self.links = links
+        self.inbox = inbox
+        self.device = inbox.storage.device
+        self._owner = owner.to(self.device)
+        self.timeout_s = timeout_s
+        self.stats = PlaneStats()
+        self._releaser: sf.Releaser | None = None
+
+    # -- ExpertClient -----------------------------------------------------------------
+
+    def begin_step(self, num_microbatches: int) -> None:
+        pass
+
+    def graph_step(self, batch_size: int, num_microbatches: int) -> None:
+        """A captured step of ``batch_size`` rows in ``num_microbatches`` equal parts is
+        about to be replayed: one message per expert worker, nothing else."""
+        rows = batch_size // num_microbatches
+        for link in self.links:
+            link.messages.put(("graph", rows))
+        self.stats.host_messages += len(self.links)
+        self.stats.graph_steps += 1
+
+    def dispatch(self, layer: int, microbatch: int, x: torch.Tensor,
+                 topk_ids: torch.Tensor) -> _Handle:
+        """x `[T, D]`, topk_ids `[T, k]` int64 → the handle :meth:`combine` takes."""
+        num_tokens = x.shape[0]
+        if num_tokens > self.shape.capacity:
+            raise ValueError(f"micro-batch of {num_tokens} tokens exceeds the data plane's "
+                             f"{self.shape.capacity}-row slots")
+        owners = self._owner[topk_ids]  # [T, k]
+        capturing = torch.cuda.is_current_stream_capturing()
+        positions = []
+        for e, link in enumerate(self.links):
+            slot_rows, slot_ids = link.inbox.rows[microbatch], link.inbox.ids[microbatch]
+            if len(self.links) == 1:  # every token goes to the one worker: a plain copy
+                slot_rows[:num_tokens].copy_(x)
+                slot_ids[:num_tokens].copy_(topk_ids)
+                link.inbox.counts[microbatch].fill_(num_tokens)
+            else:
+                mine = owners == e  # [T, k]
+                need = mine.any(dim=1)  # [T]
+                pos = need.cumsum(0) - 1  # [T] row in the slot, in token order
+                dest = torch.where(need, pos, self.shape.capacity)  # others: the dump row
+                slot_rows.index_copy_(0, dest, x)
+                slot_ids.index_copy_(0, dest, torch.where(mine, topk_ids, -1).to(torch.int32))
+                link.inbox.counts[microbatch: microbatch + 1].copy_(need.sum(0, keepdim=True))
+                positions.append(pos)
+            self._signal(link, e, layer, microbatch, num_tokens, capturing)
+        stacked = torch.stack(positions) if positions else None
+        return _Handle(layer, microbatch, num_tokens, owners, stacked)
+
+    def combine(self, handle: _Handle) -> torch.Tensor:
+        """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order."""
+        i, t = handle.microbatch, handle.num_tokens
+        capturing = torch.cuda.is_current_stream_capturing()
+        for e, link in enumerate(self.links):
+            if link.done is not None and not capturing:
+                event = link.done.take((handle.layer, i), self.timeout_s)
+                torch.cuda.current_stream().wait_event(event)
+            else:
+                sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
+        if len(self.links) == 1:
+            return self.inbox.out[i, 0, :t]  # read before dispatch (l + 1, i) reuses it
+        cap, k = self.shape.capacity, self.shape.top_k
+        pos = handle.positions.gather(0, handle.owners.T).T  # [T, k] row in owner's slot
+        ranks = torch.arange(k, device=self.device)
+        flat = (handle.owners * cap + pos) * k + ranks  # [T, k] into out[i] as [E*C*k, D]
+        return self.inbox.out[i].reshape(-1, self.shape.hidden)[flat.reshape(-1)].view(t, k, -1)
+
+    def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
+                num_tokens: int, capturing: bool) -> None:
+        if capturing:
+            sf.write(link.inbox.flags[microbatch: microbatch + 1], sf.SET)
+            return
+        if link.done is not None:  # same process: an event, never a flag (module NOTE)
+            event = torch.cuda.Event()
+            event.record()
+            link.messages.put(("tick", layer, microbatch, num_tokens, event))
+        else:
+            sf.write(link.inbox.flags[microbatch: microbatch + 1], sf.SET)
+            link.messages.put(("tick", layer, microbatch, num_tokens, None))
+        self.stats.host_messages += 1
+        self.stats.eager_ticks += 1
+
+    # -- bounded waits ----------------------------------------------------------------
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Poll ``event`` (recorded after a step) until done or ``timeout_s``; on timeout,
+        drain the stream by raising every combine flag to ABORT, and raise
+        :class:`CommTimeoutError`. Never blocks in the driver."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while not event.query():
+            if time.monotonic() > deadline:
+                self._drain(event)
+                raise CommTimeoutError(f"the expert workers did not complete a step within "
+                                       f"{self.timeout_s:.0f}s; the step was abandoned")
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.00002)
+
+    def _drain(self, event: torch.cuda.Event) -> None:
+        if self._releaser is None:
+            self._releaser = sf.Releaser(self.device)
+        flags = [self.inbox.flags[i, e: e + 1] for i in range(self.shape.microbatches)
+                 for e in range(self.shape.num_workers)]
+        while not event.query():
+            self._releaser.release(flags)
+            time.sleep(0.001)
+        self.inbox.flags.zero_()
+
+
+class ExpertServer:
+    """The expert worker's side: serves one replica from its :class:`ExpertInbox`.
+
+    ``replica``: the replica's inbox (this process's tensor, or an IPC mapping).
+    Runs on its own CUDA stream; graphs per tick size ``c`` are captured on first use
+    (without ``torch.cuda.graph``'s device synchronisation, which would wait for the
+    replica's stream, itself waiting for this worker).
+    """
+
+    def __init__(self, part: ExpertPart, index: int, shape: PlaneShape, inbox: ExpertInbox,
+                 replica: ReplicaInbox, moe_layers: list[int], device: torch.device) -> None:
+        self.part = part
+        self.index = index
+        self.shape = shape
+        self.inbox = inbox
+        self.replica = replica
+        self.moe_layers = list(moe_layers)
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        # Global expert id → local index; -1 (routed elsewhere) indexes the last entry,
+        # the sentinel past the local experts, whose rows the grouped GEMM skips.
+        lookup = torch.full((shape.num_experts + 1,), len(part.expert_ids), dtype=torch.int64)
+        lookup[torch.tensor(part.expert_ids, dtype=torch.int64)] = torch.arange(len(part.expert_ids))
+        self._lookup = lookup.to(self.device)
+        self._rows = torch.arange(shape.capacity, device=self.device, dtype=torch.int32)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.rows_computed = 0  # (token, expert) pairs offered to the GEMMs (host count)
+        self.ticks = 0
+
+    def _tick(self, layer: int, i: int, c: int, use_flags: bool) -> None:
+        """Tick (layer, micro-batch i) over the first ``c`` rows of the slot."""
+        k, d = self.shape.top_k, self.shape.hidden
+        if use_flags:
+            sf.wait_and_clear(self.inbox.flags[i: i + 1])
+        valid = self._rows[:c] < self.inbox.counts[i]  # [c] rows this tick really holds
+        ids = torch.where(valid[:, None], self.inbox.ids[i, :c], -1)  # [c, k]
+        local = self._lookup[ids.long()].reshape(-1)  # [c*k]; sentinel → never computed
+        rows = self.inbox.rows[i, :c].repeat_interleave(k, dim=0)  # [c*k, D]
+        out = kernels.expert_ffn(rows, local, self.part.w_gate_up[layer],
+                                 self.part.w_down[layer])  # [c*k, D]
+        self.replica.out[i, self.index, :c].copy_(out.view(c, k, d))
+        if use_flags:
+            sf.write(self.replica.flags[i, self.index: self.index + 1], sf.SET)
+
+    def tick(self, layer: int, i: int, c: int, event: torch.cuda.Event | None) -> torch.cuda.Event:
+        """An eager tick: after ``event`` (same process) or the dispatch flag (another
+        process). Returns the event recorded after it."""
+        with torch.cuda.stream(self.stream):
+            if event is not None:
+                self.stream.wait_event(event)
+            self._tick(layer, i, c, use_flags=event is None)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.ticks += 1
+        return done
+
+    def graph_step(self, c: int) -> None:
+        """Replay the all-layers, all-ticks graph for ``c`` rows (captured on first use)."""
+        graph = self._graphs.get(c)
+        if graph is None:
+            graph = self._capture(c)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+        self.ticks += len(self.moe_layers) * self.shape.microbatches
+
+    def _capture(self, c: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                for layer in self.moe_layers:
+                    for i in range(self.shape.microbatches):
+                        self._tick(layer, i, c, use_flags=True)
+            finally:
+                graph.capture_end()
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[c] = graph
+        return graph
+
+    def serve(self, messages, done: _Done | None, should_stop, idle_s: float = 0.2) -> None:
+        """Serve messages until ``("stop",)`` or ``should_stop()``: ``("graph", c)`` and
+        ``("tick", layer, i, c, event)``; eager completions go to ``done`` (same process)."""
+        try:
+            while True:
+                try:
+                    message = messages.get(timeout=idle_s)
+                except queue.Empty:
+                    if should_stop():
+                        return
+                    continue
+                kind = message[0]
+                if kind == "stop":
+                    return
+                if kind == "graph":
+                    self.graph_step(message[1])
+                elif kind == "tick":
+                    _, layer, i, c, event = message
+                    finished = self.tick(layer, i, c, event)
+                    if done is not None:
+                        done.put((layer, i), finished)
+                else:
+                    raise ValueError(f"expert worker: unknown message {kind!r}")
+        except BaseException as e:
+            if done is not None:
+                done.fail(f"{type(e).__name__}: {e}")
+            raise
+
+
+@dataclass
+class InprocPlane:
+    """Buffers and links of a replica and its expert workers in one process."""
+
+    shape: PlaneShape
+    replica: ReplicaInbox
+    links: list[ExpertLink] = field(default_factory=list)
