@@ -12,7 +12,8 @@ Placement (vLLM's Ray executor and Ray Serve LLM conventions)::
 Messaging: the front-end (the driver, where ``megaserve serve`` runs) sends a worker its
 messages through an actor method (``send``, queued inside the actor, so the worker's own
 ``inbox.get_nowait()`` stays local); workers send theirs to one mailbox actor per group,
-fire-and-forget (Ray keeps the order of one caller's calls to one actor). Workers find each
+fire-and-forget. Both directions number their messages: Ray may run one caller's calls to
+a threaded or async actor out of order, and the receiving side restores the order. Workers find each
 other through the driver's rendezvous server (its node IP, an ephemeral port), not through
 fixed ports. A worker is dead when its ``run`` call has returned (it stopped or failed) or
 its actor died; the driver polls that with ``ray.wait(timeout=0)``.
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import queue
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -52,14 +55,16 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue | None = None
+        self._order = _Reorder()
 
     def _q(self) -> asyncio.Queue:
         if self._queue is None:
             self._queue = asyncio.Queue()
         return self._queue
 
-    async def put(self, message: Any) -> None:
-        self._q().put_nowait(message)
+    async def put(self, sender: int, seq: int, message: Any) -> None:
+        for ready in self._order.accept(sender, seq, message):
+            self._q().put_nowait(ready)
 
     async def take(self, timeout: float) -> list[Any]:
         """Everything queued, waiting up to ``timeout`` s for the first message."""
@@ -75,14 +80,37 @@ class Mailbox:
         return items
 
 
+class _Reorder:
+    """Puts numbered messages back in order. NOTE: Ray runs the calls of one caller to an
+    async or threaded actor concurrently, so they may execute out of order; every message
+    carries its sender's sequence number and is released only after its predecessors."""
+
+    def __init__(self) -> None:
+        self._next: dict[int, int] = collections.defaultdict(int)
+        self._held: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, sender: int, seq: int, message: Any) -> list[Any]:
+        """The messages now in order (possibly none, possibly several)."""
+        with self._lock:
+            self._held[(sender, seq)] = message
+            ready = []
+            while (sender, self._next[sender]) in self._held:
+                ready.append(self._held.pop((sender, self._next[sender])))
+                self._next[sender] += 1
+            return ready
+
+
 class _Outbox:
     """What run_worker sees as its outbox: ``put`` sends to the mailbox without waiting."""
 
-    def __init__(self, mailbox: Any) -> None:
+    def __init__(self, mailbox: Any, rank: int) -> None:
         self._mailbox = mailbox
+        self._rank = rank
+        self._seq = itertools.count()
 
     def put(self, message: Any) -> None:
-        self._mailbox.put.remote(message)
+        self._mailbox.put.remote(self._rank, next(self._seq), message)
 
 
 @ray.remote(max_concurrency=4)
@@ -93,7 +121,8 @@ class RayWorker:
     def __init__(self, spec: WorkerSpec, mailbox: Any) -> None:
         self._spec = spec
         self._inbox: queue.Queue = queue.Queue()
-        self._outbox = _Outbox(mailbox)
+        self._outbox = _Outbox(mailbox, spec.rank)
+        self._order = _Reorder()
 
     def run(self) -> None:
         # The actor's own pid stands for the front-end: Ray ends a (non-detached) actor when
@@ -104,8 +133,9 @@ class RayWorker:
         set_process_title(process_title(spec))
         run_worker(spec, self._inbox, self._outbox)
 
-    def send(self, message: Any) -> None:
-        self._inbox.put(message)
+    def send(self, seq: int, message: Any) -> None:
+        for ready in self._order.accept(0, seq, message):
+            self._inbox.put(ready)
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
@@ -118,9 +148,12 @@ class RayHandle:
         self.name = name
         self.actor = actor
         self.run_ref = run_ref
+        self._seq = itertools.count()
+        self._send_lock = threading.Lock()
 
     def send(self, message: Any) -> None:
-        self.actor.send.remote(message)
+        with self._send_lock:  # numbering and submission in one order
+            self.actor.send.remote(next(self._seq), message)
 
     def is_alive(self) -> bool:
         ready, _ = ray.wait([self.run_ref], timeout=0, fetch_local=False)
