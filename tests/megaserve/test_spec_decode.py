@@ -163,6 +163,28 @@ def test_drafts_are_accepted_and_rejected_with_mixed_counts(engines, method):
         assert signature(got[request_id]) == signature(alone)
 
 
+@pytest.mark.parametrize("method", ["ngram", "same"])
+def test_cramped_pool_preempts_speculating_sequences_invisibly(engines, method):
+    """Long requests in 24 blocks: sequences holding draft slots get preempted and
+    recomputed (with prefix-cache hits on their own blocks); greedy equals no
+    speculation, seeded equals the roomy speculative engine."""
+    engine = engines.get(method, 3, "cramped")
+    preemptions = engine.scheduler.total_preemptions
+    rng = random.Random(11)
+    arrivals = []
+    for i in range(8):
+        pattern = [rng.randrange(512) for _ in range(5)]
+        params = GREEDY[0] if i % 2 else SamplingParams(max_tokens=40, temperature=0.9, seed=i,
+                                                        logprobs=1, ignore_eos=True)
+        arrivals.append((i // 3, f"c{i}", (pattern * 12)[:60], params))
+    got = run(engine, arrivals)
+    assert engine.scheduler.total_preemptions > preemptions
+    for _, request_id, prompt, params in arrivals:
+        alone_engine = engines.reference if params.greedy else engines.get(method, 3, "roomy")
+        alone = run(alone_engine, [(0, request_id, prompt, params)])[request_id]
+        assert signature(got[request_id]) == signature(alone), request_id
+
+
 def test_seeded_speculative_sampling_reproducible_and_seed_sensitive(engines):
     engine = engines.get("other", 3, "roomy")
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
