@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
 from megaserve.engine.model_runner import ModelRunner
@@ -64,12 +65,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         model_config = ModelConfig.from_dir(path)
         self.max_model_len = resolve_max_model_len(config, model_config)
+        start = memory.snapshot(config.device)  # before the weights (CUDA only)
         model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len,
                            expert_ids=[] if experts is not None else None, config=model_config)
         self.model_config = model.config
         self.model_name = config.model
         self.vocab_size = model.config.vocab_size
-        num_blocks = self._num_kv_blocks(model.attention.dtype)
+        experts = experts or LocalExperts(model.experts)
+        self.kv_plan = self._plan_kv_cache(model, experts, start)
+        num_blocks = self.kv_plan.num_blocks
         self.pool = BlockPool(num_blocks)
         self.proposer = self._make_proposer()
         self.scheduler = Scheduler(
@@ -84,7 +88,7 @@ class LLMEngine:
             model.config.head_dim, model.attention.dtype, model.attention.device,
         )
         self.runner = ModelRunner(
-            model.attention, experts or LocalExperts(model.experts), kv, config.block_size,
+            model.attention, experts, kv, config.block_size,
             config.microbatches, cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
         )
@@ -116,21 +120,21 @@ class LLMEngine:
             return spec_decode.NgramProposer(spec, self.max_model_len)
         return spec_decode.DraftModelProposer(spec, self.max_model_len)
 
-    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
-        cfg, bs = self.model_config, self.config.block_size
-        per_seq = blocks_for(self.max_model_len, bs)
-        if self.config.num_kv_blocks is not None:
-            num = self.config.num_kv_blocks
-        else:
-            bytes_per_block = 2 * cfg.num_layers * bs * cfg.kv_size * dtype.itemsize
-            num = min(self.config.max_num_seqs * per_seq, self.config.kv_cache_bytes // bytes_per_block)
-        if num < per_seq:
-            raise ValueError(
-                f"num_kv_blocks: {num} blocks of {bs} tokens cannot hold one request of "
-                f"max_model_len={self.max_model_len}; raise kv_cache_bytes / num_kv_blocks "
-                f"or lower max_model_len"
-            )
-        return num
+    def _plan_kv_cache(self, model, experts: ExpertClient,
+                       start: memory.DeviceSnapshot | None) -> memory.KVCachePlan:
+        """Size the KV pool (megaserve.engine.memory) and log what fits."""
+        cfg = self.model_config
+        bytes_per_block = memory.kv_bytes_per_block(
+            cfg.num_layers, self.config.block_size, cfg.num_kv_heads, cfg.head_dim,
+            model.attention.dtype)
+        profile = None
+        sized = self.config.num_kv_blocks is not None or self.config.kv_cache_memory_bytes is not None
+        if start is not None and not sized:
+            profile = memory.profile_cuda(start, model.attention, experts, self.config,
+                                          self.max_model_len, self.config.cuda_graphs)
+        plan = memory.plan_kv_cache(self.config, bytes_per_block, self.max_model_len, profile)
+        logger.info("%s", plan.describe())
+        return plan
 
     # -- requests ---------------------------------------------------------------------
 

@@ -25,9 +25,10 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """Model and placement flags shared by generate, serve and bench."""
     parser.add_argument("--model", default="builtin:tiny-moe", help="HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda or cuda:N")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    add_kv_cache_flags(parser)
     parser.add_argument("--attention-replicas", type=int, default=1)
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=1)
@@ -51,6 +52,26 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                              '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
 
 
+def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """Batch and KV-cache flags (vLLM's names); defaults from EngineConfig."""
+    from megaserve.engine.config import EngineConfig
+
+    d = EngineConfig.__dataclass_fields__
+    parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
+                        help="sequences per step")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=d["max_num_batched_tokens"].default, help="tokens per step")
+    parser.add_argument("--block-size", type=int, default=d["block_size"].default,
+                        help="tokens per KV-cache block")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=d["gpu_memory_utilization"].default,
+                        help="fraction of the GPU's memory the engine may use; the KV cache gets "
+                             "what the weights, activations and CUDA graphs leave (CUDA only)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV-cache size in bytes per attention worker (overrides "
+                             "--gpu-memory-utilization)")
+
+
 def runtime_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from :func:`add_runtime_flags` flags.
 
@@ -59,6 +80,9 @@ def runtime_options(args: argparse.Namespace) -> dict:
     options = dict(
         model=args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,

@@ -19,7 +19,9 @@ class LLM:
     ``LLM(model=..., dtype=..., device=..., max_num_seqs=..., max_model_len=...,
     block_size=16, seed=..., **engine_options)`` where ``engine_options`` are the other
     fields of :class:`~megaserve.engine.config.EngineConfig` (``attention_replicas``,
-    ``expert_workers``, ``microbatches``, ``transport``, ``num_kv_blocks``, ...).
+    ``expert_workers``, ``microbatches``, ``transport``, ``max_num_batched_tokens``, and the KV
+    pool's size: ``gpu_memory_utilization`` (default 0.9 on CUDA), ``kv_cache_memory_bytes``
+    or ``num_kv_blocks``). ``device="auto"`` (the default) runs on CUDA where torch sees a GPU.
     Use as a context manager, or call :meth:`shutdown`, to stop worker processes.
     """
 
@@ -27,7 +29,7 @@ class LLM:
         self,
         model: str = "builtin:tiny-moe",
         dtype: str = "auto",
-        device: str = "cpu",
+        device: str = "auto",
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         block_size: int = 16,

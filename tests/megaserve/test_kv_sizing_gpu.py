@@ -1,0 +1,53 @@
+"""On a GPU: ``gpu_memory_utilization`` sizing leaves the requested headroom.
+
+The engine process may use ``utilization x total`` of the device's memory: after startup
+and a full batch of decode steps (CUDA graphs captured), what it took from the device
+stays within that (plus a small allowance for allocations made after sizing), and the
+KV cache really got the rest (the budget is not left mostly unused).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GIB = 1 << 30
+# Allocations after the sizing that the profile cannot see exactly (allocator rounding,
+# kernels compiled for new shapes): the engine may exceed its budget by at most this.
+ALLOWANCE = GIB // 2
+
+
+def test_gpu_memory_utilization_leaves_the_requested_headroom():
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # the CUDA context exists before the measurement
+    torch.cuda.synchronize()
+    free_before, total = torch.cuda.mem_get_info()
+    # Half of what is free now, so the test also runs on a GPU that others use.
+    utilization = round(0.5 * free_before / total, 3)
+    budget = int(utilization * total)
+    with LLM(model="builtin:tiny-moe", dtype="bfloat16", device="cuda", max_model_len=512,
+             max_num_seqs=32, gpu_memory_utilization=utilization) as llm:
+        plan = llm.engine.kv_plan
+        assert plan.source == "gpu_memory_utilization"
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 1 for j in range(40)]} for i in range(32)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+        torch.cuda.synchronize()
+        free_after, _ = torch.cuda.mem_get_info()
+        used = free_before - free_after
+        print(f"budget {budget / GIB:.2f} GiB, used {used / GIB:.2f} GiB, "
+              f"KV {plan.memory_bytes / GIB:.2f} GiB ({plan.num_tokens} tokens)")
+        assert used <= budget + ALLOWANCE, (used, budget)
+        assert plan.memory_bytes >= 0.8 * budget - GIB, (plan.memory_bytes, budget)
+
+
+def test_kv_cache_memory_bytes_overrides_utilization():
+    with LLM(model="builtin:tiny-moe", dtype="bfloat16", device="cuda", max_model_len=512,
+             kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.01) as llm:
+        plan = llm.engine.kv_plan
+        assert plan.source == "kv_cache_memory_bytes"
+        assert plan.memory_bytes <= 256 << 20 < plan.memory_bytes + plan.bytes_per_block
