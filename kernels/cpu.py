@@ -23,8 +23,12 @@ from kernels.api import KV_SPLIT_SIZE
 from kernels.filters import filter_row
 
 ROW_TILE = 16
-# Query rows per attention step: bounds the `[rows, Hq, KV_SPLIT_SIZE, Dh]` temporaries.
-ATTN_QUERY_CHUNK = 32
+# Rows per expert GEMM tile (a fixed shape, like ROW_TILE): at decode an expert gets about
+# 2 x batch / E rows, so one tile each; prefill runs at the larger tile's speed.
+EXPERT_ROW_TILE = 32
+# (Query token, key split) items per batched attention call: bounds the temporaries
+# (`[items, Hq, KV_SPLIT_SIZE * Hkv]` float32 scores and probabilities).
+ATTN_CHUNK_ITEMS = 1024
 _M32 = 0xFFFFFFFF
 
 
@@ -93,57 +97,6 @@ def write_kv_cache(
     v_cache.view(-1, num_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """`[length padded to KV_SPLIT_SIZE, Hkv, Dh]` float32, zeros past ``length``."""
-    ctx = cache[block_ids].reshape(-1, cache.shape[2], cache.shape[3])[:length].float()
-    padded = -(-length // KV_SPLIT_SIZE) * KV_SPLIT_SIZE
-    if padded != length:
-        ctx = torch.cat([ctx, ctx.new_zeros(padded - length, *ctx.shape[1:])])
-    return ctx
-
-
-def _attend_rows(
-    q: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Online-softmax attention of query rows over fixed-size key splits.
-
-    q: `[r, Hq, Dh]` float32; q_positions: `[r]` int64; k_ctx, v_ctx: `[L', Hq, Dh]`
-    float32 (L' a multiple of KV_SPLIT_SIZE). A split entirely past a row's position
-    merges as an exact identity (scale 1, contribution 0), so rows are unaffected by
-    how many splits the longest row in the group needs.
-    """
-    last_split = int(q_positions.max()) // KV_SPLIT_SIZE
-    m = l = o = None
-    for split in range(last_split + 1):
-        start = split * KV_SPLIT_SIZE
-        k = k_ctx[start : start + KV_SPLIT_SIZE].transpose(0, 1)  # [Hq, C, Dh]
-        v = v_ctx[start : start + KV_SPLIT_SIZE].transpose(0, 1)  # [Hq, C, Dh]
-        scores = tree_sum(q[:, :, None, :] * k[None], dim=-1) * scale  # [r, Hq, C]
-        key_pos = torch.arange(start, start + KV_SPLIT_SIZE)
-        visible = key_pos[None, :] <= q_positions[:, None]  # [r, C]
-        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-        m_split = scores.amax(dim=-1)  # [r, Hq]
-        m_safe = torch.where(torch.isinf(m_split), torch.zeros_like(m_split), m_split)
-        p = torch.exp(scores - m_safe[..., None])  # [r, Hq, C]
-        l_split = tree_sum(p, dim=-1)  # [r, Hq]
-        o_split = tree_sum(p[..., None] * v[None], dim=2)  # [r, Hq, Dh]
-        if m is None:
-            # Split 0 holds key 0, visible to every row: m is finite from here on.
-            m, l, o = m_split, l_split, o_split
-            continue
-        m_new = torch.maximum(m, m_split)
-        alpha = torch.exp(m - m_new)
-        beta = torch.exp(m_split - m_new)
-        o = o * alpha[..., None] + o_split * beta[..., None]
-        l = l * alpha + l_split * beta
-        m = m_new
-    return o / l[..., None]
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -153,31 +106,104 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    num_q_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    block_size = k_cache.shape[1]
+    """Batched over every query token with fixed-shape GEMM items (module docstring).
+
+    NOTE: the unit of work is one **(query token, key split)** item: the token's `[Hq, Dh]`
+    query heads against the `[KV_SPLIT_SIZE * Hkv, Dh]` keys of one split, one item of a
+    ``torch.bmm`` whose shape never changes, so its bits do not depend on how many items
+    run together. All KV heads are multiplied at once and the GQA-matching blocks kept
+    (``diagonal``); the value product multiplies a block-diagonal probability matrix, whose
+    zero blocks add exact zeros. Keys past a token's position get probability exactly 0, a
+    split past it adds exact zeros, and sums over keys and splits are zero-padded trees,
+    so a token's result depends only on its own query and the keys it can see: not on
+    the other tokens, the chunking below, or the splits other tokens need.
+    """
+    num_tokens = q.shape[0]
     out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
     starts = query_start_loc.tolist()
     lengths = context_lens.tolist()
+    seq_of: list[int] = []
+    pos_of: list[int] = []
     for s, length in enumerate(lengths):
-        q_begin, q_end = starts[s], starts[s + 1]
-        num_new = q_end - q_begin
-        if num_new == 0:
-            continue
-        block_ids = block_tables[s, : -(-length // block_size)].long()
-        k_ctx = _gather_context(k_cache, block_ids, length)
-        v_ctx = _gather_context(v_cache, block_ids, length)
-        if group > 1:
-            k_ctx = k_ctx.repeat_interleave(group, dim=1)
-            v_ctx = v_ctx.repeat_interleave(group, dim=1)
-        positions = torch.arange(length - num_new, length)
-        for r in range(0, num_new, ATTN_QUERY_CHUNK):
-            rows = slice(q_begin + r, min(q_begin + r + ATTN_QUERY_CHUNK, q_end))
-            out[rows] = _attend_rows(
-                q[rows].float(), positions[r : r + ATTN_QUERY_CHUNK], k_ctx, v_ctx, scale
-            ).to(q.dtype)
+        num_new = starts[s + 1] - starts[s]
+        seq_of += [s] * num_new
+        pos_of += range(length - num_new, length)
+    seq = torch.tensor(seq_of, dtype=torch.int64)  # [T]
+    positions = torch.tensor(pos_of, dtype=torch.int64)  # [T]
+    # Splits each token needs; tokens sorted by need, chunked to bound the temporaries.
+    need = [p // KV_SPLIT_SIZE + 1 for p in pos_of]
+    order = sorted(range(num_tokens), key=need.__getitem__)
+    tables = block_tables.long()
+    begin = 0
+    while begin < num_tokens:
+        count = 1  # tokens in this chunk: as many as fit ATTN_CHUNK_ITEMS (at least one)
+        while (begin + count < num_tokens
+               and need[order[begin + count]] * (count + 1) <= ATTN_CHUNK_ITEMS):
+            count += 1
+        idx = torch.tensor(order[begin:begin + count], dtype=torch.int64)
+        num_splits = need[order[begin + count - 1]]  # the chunk's largest (sorted)
+        begin += count
+        rows = _attend_tokens(
+            q.index_select(0, idx), positions.index_select(0, idx),
+            tables.index_select(0, seq.index_select(0, idx)), k_cache, v_cache, num_splits,
+            scale,
+        )
+        out.index_copy_(0, idx, rows.to(q.dtype))
     return out
+
+
+def _attend_tokens(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_splits: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of N query tokens over their first ``num_splits`` key splits.
+
+    q: `[N, Hq, Dh]`; positions: `[N]` int64; tables: `[N, max_blocks]` int64 (each
+    token's sequence's block table); caches: `[num_blocks, block_size, Hkv, Dh]`.
+    Returns `[N, Hq, Dh]` float32.
+    """
+    num_tok, num_q_heads, head_dim = q.shape
+    if num_tok * num_splits == 1:
+        # A one-item torch.bmm runs as a plain GEMM, another code path than the batched
+        # one: run the token twice so every item takes the batched path.
+        return _attend_tokens(q.expand(2, -1, -1), positions.expand(2), tables.expand(2, -1),
+                              k_cache, v_cache, num_splits, scale)[:1]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    split, width = KV_SPLIT_SIZE, num_splits * KV_SPLIT_SIZE  # C, L
+    items = num_tok * num_splits
+    key_pos = torch.arange(width)
+    block = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block] * block_size + key_pos % block_size  # [N, L]
+    hidden = key_pos[None, :] > positions[:, None]  # [N, L]: past the token's position
+    slots = slots.masked_fill(hidden, 0).view(-1)
+    row = num_kv_heads * head_dim
+    k = k_cache.view(-1, row).index_select(0, slots).float()  # [N*L, Hkv*Dh]
+    v = v_cache.view(-1, row).index_select(0, slots).float()
+    # Hidden keys get probability 0; zero their values so 0 * v is 0 even for stale slots.
+    v.index_fill_(0, hidden.view(-1).nonzero().squeeze(1), 0)
+    a = q.float()[:, None].expand(-1, num_splits, -1, -1).reshape(items, num_q_heads, head_dim)
+    b = k.view(items, split * num_kv_heads, head_dim).transpose(1, 2)  # [I, Dh, C*Hkv]
+    scores = torch.bmm(a, b).view(num_tok, num_splits, num_kv_heads, group, split, num_kv_heads)
+    scores = scores.diagonal(dim1=2, dim2=5)  # [N, n, G, C, Hkv]: query head h vs kv head h
+    scores = scores.permute(0, 4, 2, 1, 3) * scale  # [N, Hkv, G, n, C]
+    scores = scores.masked_fill(hidden.view(num_tok, 1, 1, num_splits, split), float("-inf"))
+    m = scores.amax(dim=(3, 4), keepdim=True)  # key 0 is visible to every token: finite
+    p = torch.exp(scores - m)  # exactly 0 where hidden
+    denom = tree_sum(tree_sum(p, dim=-1), dim=-1)  # [N, Hkv, G]
+    blocks = p.new_zeros(num_tok, num_splits, num_kv_heads, group, split, num_kv_heads)
+    blocks.diagonal(dim1=2, dim2=5).copy_(p.permute(0, 3, 2, 4, 1))
+    o = torch.bmm(blocks.view(items, num_q_heads, split * num_kv_heads),
+                  v.view(items, split * num_kv_heads, head_dim))  # [I, Hq, Dh]
+    o = tree_sum(o.view(num_tok, num_splits, num_q_heads, head_dim), dim=1)  # [N, Hq, Dh]
+    return o / denom.reshape(num_tok, num_q_heads, 1)
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
@@ -204,12 +230,33 @@ def expert_ffn(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
 ) -> torch.Tensor:
-    out = torch.empty(x.shape[0], w_down.shape[1], dtype=x.dtype)
-    for expert in torch.unique(expert_ids).tolist():
-        rows = (expert_ids == expert).nonzero().squeeze(1)
-        hidden = silu_and_mul(linear(x[rows], w_gate_up[expert]))
-        out[rows] = linear(hidden, w_down[expert])
-    return out
+    """Rows sorted by expert, then each expert's rows in `[EXPERT_ROW_TILE, D]` tiles
+    (the last one zero-padded): every product has one fixed shape per weight."""
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter, hidden = two_inter // 2, w_down.shape[1]
+    order = torch.argsort(expert_ids, stable=True)
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    xs = x.index_select(0, order)  # [R, D], grouped by expert
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
+    tile = EXPERT_ROW_TILE
+    gate_up = torch.empty(tile, two_inter, dtype=x.dtype)
+    down = torch.empty(tile, hidden, dtype=x.dtype)
+    padded = torch.zeros(tile, x.shape[1], dtype=x.dtype)
+    begin = 0
+    for expert, count in enumerate(counts):
+        for start in range(begin, begin + count, tile):
+            n = min(tile, begin + count - start)
+            rows = xs[start:start + n]
+            if n < tile:
+                padded[:n] = rows
+                padded[n:] = 0
+                rows = padded
+            torch.mm(rows, w_gate_up[expert].t(), out=gate_up)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            torch.mm(act, w_down[expert].t(), out=down)
+            out[start:start + n] = down[:n]
+        begin += count
+    return torch.empty_like(out).index_copy_(0, order, out)
 
 
 def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
