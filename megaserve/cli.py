@@ -15,7 +15,7 @@ COMMANDS = {
     "generate": ("megaserve.entrypoints.generate_cli:main", "generate text (local model or --server)"),
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("planner.cli:main", "plan a deployment over heterogeneous GPUs"),
-    "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner"])),
+    "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner", "cpu", "device-plane"])),
 }
 
 BENCHMARKS = {
@@ -23,6 +23,8 @@ BENCHMARKS = {
     "kernels": "kernels.bench:main",
     "comm": "comm.bench:main",
     "planner": "planner.bench:main",
+    "cpu": "megaserve.bench.cpu:main",
+    "device-plane": "megaserve.bench.device_plane:main",
 }
 
 EXIT_USAGE = 2
