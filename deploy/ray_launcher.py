@@ -127,9 +127,11 @@ class RayWorker:
     def run(self) -> None:
         # The actor's own pid stands for the front-end: Ray ends a (non-detached) actor when
         # its driver dies, so the worker's parent check follows the actor's life. Ray sets
-        # CUDA_VISIBLE_DEVICES to the bundle's GPU, which is cuda:0 in here.
+        # CUDA_VISIBLE_DEVICES to the bundle's GPU, which is cuda:0 in here. The endpoint
+        # listens on this node's IP, so workers on other nodes can reach it.
         device = "cuda:0" if self._spec.device.startswith("cuda") else self._spec.device
-        spec = replace(self._spec, parent_pid=os.getpid(), device=device)
+        spec = replace(self._spec, parent_pid=os.getpid(), device=device,
+                       host=ray.util.get_node_ip_address())
         set_process_title(process_title(spec))
         run_worker(spec, self._inbox, self._outbox)
 

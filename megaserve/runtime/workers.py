@@ -48,6 +48,7 @@ class WorkerSpec:
     num_replicas: int
     parent_pid: int
     device: str  # this worker's device, e.g. "cpu" or "cuda:1"
+    host: str = "127.0.0.1"  # where this worker's endpoint listens (its node's IP across hosts)
 
     @property
     def expert_ranks(self) -> list[int]:
@@ -78,6 +79,8 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
 
 def _connect(spec: WorkerSpec) -> Endpoint:
     options: dict = {}
+    if spec.transport != "inproc":
+        options["host"] = spec.host
     if spec.transport == "inproc":
         options["fabric"] = f"megaserve-{spec.parent_pid}-{spec.rendezvous}"
     elif spec.transport == "cuda_ipc":
