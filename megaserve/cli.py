@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": ("megaserve.entrypoints.generate_cli:main", "generate text (local model or --server)"),
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("planner.cli:main", "plan a deployment over heterogeneous GPUs"),
+    "deploy": ("deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
     "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner", "cpu", "device-plane"])),
 }
 
