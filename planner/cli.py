@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megaserve plan",
-        description="Plan a disaggregated MoE deployment (attention and experts on different GPU types) "
-        "over a GPU inventory. 'megaserve plan calibrate --help' fits efficiency factors.",
+        description="Plan an MoE deployment over a GPU inventory: disaggregated units (attention and experts "
+        "on different GPUs, possibly of different types) against co-located ones (both on the same GPUs). "
+        "'megaserve plan calibrate --help' fits efficiency factors from measurements.",
     )
     p.add_argument("--model", required=True,
                    help="built-in name (e.g. mixtral-8x22b), an HF checkpoint directory or its "
