@@ -58,10 +58,11 @@ def stream_seed(seed: int, stream: int) -> int:
 
 def sampling_probs(logprobs: torch.Tensor, params) -> torch.Tensor:
     """The distribution ``kernels.sample`` draws from for one `[V]` fp32 logprob row:
-    tempered, then top-k / top-p / min-p filtered. Returns `[V]` float64 (not
-    renormalised after filtering; callers only compare and draw proportionally)."""
+    tempered, then top-k / top-p / min-p filtered, renormalised (the rule's ratio
+    ``p / q`` needs both normalised). Returns `[V]` float64."""
     tempered = kernels.log_softmax((logprobs / params.temperature)[None])[0]
-    return torch.exp(filter_row(tempered, params.top_k, params.top_p, params.min_p).double())
+    probs = torch.exp(filter_row(tempered, params.top_k, params.top_p, params.min_p).double())
+    return probs / probs.sum()
 
 
 def _uniform(seed: int, stream: int, position: int, vocab_size: int, device) -> torch.Tensor:
@@ -102,6 +103,8 @@ def verify(item: "ScheduledSeq", logprobs: torch.Tensor, target_tokens: list[int
         if u * float(q[d]) < float(p[d]):
             continue
         residual = torch.clamp(p - q, min=0.0)
+        if not float(residual.sum()) > 0:  # p == q up to rounding: p itself is the residual
+            residual = p
         return drafts[:r] + [draw(residual, seq.seed, STREAM_RESIDUAL, n + r)], r
     return drafts + [target_tokens[-1]], len(drafts)
 

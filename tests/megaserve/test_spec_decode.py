@@ -6,17 +6,18 @@ rule gives the target's distribution (chi-square over a fixed seed set)."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats as scipy_stats
 
 from megaserve.engine.config import EngineConfig, SpeculativeConfig
 from megaserve.engine.engine import LLMEngine
+from megaserve.engine.spec_decode import sampling_probs
 from megaserve.models.builtin import resolve_model
 from megaserve.sampling_params import SamplingParams
 from tests.megaserve.hf_models import make_checkpoint
@@ -235,16 +236,18 @@ def tiny_vocab(tmp_path_factory):
     return root / "target", root / "draft"
 
 
-def _joint(path) -> np.ndarray:
-    """Exact `[V, V]` probabilities of a model's first two tokens after DIST_PROMPT at
-    temperature 1, from its full logprobs."""
+def _joint(path, params: SamplingParams) -> np.ndarray:
+    """Exact `[V, V]` probabilities of a model's first two tokens after DIST_PROMPT under
+    ``params`` (temperature and filters applied to its full logprob rows)."""
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_model_len=64))
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB, ignore_eos=True)
-    first = run(engine, [(0, "a", DIST_PROMPT, params)])["a"].outputs[0].logprobs[0]
-    outs = run(engine, [(0, f"b{t}", DIST_PROMPT + [t], params) for t in range(VOCAB)])
-    p1 = np.array([math.exp(first[t]) for t in range(VOCAB)])
-    p2 = np.array([[math.exp(outs[f"b{t}"].outputs[0].logprobs[0][u]) for u in range(VOCAB)]
-                   for t in range(VOCAB)])
+    greedy = SamplingParams(max_tokens=1, temperature=0, logprobs=VOCAB, ignore_eos=True)
+
+    def distribution(prompt, request_id) -> np.ndarray:
+        logprobs = run(engine, [(0, request_id, prompt, greedy)])[request_id].outputs[0].logprobs[0]
+        row = torch.tensor([logprobs[t] for t in range(VOCAB)], dtype=torch.float32)
+        return sampling_probs(row, params).numpy()
+    p1 = distribution(DIST_PROMPT, "a")
+    p2 = np.stack([distribution(DIST_PROMPT + [t], f"b{t}") for t in range(VOCAB)])
     return p1[:, None] * p2
 
 
@@ -254,13 +257,25 @@ def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     expected = probs.flatten() / probs.sum() * counts.sum()
     observed = counts.flatten()
     big = expected >= 5
-    expected = np.append(expected[big], expected[~big].sum())
-    observed = np.append(observed[big], observed[~big].sum())
+    pooled_expected, pooled_observed = expected[~big].sum(), observed[~big].sum()
+    expected, observed = expected[big], observed[big]
+    if pooled_expected > 0:
+        expected = np.append(expected, pooled_expected)
+        observed = np.append(observed, pooled_observed)
+    elif pooled_observed > 0:
+        return 0.0  # outcomes of probability 0 (filtered out) were drawn
     return float(scipy_stats.chisquare(observed, expected).pvalue)
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method):
+DIST_PARAMS = {
+    "plain": dict(temperature=1.0),
+    "filtered": dict(temperature=0.7, top_k=5, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("method, sampling", [("draft_model", "plain"), ("ngram", "plain"),
+                                              ("draft_model", "filtered")])
+def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method, sampling):
     target, draft = tiny_vocab
     if method == "draft_model":
         spec = {"model": str(draft), "num_speculative_tokens": 2}
@@ -268,8 +283,8 @@ def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method):
         spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     engine = LLMEngine(EngineConfig(model=str(target), dtype="float32", max_model_len=64,
                                     max_num_seqs=256, speculative_config=spec))
-    outs = run(engine, [(0, f"s{s}", DIST_PROMPT,
-                         SamplingParams(max_tokens=2, temperature=1.0, seed=s, ignore_eos=True))
+    params = dict(max_tokens=2, ignore_eos=True, **DIST_PARAMS[sampling])
+    outs = run(engine, [(0, f"s{s}", DIST_PROMPT, SamplingParams(seed=s, **params))
                         for s in range(NUM_SAMPLES)])
     counts = np.zeros((VOCAB, VOCAB))
     for out in outs.values():
@@ -277,24 +292,7 @@ def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method):
         counts[first, second] += 1
     stats = engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    assert _chi_square_p(counts, _joint(target)) > SIGNIFICANCE
+    target_params = SamplingParams(**DIST_PARAMS[sampling])
+    assert _chi_square_p(counts, _joint(target, target_params)) > SIGNIFICANCE
     # The test has power: the same samples reject the draft's own distribution.
-    assert _chi_square_p(counts, _joint(draft)) < SIGNIFICANCE
-
-
-def test_ngram_lookup_takes_the_latest_longest_match_within_limits():
-    from megaserve.engine.sequence import Sequence
-    from megaserve.engine.spec_decode import NgramProposer
-
-    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
-                                               prompt_lookup_max=2), max_model_len=100)
-
-    def propose(tokens, max_tokens=50):
-        seq = Sequence("s", None, list(tokens), SamplingParams(max_tokens=max_tokens), 0, 0)
-        return proposer.lookup(seq)
-    # "7 8" occurred twice: the later occurrence wins; 3 tokens follow it.
-    assert propose([7, 8, 1, 2, 3, 7, 8, 4, 5, 6, 9, 7, 8]) == (4, 5, 6)
-    assert propose([8, 8, 5]) == ()  # neither "8 5" nor "5" occurred before
-    assert propose([5, 8, 6, 9, 8]) == (6, 9, 8)  # no 2-gram match: the 1-gram "8" does
-    assert propose([1, 2, 3]) == ()
-    assert propose([7, 8, 1, 2, 3, 7, 8], max_tokens=2) == (1,)  # room for 1 draft + 1 token
+    assert _chi_square_p(counts, _joint(draft, target_params)) < SIGNIFICANCE
