@@ -25,22 +25,15 @@ def max_worker_processes() -> int:
 
 def check_runtime(options: dict[str, Any]) -> None:
     """Raises ValueError (one line, naming the flag) if ``options`` (EngineConfig keyword
-    arguments) cannot run on this machine. Generates a built-in model if needed."""
-    from megaserve.models.builtin import resolve_model
-    from megaserve.models.config import ModelConfig
-
-    model = options.get("model", "builtin:tiny-moe")
-    path = resolve_model(model)  # ValueError: unknown built-in, not a directory
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r}: {path} has no config.json, so it is not an HF "
-                         "checkpoint directory")
-    model_config = ModelConfig.from_dir(path)
+    arguments) cannot run on this machine. Reads no weights."""
+    num_experts = _num_experts(str(options.get("model", "builtin:tiny-moe")))
     _check_device(str(options.get("device", "cpu")))
     replicas = int(options.get("attention_replicas", 1))
     workers = int(options.get("expert_workers", 1))
-    if options.get("expert_placement") is None and not 1 <= workers <= model_config.num_experts:
-        raise ValueError(f"expert_workers must be in 1..{model_config.num_experts} (the model "
-                         f"has {model_config.num_experts} experts), got {workers}")
+    if options.get("expert_placement") is None and num_experts is not None \
+            and not 1 <= workers <= num_experts:
+        raise ValueError(f"expert_workers must be in 1..{num_experts} (the model has "
+                         f"{num_experts} experts), got {workers}")
     limit = max_worker_processes()
     if replicas + workers > limit:
         raise ValueError(
@@ -48,6 +41,32 @@ def check_runtime(options: dict[str, Any]) -> None:
             f"this machine runs at most {limit} ({WORKERS_PER_CORE} per CPU core, at least "
             f"{MIN_WORKER_LIMIT}); lower --attention-replicas / --expert-workers")
     _check_transport(str(options.get("transport", "inproc")))
+
+
+def _num_experts(model: str) -> int | None:
+    """The model's expert count; ValueError for an unknown built-in or a path that is not
+    an HF checkpoint. A built-in model is not generated here (that happens while the
+    server already answers health checks)."""
+    from megaserve.models import builtin
+    from megaserve.models.config import ModelConfig
+
+    if model.startswith(builtin.BUILTIN_PREFIX):
+        name = model[len(builtin.BUILTIN_PREFIX):]
+        if name not in builtin.BUILTIN_MODELS:
+            known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
+            raise ValueError(f"unknown built-in model {model!r}; built-in models: {known}")
+        return _builtin_configs().get(name, {}).get("num_experts")
+    path = builtin.resolve_model(model)  # ValueError: not an existing directory
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {model!r}: {path} has no config.json, so it is not an HF "
+                         "checkpoint directory")
+    return ModelConfig.from_dir(path).num_experts
+
+
+def _builtin_configs() -> dict[str, dict[str, Any]]:
+    from megaserve.models.builtin import TINY_MOE_CONFIG
+
+    return {"tiny-moe": TINY_MOE_CONFIG}
 
 
 def _check_device(device: str) -> None:

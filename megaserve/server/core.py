@@ -89,7 +89,6 @@ class ServingCore:
         self.state = ServerState.LOADING
         self.started_at = time.monotonic()
         self._in_flight: dict[str, float] = {}  # request id → arrival time (monotonic)
-        self._owners: dict[str, str] = {}  # request id → who may abort it (see admit)
         self._token_bytes = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -118,37 +117,44 @@ class ServingCore:
 
     @contextlib.contextmanager
     def admit(self, request_id: str | None, owner: str = "") -> Iterator[str]:
-        """Registers a request for the duration of the ``with`` block; yields its id.
+        """Registers a request for the duration of the ``with`` block; yields the id to
+        run it under in the engine.
 
-        ``owner`` names the caller (for example the gRPC peer); ``abort`` acts only for
-        the same owner. Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED,
+        ``owner`` names the caller (for example a gRPC connection): request ids are
+        scoped by owner, so callers cannot collide with, probe or abort each other's
+        requests (the engine id is ``"<owner>#<request_id>"``, or ``request_id`` for the
+        empty owner). Raises RequestError (UNAVAILABLE, RESOURCE_EXHAUSTED,
         ALREADY_EXISTS).
         """
         with self.admit_many([request_id or uuid.uuid4().hex], owner) as ids:
             yield ids[0]
 
+    @staticmethod
+    def engine_id(request_id: str, owner: str = "") -> str:
+        """The engine's id for ``owner``'s ``request_id`` (see ``admit``)."""
+        return f"{owner}#{request_id}" if owner else request_id
+
     @contextlib.contextmanager
     def admit_many(self, request_ids: list[str], owner: str = "") -> Iterator[list[str]]:
-        """Admits all of ``request_ids`` or none (see ``admit``)."""
+        """Admits all of ``request_ids`` or none (see ``admit``); yields their engine ids."""
         if self.state is not ServerState.SERVING or \
                 len(self._in_flight) + len(request_ids) > self.limit:
             self._refuse(len(request_ids))
-        for request_id in request_ids:
-            if request_id in self._in_flight or request_ids.count(request_id) > 1:
+        engine_ids = [self.engine_id(r, owner) for r in request_ids]
+        for request_id, engine_id in zip(request_ids, engine_ids):
+            if engine_id in self._in_flight or request_ids.count(request_id) > 1:
                 raise RequestError(ErrorCode.ALREADY_EXISTS,
                                    f"request_id: {request_id!r} is already in flight",
                                    param="request_id")
         now = time.monotonic()
-        for request_id in request_ids:
-            self._in_flight[request_id] = now
-            self._owners[request_id] = owner
+        for engine_id in engine_ids:
+            self._in_flight[engine_id] = now
         self._idle.clear()
         try:
-            yield list(request_ids)
+            yield engine_ids
         finally:
-            for request_id in request_ids:
-                del self._in_flight[request_id]
-                del self._owners[request_id]
+            for engine_id in engine_ids:
+                del self._in_flight[engine_id]
             if not self._in_flight:
                 self._idle.set()
 
@@ -304,11 +310,12 @@ class ServingCore:
             logger.debug("abort of %s failed", request_id, exc_info=True)
 
     async def abort(self, request_id: str, owner: str = "") -> bool:
-        """Aborts an in-flight request of ``owner``; False if ``owner`` has no such request
-        in flight (another caller's request is never touched, nor its existence told)."""
-        if self._owners.get(request_id) != owner or self.engine is None:
+        """Aborts ``owner``'s in-flight request ``request_id``; False if ``owner`` has no
+        such request in flight (another caller's request is never touched)."""
+        engine_id = self.engine_id(request_id, owner)
+        if engine_id not in self._in_flight or self.engine is None:
             return False
-        await self.engine.abort(request_id)
+        await self.engine.abort(engine_id)
         return True
 
     # -- shutdown ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -59,10 +60,11 @@ class GenerationService:
             if isinstance(request, BadMessage):
                 raise request.error
             parsed = parse_generate(request)
-            with core.admit(parsed.request_id, _owner(context)) as request_id:
+            request_id = parsed.request_id or uuid.uuid4().hex
+            with core.admit(request_id, _owner(context)) as engine_id:
                 prompt_ids = await core.prepare(parsed.prompt, parsed.params, _input_field(request))
                 async with contextlib.aclosing(
-                        core.stream(request_id, prompt_ids, parsed.params)) as deltas:
+                        core.stream(engine_id, prompt_ids, parsed.params)) as deltas:
                     async for delta in deltas:
                         started = True
                         if parsed.stream and delta.token_ids:
@@ -110,7 +112,8 @@ class GenerationService:
 
 
 def _owner(context: grpc.aio.ServicerContext) -> str:
-    """Who may abort a request: the connection (peer address and port) that started it."""
+    """Whose a request is: the connection (peer address and port) that started it. Its
+    request ids are its own, and only it can abort them."""
     return f"grpc:{context.peer()}"
 
 

@@ -85,9 +85,12 @@ async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
     """aiohttp's HTTP errors and unexpected exceptions as OpenAI-shaped JSON."""
     length = request.content_length
     if length is not None and length > MAX_BODY_BYTES:  # refuse before reading a byte
-        return _close_after(request, _error_json(
-            413, f"body: Content-Length {length} is over the limit of {MAX_BODY_BYTES} "
-            "bytes", "invalid_request_error", "body"))
+        # Answered before a byte of the body is read; the connection then closes after
+        # aiohttp's bounded lingering read (so a client still sending sees the 413).
+        resp = _error_json(413, f"body: Content-Length {length} is over the limit of "
+                           f"{MAX_BODY_BYTES} bytes", "invalid_request_error", "body")
+        resp.force_close()
+        return resp
     try:
         return await handler(request)
     except web.HTTPException as e:
@@ -159,9 +162,8 @@ async def _models(request: web.Request) -> web.Response:
 
 
 def _close_after(request: web.Request, resp: web.Response) -> web.Response:
-    """Answers and closes the connection without reading the rest of the body (aiohttp
-    would otherwise read up to 10 s of it to keep the connection, and log a body that
-    fails to decode as an unhandled exception)."""
+    """Answers and closes the connection without reading the rest of a body that could
+    not be read (aiohttp would try again and log it as an unhandled exception)."""
     resp.force_close()
     request.content.feed_eof()
     return resp

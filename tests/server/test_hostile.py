@@ -11,7 +11,8 @@ from __future__ import annotations
 import gzip
 import json
 import socket
-import threading
+import subprocess
+import sys
 import time
 
 import grpc
@@ -60,40 +61,50 @@ def assert_clean(message: str) -> None:
     assert not repeated, f"said twice in one error: {repeated} in {message!r}"
 
 
+# Runs in a process of its own, so that what the test process does meanwhile (building
+# and sending a hostile body) cannot delay it: what it measures is the server alone.
+_POLLER = r"""
+import http.client, json, select, sys, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
+latencies, statuses = [], set()
+print("ready", flush=True)
+while not select.select([sys.stdin], [], [], 0.005)[0]:
+    start = time.perf_counter()
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    resp.read()
+    latencies.append(time.perf_counter() - start)
+    statuses.add(resp.status)
+print(json.dumps({"latencies": latencies, "statuses": sorted(statuses)}), flush=True)
+"""
+
+
 class HealthWatch:
-    """Polls /health on one keep-alive connection while a block runs; records latencies."""
+    """Polls /health (one keep-alive connection, from another process) while a block runs;
+    on exit asserts that every answer was 200 and came within ``budget_s``."""
 
     def __init__(self, server: ServerProcess, budget_s: float = HEALTH_BUDGET_S) -> None:
         self.server = server
         self.budget_s = budget_s
         self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import http.client
-
-        conn = http.client.HTTPConnection("127.0.0.1", self.server.http_port, timeout=5)
-        while not self._stop.is_set():
-            start = time.perf_counter()
-            conn.request("GET", "/health")
-            resp = conn.getresponse()
-            resp.read()
-            self.latencies.append(time.perf_counter() - start)
-            assert resp.status == 200
-            time.sleep(0.005)
-        conn.close()
+        self._proc: subprocess.Popen | None = None
 
     def __enter__(self) -> HealthWatch:
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, "-c", _POLLER, str(self.server.http_port)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout.readline().strip() == "ready"
         time.sleep(0.02)
         return self
 
     def __exit__(self, *exc) -> None:
         time.sleep(0.02)
-        self._stop.set()
-        self._thread.join(10)
+        out, _ = self._proc.communicate("stop\n", timeout=30)
+        result = json.loads(out)
+        self.latencies = result["latencies"]
+        if exc[0] is not None:
+            return
         assert self.latencies, "health was never polled"
+        assert result["statuses"] == [200], result["statuses"]
         assert max(self.latencies) < self.budget_s, \
             f"/health took {max(self.latencies) * 1e3:.0f} ms while hostile input was handled"
 

@@ -23,8 +23,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture(scope="module")
 def small_server(model_cache, tmp_path_factory):
-    """2 running + 1 waiting at most, 3 s grace. Yielded before it is ready."""
-    srv = ServerProcess(tmp_path_factory.mktemp("small") / "server.log", model_cache,
+    """2 running + 1 waiting at most, 3 s grace. Yielded before it is ready, with a cache
+    of its own: it generates the built-in model while loading, so loading lasts."""
+    srv = ServerProcess(tmp_path_factory.mktemp("small") / "server.log",
+                        str(tmp_path_factory.mktemp("small-cache")),
                         "--dtype", "float32", "--max-num-seqs", "2", "--max-waiting", "1",
                         "--grace-period", str(GRACE))
     try:
@@ -41,7 +43,10 @@ def long_request(request_id: str) -> pb.GenerateRequest:
 def test_health_is_not_serving_until_the_model_is_loaded(small_server):
     seen, refused_while_loading = [], None
     deadline = time.monotonic() + 60
-    with grpc.insecure_channel(small_server.grpc_address) as channel:
+    # Reconnect fast: grpc's default backoff (1 s) can outlast the loading phase.
+    fast = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
+            ("grpc.max_reconnect_backoff_ms", 50)]
+    with grpc.insecure_channel(small_server.grpc_address, options=fast) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         stub = generation_stub(channel)
         while time.monotonic() < deadline:
@@ -51,7 +56,7 @@ def test_health_is_not_serving_until_the_model_is_loaded(small_server):
                     service="megaserve.v1.Generation"), timeout=2).status
             except grpc.RpcError as e:  # not listening yet
                 assert e.code() == grpc.StatusCode.UNAVAILABLE
-                time.sleep(0.02)
+                time.sleep(0.005)
                 continue
             if not seen or seen[-1] != overall:
                 seen.append(overall)
