@@ -26,12 +26,9 @@ from megaserve.outputs import Logprobs
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.errors import RequestError
-from megaserve.server.openai_models import MAX_TOP_LOGPROBS
+from megaserve.server.openai_models import MAX_STOP, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 SERVICE_NAME = "megaserve.v1.Generation"
-# At most this many stop strings / stop token ids per request (each is checked per step).
-MAX_STOP = 64
-MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)

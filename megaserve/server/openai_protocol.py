@@ -17,8 +17,7 @@ from pydantic import ValidationError
 
 from megaserve.outputs import Logprobs
 from megaserve.server.errors import ErrorCode, RequestError
-from megaserve.server.openai_models import (  # noqa: F401 (re-exported limits)
-    MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, ChatCompletionRequest, CompletionRequest)
+from megaserve.server.openai_models import MAX_STOP, ChatCompletionRequest, CompletionRequest
 from megaserve.server.token_bytes import TokenBytes
 
 
