@@ -137,8 +137,8 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         pids += [a.pid for a in workers]
         assert http_get(server.url + "/health")[0] == 200
     finally:
+        code = server.stop()  # first: nothing may leave the server running
         poller.stop()
-        code = server.stop()
     assert code == 0, server.log()
     # Shutdown leaves no actors, no placement group and no worker processes.
     wait_for(lambda: not _worker_actors(cluster), 30, "worker actors to die")
