@@ -29,16 +29,19 @@ from deploy.plans import load_units, unit_gpus
 RAY_VERSION = "2.60.0"
 PLAN_DIR = "/etc/megaserve"
 MODEL_DIR = "/models"
-# GPU type (as the planner names it) → the value of NVIDIA GPU feature discovery's
-# nvidia.com/gpu.product node label. Override or extend with DeployConfig.gpu_products.
+# GPU type (as the planner's catalog names it, planner/catalog.py) → the value of NVIDIA
+# GPU feature discovery's nvidia.com/gpu.product node label (check yours with
+# `kubectl get nodes -L nvidia.com/gpu.product`). DeployConfig.gpu_products overrides it.
 GPU_PRODUCTS = {
+    "H100-SXM": "NVIDIA-H100-80GB-HBM3",
     "H100": "NVIDIA-H100-80GB-HBM3",
+    "H800": "NVIDIA-H800",
     "H200": "NVIDIA-H200",
     "H20": "NVIDIA-H20",
-    "A100": "NVIDIA-A100-SXM4-80GB",
-    "A10G": "NVIDIA-A10G",
+    "A100-80G": "NVIDIA-A100-SXM4-80GB",
+    "A800": "NVIDIA-A800-SXM4-80GB",
     "L40S": "NVIDIA-L40S",
-    "L4": "NVIDIA-L4",
+    "L20": "NVIDIA-L20",
     "B200": "NVIDIA-B200",
 }
 
