@@ -91,7 +91,7 @@ async def serve(config: ServeConfig,
     gives exit code 1.
     """
     from megaserve.server.grpc_service import GenerationService, build_grpc_server, set_health
-    from megaserve.server.openai_http import build_app
+    from megaserve.server.openai_http import build_app, use_json_errors
 
     core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
     dtype = {"name": str(config.engine.get("dtype", "auto"))}  # resolved once loaded
@@ -103,6 +103,7 @@ async def serve(config: ServeConfig,
     runner = web.AppRunner(build_app(core, config.api_key), handler_cancellation=True,
                            access_log=None, keepalive_timeout=config.timeout_keep_alive)
     await runner.setup()
+    use_json_errors(runner)
     site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
     try:
         await site.start()

@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
@@ -68,6 +69,42 @@ def build_app(core: ServingCore, api_key: str | None = None) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     return app
+
+
+class _JsonErrorHandler(RequestHandler):
+    """aiohttp's connection handler, answering malformed HTTP (a bad request line, a
+    header over 8 KiB, broken framing) in OpenAI's JSON error shape instead of text."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:  # aiohttp logs it (with its traceback) and checks the state
+            super().handle_error(request, status, exc, message)
+            text = "internal error (see the server log)"
+        else:  # the client's fault: a log line, not a traceback
+            if request.writer.output_size > 0:
+                raise ConnectionError("response already sent, cannot send an error")
+            first = (message or "malformed HTTP").strip().splitlines()[0]
+            logger.info("refused malformed HTTP from %s: %s", request.remote, first[:200])
+            text = f"request: malformed HTTP ({first[:200]})"
+        resp = _error_json(status, text, "internal_error" if status >= 500
+                           else "invalid_request_error", None if status >= 500 else "request")
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        try:
+            return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+        except (AttributeError, TypeError):  # another aiohttp's internals: its own errors
+            return super().__call__()
+
+
+def use_json_errors(runner: web.AppRunner) -> None:
+    """After ``runner.setup()``: malformed HTTP on the runner's connections gets JSON
+    errors too (see ``_JsonErrorHandler``)."""
+    if type(runner.server) is web.Server:
+        runner.server.__class__ = _JsonErrorServer
 
 
 def _error_json(status: int, message: str, type_: str, param: str | None = None,

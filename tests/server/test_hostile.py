@@ -174,6 +174,23 @@ def test_404_and_405_are_json_in_openai_shape(hostile_server):
     assert_openai_error(status, json.loads(body), 404)
 
 
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+], ids=["bad request line", "9 KB header", "bad Content-Length"])
+def test_malformed_http_is_a_json_400(hostile_server, raw):
+    with socket.create_connection(("127.0.0.1", hostile_server.http_port), timeout=10) as s:
+        s.sendall(raw)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"400", reply[:300]
+    assert b"application/json" in head
+    assert_openai_error(400, json.loads(body), 400, "request")
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", b'{"prompt": "a", "temperature": 1e999}', "temperature"),
     ("/v1/completions", b'{"prompt": "a", "top_p": -Infinity}', "top_p"),

@@ -145,6 +145,10 @@ def test_grpc_abort_cannot_touch_other_callers_requests(server):
         first = next(call)
         assert first.WhichOneof("response") == "chunk"
         assert not attacker["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=5).found
+        # Request ids are per connection: the same id elsewhere neither clashes nor leaks.
+        (done,) = [r.complete for r in attacker["Generate"](
+            build_request("same id", request_id="owned-1", max_tokens=2), timeout=30)]
+        assert done.request_id == "owned-1" and len(done.output_ids) == 2
         assert owner["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=5).found
         last = list(call)[-1]
         assert last.complete.finish_reason == "abort"
