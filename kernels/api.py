@@ -41,6 +41,21 @@ def _backend(t: torch.Tensor) -> ModuleType:
     return module
 
 
+def set_cpu_threads(num_threads: int) -> None:
+    """Threads the CPU kernels of this process compute with.
+
+    torch's intra-op threads are pinned to 1 and the CPU backend spreads the fixed-shape
+    tiles of each call over ``num_threads`` threads of its own (kernels.cpu.set_num_lanes):
+    each tile is one single-threaded torch call whichever thread runs it, so the thread
+    count never changes a result, and no OpenMP team spins on a busy machine.
+    Raises ``ValueError`` for ``num_threads < 1``.
+    """
+    from kernels import cpu
+
+    cpu.set_num_lanes(num_threads)
+    torch.set_num_threads(1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with fp32 accumulation, row-invariant.
 

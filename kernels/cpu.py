@@ -16,6 +16,10 @@ Two techniques make every result independent of the batch:
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -23,13 +27,58 @@ from kernels.api import KV_SPLIT_SIZE
 from kernels.filters import filter_row
 
 ROW_TILE = 16
-# Rows per expert GEMM tile (a fixed shape, like ROW_TILE): at decode an expert gets about
-# 2 x batch / E rows, so one tile each; prefill runs at the larger tile's speed.
-EXPERT_ROW_TILE = 32
+# Rows per expert GEMM tile (a fixed shape, like ROW_TILE). Measured on the issue-14
+# workload (CPU time per token, same run): 16 at least as fast as 32 or 64, and a lone
+# request pads fewer rows.
+EXPERT_ROW_TILE = 16
 # (Query token, key split) items per batched attention call: bounds the temporaries
 # (`[items, Hq, KV_SPLIT_SIZE * Hkv]` float32 scores and probabilities).
 ATTN_CHUNK_ITEMS = 1024
 _M32 = 0xFFFFFFFF
+
+# Threads the tiles of one kernel call are spread over (set_num_lanes). Every tile is one
+# single-threaded torch call whichever thread runs it, so this never changes a result.
+_lanes = 1
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): not inherited by fork
+
+
+def set_num_lanes(num_lanes: int) -> None:
+    """Spread the GEMM tiles, expert tiles and attention chunks of each call over
+    ``num_lanes`` threads (this one and ``num_lanes - 1`` helpers). Call with torch's
+    intra-op threads at 1: each lane runs single-threaded torch ops. Raises ``ValueError``
+    for ``num_lanes < 1``."""
+    global _lanes
+    if isinstance(num_lanes, bool) or not isinstance(num_lanes, int) or num_lanes < 1:
+        raise ValueError(f"num_lanes must be a positive integer, got {num_lanes!r}")
+    _lanes = num_lanes
+
+
+def _single_threaded() -> None:
+    torch.set_num_threads(1)  # a new thread starts with the process default
+
+
+def _run_lanes(tasks: list[Callable[[], None]]) -> None:
+    """Run ``tasks`` (at most ``_lanes``): the first on this thread, the others on helper
+    threads; returns when all are done and re-raises the first error."""
+    global _pool
+    if len(tasks) == 1:
+        tasks[0]()
+        return
+    if _pool is None or _pool[0] != os.getpid() or _pool[1]._max_workers < len(tasks) - 1:
+        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, _lanes - 1),
+                                                 thread_name_prefix="kernels-cpu",
+                                                 initializer=_single_threaded))
+    futures = [_pool[1].submit(task) for task in tasks[1:]]
+    tasks[0]()
+    for future in futures:
+        future.result()
+
+
+def _split(count: int, parts: int) -> list[range]:
+    """``range(count)`` cut into at most ``parts`` contiguous, nearly equal ranges."""
+    parts = max(1, min(parts, count))
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -49,18 +98,52 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, tile: int) -> torch.Tensor:
+    """``x @ w_t`` as one ``torch.mm`` per `[tile, K]` row tile (the last one zero-padded),
+    so each row's bits depend only on the row, ``w_t`` and ``tile``.
+
+    x: `[M, K]`; w_t: `[K, N]` (the same weight view always: strides pick the code path).
+    Returns `[M, N]` in x.dtype.
+
+    NOTE: one ``torch.mm`` per tile, not one ``torch.bmm`` over the tiles: measured here,
+    a batched product took another code path than a single one for N = 1 (its rows'
+    bits differed), so the tile count would have changed the result.
+    """
     num_rows, k = x.shape
-    n = weight.shape[0]
-    padded_rows = -(-num_rows // ROW_TILE) * ROW_TILE
-    if padded_rows != num_rows:
-        x = torch.cat([x, x.new_zeros(padded_rows - num_rows, k)])
-    x = x.contiguous()
-    w_t = weight.t()
-    out = torch.empty(padded_rows, n, dtype=x.dtype)
-    for start in range(0, padded_rows, ROW_TILE):
-        torch.mm(x[start : start + ROW_TILE], w_t, out=out[start : start + ROW_TILE])
-    out = out[:num_rows]
+    num_tiles = -(-num_rows // tile)
+    if num_tiles * tile != num_rows or not x.is_contiguous():
+        padded = x.new_zeros(num_tiles * tile, k)
+        padded[:num_rows] = x
+        x = padded
+    out = x.new_empty(num_tiles * tile, w_t.shape[1])
+
+    def run(tiles: range) -> None:
+        for start in range(tiles.start * tile, tiles.stop * tile, tile):
+            torch.mm(x[start:start + tile], w_t, out=out[start:start + tile])
+
+    _run_lanes([lambda r=r: run(r) for r in _split(num_tiles, _lanes)])
+    return out[:num_rows]
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of each row of ``x`` `[M, K]` float32 → `[M]`, as a fixed-shape tiled GEMM with
+    a ones vector: the order is fixed by K and ROW_TILE, never by M."""
+    return tiled_matmul(x, _ones(x.shape[1], x.dtype), ROW_TILE).squeeze(1)
+
+
+_ONES: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
+def _ones(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A cached `[n, 1]` ones column."""
+    key = (n, dtype)
+    if key not in _ONES:
+        _ONES[key] = torch.ones(n, 1, dtype=dtype)
+    return _ONES[key]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = tiled_matmul(x, weight.t(), ROW_TILE)
     if bias is not None:
         out = out + bias
     return out
@@ -75,7 +158,7 @@ def rms_norm(
     if residual is not None:
         x = x + residual
     h = x.float()
-    variance = tree_sum(h * h, dim=-1).unsqueeze(-1) / h.shape[-1]
+    variance = row_sum((h * h).reshape(-1, h.shape[-1])).view(*h.shape[:-1], 1) / h.shape[-1]
     y = weight * (h * torch.rsqrt(variance + eps)).to(x.dtype)
     return (y, x) if residual is not None else y
 
@@ -136,21 +219,29 @@ def paged_attention(
     need = [p // KV_SPLIT_SIZE + 1 for p in pos_of]
     order = sorted(range(num_tokens), key=need.__getitem__)
     tables = block_tables.long()
+    chunks: list[tuple[list[int], int]] = []  # (token indices, splits)
     begin = 0
     while begin < num_tokens:
         count = 1  # tokens in this chunk: as many as fit ATTN_CHUNK_ITEMS (at least one)
         while (begin + count < num_tokens
                and need[order[begin + count]] * (count + 1) <= ATTN_CHUNK_ITEMS):
             count += 1
-        idx = torch.tensor(order[begin:begin + count], dtype=torch.int64)
-        num_splits = need[order[begin + count - 1]]  # the chunk's largest (sorted)
+        if _lanes > 1 and begin == 0 and count == num_tokens:
+            count = -(-num_tokens // _lanes)  # one chunk per lane
+        chunks.append((order[begin:begin + count], need[order[begin + count - 1]]))
         begin += count
-        rows = _attend_tokens(
-            q.index_select(0, idx), positions.index_select(0, idx),
-            tables.index_select(0, seq.index_select(0, idx)), k_cache, v_cache, num_splits,
-            scale,
-        )
-        out.index_copy_(0, idx, rows.to(q.dtype))
+
+    def run(part: range) -> None:
+        for tokens, num_splits in (chunks[i] for i in part):
+            idx = torch.tensor(tokens, dtype=torch.int64)
+            rows = _attend_tokens(
+                q.index_select(0, idx), positions.index_select(0, idx),
+                tables.index_select(0, seq.index_select(0, idx)), k_cache, v_cache,
+                num_splits, scale,
+            )
+            out.index_copy_(0, idx, rows.to(q.dtype))
+
+    _run_lanes([lambda r=r: run(r) for r in _split(len(chunks), _lanes)])
     return out
 
 
@@ -239,13 +330,18 @@ def expert_ffn(
     xs = x.index_select(0, order)  # [R, D], grouped by expert
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     tile = EXPERT_ROW_TILE
-    gate_up = torch.empty(tile, two_inter, dtype=x.dtype)
-    down = torch.empty(tile, hidden, dtype=x.dtype)
-    padded = torch.zeros(tile, x.shape[1], dtype=x.dtype)
+    tiles: list[tuple[int, int, int]] = []  # (expert, first sorted row, rows)
     begin = 0
     for expert, count in enumerate(counts):
-        for start in range(begin, begin + count, tile):
-            n = min(tile, begin + count - start)
+        tiles += [(expert, start, min(tile, begin + count - start))
+                  for start in range(begin, begin + count, tile)]
+        begin += count
+
+    def run(part: range) -> None:
+        gate_up = torch.empty(tile, two_inter, dtype=x.dtype)
+        down = torch.empty(tile, hidden, dtype=x.dtype)
+        padded = torch.zeros(tile, x.shape[1], dtype=x.dtype)
+        for expert, start, n in (tiles[i] for i in part):
             rows = xs[start:start + n]
             if n < tile:
                 padded[:n] = rows
@@ -255,7 +351,8 @@ def expert_ffn(
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             torch.mm(act, w_down[expert].t(), out=down)
             out[start:start + n] = down[:n]
-        begin += count
+
+    _run_lanes([lambda r=r: run(r) for r in _split(len(tiles), _lanes)])
     return torch.empty_like(out).index_copy_(0, order, out)
 
 
@@ -269,7 +366,7 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     x = logits.float()
     shifted = x - x.amax(dim=-1, keepdim=True)
-    return shifted - torch.log(tree_sum(torch.exp(shifted), dim=-1)).unsqueeze(-1)
+    return shifted - torch.log(row_sum(torch.exp(shifted))).unsqueeze(-1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -83,8 +83,10 @@ def _write_tiny_mixtral(path: Path) -> None:
 def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
     """Time one batch of ``num_prompts`` requests and one lone request on ``llm``.
 
-    Returns ``{"tokens_per_s", "seconds", "generated", "tpot_ms"}``; ``tpot_ms`` is the
-    lone request's mean time per output token after its first.
+    Returns ``{"tokens_per_s", "seconds", "cpu_seconds", "generated", "tpot_ms"}``;
+    ``cpu_seconds`` is this process's CPU time for the batch (steadier than wall time on a
+    shared machine); ``tpot_ms`` is the lone request's mean time per output token after
+    its first.
     """
     from megaserve import SamplingParams
 
@@ -93,9 +95,9 @@ def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: i
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]}
                for _ in range(num_prompts)]
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     engine = llm.engine
     engine.add_request("bench-lone", prompts[0]["prompt_token_ids"], params)
@@ -104,8 +106,8 @@ def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: i
         if engine.step():
             stamps.append(time.perf_counter())
     tpot_ms = 1e3 * (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated": generated,
-            "tpot_ms": tpot_ms}
+    return {"tokens_per_s": generated / seconds, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "generated": generated, "tpot_ms": tpot_ms}
 
 
 def main(argv: list[str]) -> int:
@@ -130,7 +132,7 @@ def main(argv: list[str]) -> int:
     print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  "
           f"model: {args.model}  dtype: {args.dtype}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
-    print(f"{'run':>4} {'seconds':>8} {'gen tok/s':>10} {'lone TPOT ms':>13}")
+    print(f"{'run':>4} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:
         with LLM(**options) as llm:
             run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
@@ -140,11 +142,13 @@ def main(argv: list[str]) -> int:
                                    args.seed)
                 results.append(res)
                 print(f"{r:>4} {res['seconds']:>8.2f} {res['tokens_per_s']:>10.1f} "
-                      f"{res['tpot_ms']:>13.2f}", flush=True)
+                      f"{res['generated'] / res['cpu_seconds']:>10.1f} {res['tpot_ms']:>13.2f}",
+                      flush=True)
     except ValueError as e:
         print(f"megaserve bench: {e}", file=sys.stderr)
         return 2
     if len(results) > 1:
-        print(f"median {'':>3} {statistics.median(r['tokens_per_s'] for r in results):>15.1f} "
+        print(f"{'median':>13} {statistics.median(r['tokens_per_s'] for r in results):>10.1f} "
+              f"{statistics.median(r['generated'] / r['cpu_seconds'] for r in results):>10.1f} "
               f"{statistics.median(r['tpot_ms'] for r in results):>13.2f}")
     return 0

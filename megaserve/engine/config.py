@@ -100,9 +100,11 @@ class EngineConfig:
     and the CUDA graphs leave), on CPU ``max_num_seqs`` full-length requests within
     DEFAULT_CPU_KV_CACHE_BYTES. attention_replicas / expert_workers / microbatches / transport:
     the disaggregated layout (defaults: everything in this process, one micro-batch).
-    cpu_threads: torch intra-op threads of a CPU engine, pinned per process. One thread is
-    the default: the CPU kernels run many small fixed-shape GEMM tiles, which OpenMP
-    thread teams slow down badly on a loaded machine (measured here: 40x on 2 busy cores).
+    cpu_threads: threads a CPU engine computes with: torch's intra-op threads stay at 1 and
+    the CPU kernels spread their fixed-shape tiles over this many threads of their own
+    (kernels.api.set_cpu_threads; results never depend on it). One is the default: OpenMP
+    thread teams slowed the small tiles down badly on a loaded machine (40x on 2 busy
+    cores), and on a machine shared with other work a second thread gains little.
     cuda_graphs: run decode steps on CUDA through captured CUDA graphs (padded batch
     sizes; results are bitwise those of eager execution). Ignored on CPU.
     """

@@ -110,3 +110,32 @@ def test_expert_ffn_row_invariant_across_tile_boundaries(dtype):
     for m in (2, tile - 1, tile + 3, 2 * tile + 7):
         rows = torch.randperm(len(ids), generator=g)[:m]
         assert torch.equal(cpu.expert_ffn(x[rows], ids[rows], w_gate_up, w_down), out[rows]), m
+
+
+def test_lanes_change_no_bits():
+    """Spreading tiles and attention chunks over helper threads gives the same bits."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 64, generator=g)
+    x = torch.randn(70, 64, generator=g)
+    e, d, inter = 4, 64, 48
+    w_gate_up = torch.randn(e, 2 * inter, d, generator=g) / 8
+    w_down = torch.randn(e, d, inter, generator=g) / 8
+    ids = torch.randint(0, e, (70,), generator=g)
+    lengths = [5, 70, 130]
+    k_cache, v_cache, tables = _cache(lengths, (8, 2), 32, torch.float32)
+    q = torch.randn(sum(lengths), 8, 32, generator=g)
+
+    def run():
+        return (cpu.linear(x, w), cpu.expert_ffn(x, ids, w_gate_up, w_down),
+                _attend(q, k_cache, v_cache, tables, lengths, lengths, 32 ** -0.5))
+
+    one = run()
+    try:
+        cpu.set_num_lanes(3)
+        three = run()
+    finally:
+        cpu.set_num_lanes(1)
+    for a, b in zip(one, three):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="num_lanes"):
+        cpu.set_num_lanes(0)
