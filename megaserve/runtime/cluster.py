@@ -229,6 +229,10 @@ class DisaggregatedEngine:
     def _recover(self, reason: str) -> None:
         """Replace the worker group and re-run every in-flight request (see
         megaserve.runtime.recovery). Raises WorkerError once the restart budget is spent."""
+        if self.config.transport == "inproc":
+            # Worker threads cannot be killed and replaced: a failed one is a bug to report.
+            self._health = WorkerHealth("failed", reason, self._budget.total)
+            raise WorkerError(reason)
         while True:
             if not self._budget.take():
                 policy = self._budget.policy
