@@ -73,10 +73,12 @@ class LLMEngine:
         self.model_name = config.model
         self.vocab_size = model.config.vocab_size
         experts = experts or LocalExperts(model.experts)
+        # Before sizing the pool: a draft model's weights count as used memory, and its
+        # K/V share the pool's block ids (each block costs both models' bytes).
+        self.proposer = self._make_proposer()
         self.kv_plan = self._plan_kv_cache(model, experts, start)
         num_blocks = self.kv_plan.num_blocks
         self.pool = BlockPool(num_blocks)
-        self.proposer = self._make_proposer()
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -119,7 +121,9 @@ class LLMEngine:
 
         if spec.method == "ngram":
             return spec_decode.NgramProposer(spec, self.max_model_len)
-        return spec_decode.DraftModelProposer(spec, self.max_model_len)
+        proposer = spec_decode.DraftModelProposer(spec, self.max_model_len)
+        proposer.load(self.config, self.vocab_size)
+        return proposer
 
     def _plan_kv_cache(self, model, experts: ExpertClient,
                        start: memory.DeviceSnapshot | None) -> memory.KVCachePlan:
@@ -128,6 +132,8 @@ class LLMEngine:
         bytes_per_block = memory.kv_bytes_per_block(
             cfg.num_layers, self.config.block_size, cfg.num_kv_heads, cfg.head_dim,
             model.attention.dtype)
+        if self.proposer is not None:
+            bytes_per_block += self.proposer.kv_bytes_per_block(self.config.block_size)
         profile = None
         sized = self.config.num_kv_blocks is not None or self.config.kv_cache_memory_bytes is not None
         if start is not None and not sized:

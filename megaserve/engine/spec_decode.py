@@ -125,6 +125,10 @@ class Proposer:
         room_len = self.max_model_len - seq.num_tokens - 1
         return max(0, min(self.config.num_speculative_tokens, room_tokens, room_len))
 
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of K/V the proposer keeps per pool block (sizes the pool)."""
+        return 0
+
     def attach(self, engine) -> None:
         """Called once the engine (its pool, device, block size) exists."""
 
@@ -184,30 +188,42 @@ class DraftModelProposer(Proposer):
     rewrites them with the same bits, which is safe for the sequences sharing them.
     """
 
-    def attach(self, engine) -> None:
-        from megaserve.engine.kv_cache import allocate_kv_tensors
+    def load(self, config, vocab_size: int) -> None:
+        """Load the draft's weights (``config``: the engine's EngineConfig); raises
+        ``ValueError`` for a draft of another vocabulary."""
         from megaserve.models.builtin import resolve_model
         from megaserve.models.config import ModelConfig
         from megaserve.models.forward import LocalExperts
         from megaserve.models.loader import load_model
 
         path = resolve_model(self.config.model)
-        draft_config = ModelConfig.from_dir(path)
-        if draft_config.vocab_size != engine.vocab_size:
+        self.draft_config = ModelConfig.from_dir(path)
+        if self.draft_config.vocab_size != vocab_size:
             raise ValueError(
-                f"speculative_config.model: the draft's vocabulary ({draft_config.vocab_size}) "
-                f"differs from the target's ({engine.vocab_size}); use a draft of the same "
-                f"tokenizer")
-        model = load_model(path, engine.config.dtype, engine.config.device,
+                f"speculative_config.model: the draft's vocabulary ({self.draft_config.vocab_size}) "
+                f"differs from the target's ({vocab_size}); use a draft of the same tokenizer")
+        model = load_model(path, config.dtype, config.device,
                            max_positions=self.max_model_len + self.config.num_speculative_tokens,
-                           config=draft_config)
+                           config=self.draft_config)
         self.attention = model.attention
         self.experts = LocalExperts(model.experts)
-        self.block_size = engine.config.block_size
         self.device = model.attention.device
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        from megaserve.engine.memory import kv_bytes_per_block
+
+        cfg = self.draft_config
+        return kv_bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  self.attention.dtype)
+
+    def attach(self, engine) -> None:
+        from megaserve.engine.kv_cache import allocate_kv_tensors
+
+        self.block_size = engine.config.block_size
+        cfg = self.draft_config
         self.kv_caches = allocate_kv_tensors(
-            draft_config.num_layers, engine.pool.num_blocks, self.block_size,
-            draft_config.num_kv_heads, draft_config.head_dim, model.attention.dtype, self.device)
+            cfg.num_layers, engine.pool.num_blocks, self.block_size, cfg.num_kv_heads,
+            cfg.head_dim, self.attention.dtype, self.device)
 
     def num_proposals(self, seq: Sequence) -> int:
         return self.limit(seq)

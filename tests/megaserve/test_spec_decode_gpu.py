@@ -34,6 +34,9 @@ def drafts(tmp_path_factory):
 
 
 def _engine(spec=None, **overrides) -> LLMEngine:
+    # An explicit pool: several engines share the GPU (gpu_memory_utilization would give
+    # the first one nearly all of it).
+    overrides = {"num_kv_blocks": 400, **overrides}
     return LLMEngine(EngineConfig(dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
                                   max_num_seqs=32, speculative_config=spec, **overrides))
 
