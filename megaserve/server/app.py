@@ -91,7 +91,8 @@ async def serve(config: ServeConfig,
     gives exit code 1.
     """
     from megaserve.server.grpc_service import GenerationService, build_grpc_server, set_health
-    from megaserve.server.openai_http import build_app, use_json_errors
+    from megaserve.server.http_errors import use_json_errors
+    from megaserve.server.openai_http import build_app
 
     core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
     dtype = {"name": str(config.engine.get("dtype", "auto"))}  # resolved once loaded

@@ -6,10 +6,9 @@ with a ``seed``, choice ``j`` uses ``seed + j`` so the choices differ but stay
 reproducible. If the client disconnects, the handler is cancelled and every choice is
 aborted in the engine.
 
-Every error, aiohttp's own included (404, 405, 413, a body that fails to decompress), is
-JSON in OpenAI's shape; an unexpected exception is logged and answered with a 500 that
-names no internals. ``/v1/*`` needs ``Authorization: Bearer <key>`` when the server has an
-API key; ``/health``, ``/metrics`` and ``/openapi.json`` stay open (as in vLLM).
+Every error is JSON in OpenAI's shape and ``/v1/*`` needs the API key when the server has
+one (``/health``, ``/metrics`` and ``/openapi.json`` stay open, as in vLLM): see
+``http_errors``.
 """
 
 from __future__ import annotations
@@ -17,32 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 import uuid
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import openai_protocol as oai
 from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import ErrorCode, RequestError
+from megaserve.server.http_errors import (
+    API_KEY, MAX_BODY_BYTES, authenticate, close_after, error_response, json_errors, read_body)
 from megaserve.server.metrics import CONTENT_TYPE
 from megaserve.server.openai_models import openapi_document
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
-# A body must arrive within this many seconds of its headers (a slow client cannot hold
-# a connection and a handler forever).
-BODY_READ_TIMEOUT = 60.0
 _CORE = web.AppKey("core", ServingCore)
-_API_KEY = web.AppKey("api_key", str)
-_OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
 @dataclasses.dataclass
@@ -59,9 +52,9 @@ def build_app(core: ServingCore, api_key: str | None = None) -> web.Application:
     With ``api_key``, requests to ``/v1/*`` need ``Authorization: Bearer <api_key>``.
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[_json_errors, _authenticate])
+                          middlewares=[json_errors, authenticate])
     app[_CORE] = core
-    app[_API_KEY] = api_key or ""
+    app[API_KEY] = api_key or ""
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
@@ -69,95 +62,6 @@ def build_app(core: ServingCore, api_key: str | None = None) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     return app
-
-
-class _JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering malformed HTTP (a bad request line, a
-    header over 8 KiB, broken framing) in OpenAI's JSON error shape instead of text."""
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if status >= 500:  # aiohttp logs it (with its traceback) and checks the state
-            super().handle_error(request, status, exc, message)
-            text = "internal error (see the server log)"
-        else:  # the client's fault: a log line, not a traceback
-            if request.writer.output_size > 0:
-                raise ConnectionError("response already sent, cannot send an error")
-            first = (message or "malformed HTTP").strip().splitlines()[0]
-            logger.info("refused malformed HTTP from %s: %s", request.remote, first[:200])
-            text = f"request: malformed HTTP ({first[:200]})"
-        resp = _error_json(status, text, "internal_error" if status >= 500
-                           else "invalid_request_error", None if status >= 500 else "request")
-        resp.force_close()
-        return resp
-
-
-class _JsonErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        try:
-            return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
-        except (AttributeError, TypeError):  # another aiohttp's internals: its own errors
-            return super().__call__()
-
-
-def use_json_errors(runner: web.AppRunner) -> None:
-    """After ``runner.setup()``: malformed HTTP on the runner's connections gets JSON
-    errors too (see ``_JsonErrorHandler``)."""
-    if type(runner.server) is web.Server:
-        runner.server.__class__ = _JsonErrorServer
-
-
-def _error_json(status: int, message: str, type_: str, param: str | None = None,
-                headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": type_, "param": param,
-                                        "code": status}}, status=status, headers=headers)
-
-
-def _error_response(err: RequestError) -> web.Response:
-    return web.json_response(oai.error_body(err), status=err.code.http_status)
-
-
-@web.middleware
-async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's HTTP errors and unexpected exceptions as OpenAI-shaped JSON."""
-    length = request.content_length
-    if length is not None and length > MAX_BODY_BYTES:  # refuse before reading a byte
-        # Answered before a byte of the body is read; the connection then closes after
-        # aiohttp's bounded lingering read (so a client still sending sees the 413).
-        resp = _error_json(413, f"body: Content-Length {length} is over the limit of "
-                           f"{MAX_BODY_BYTES} bytes", "invalid_request_error", "body")
-        resp.force_close()
-        return resp
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        what = {404: f"{request.path}: no such endpoint",
-                405: f"{request.path}: method {request.method} is not allowed"}
-        return _error_json(e.status, what.get(e.status, e.reason),
-                           "not_found_error" if e.status == 404 else "invalid_request_error",
-                           headers=headers)
-    except RequestError as e:
-        return _error_response(e)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        logger.exception("%s %s failed", request.method, request.path)
-        return _error_json(500, "internal error (see the server log)", "internal_error")
-
-
-@web.middleware
-async def _authenticate(request: web.Request, handler) -> web.StreamResponse:
-    key = request.app[_API_KEY]
-    if key and request.path not in _OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return _error_json(401, "authorization: missing or wrong API key (send the "
-                               "header 'Authorization: Bearer <key>')", "authentication_error",
-                               "authorization")
-    return await handler(request)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -198,43 +102,13 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [card]})
 
 
-def _close_after(request: web.Request, resp: web.Response) -> web.Response:
-    """Answers and closes the connection without reading the rest of a body that could
-    not be read (aiohttp would try again and log it as an unhandled exception)."""
-    resp.force_close()
-    request.content.feed_eof()
-    return resp
-
-
-async def _read_body(request: web.Request) -> bytes:
-    """The request body. Raises RequestError (413, 408, 400) naming ``body``."""
-    try:
-        async with asyncio.timeout(BODY_READ_TIMEOUT):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(ErrorCode.TOO_LARGE, f"body: larger than the limit of "
-                           f"{MAX_BODY_BYTES} bytes", param="body") from None
-    except TimeoutError:
-        raise RequestError(ErrorCode.TIMEOUT, f"body: not received within "
-                           f"{BODY_READ_TIMEOUT:g} s", param="body") from None
-    except web.HTTPException:
-        raise
-    except Exception:  # a Content-Encoding the body does not match, a broken chunk
-        encoding = request.headers.get("Content-Encoding")
-        if encoding:
-            raise RequestError.invalid("body", f"could not be decoded as Content-Encoding "
-                                       f"{encoding!r}") from None
-        raise RequestError.invalid("body", "could not be read (broken chunked encoding or "
-                                   "connection)") from None
-
-
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     core = request.app[_CORE]
     try:
-        raw = await _read_body(request)
+        raw = await read_body(request)
     except RequestError as e:
         logger.info("refused %s: %s", request.path, e.message)
-        return _close_after(request, _error_response(e))
+        return close_after(request, error_response(e))
     try:
         req = oai.parse_body(raw, chat)
         if req.model is not None and req.model != core.model_name:
@@ -257,7 +131,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except RequestError as e:
         if e.code is not ErrorCode.UNAVAILABLE and e.code is not ErrorCode.RESOURCE_EXHAUSTED:
             logger.info("refused %s: %s", request.path, e.message)
-        return _error_response(e)
+        return error_response(e)
 
 
 async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index: int,
@@ -359,7 +233,7 @@ async def _unary(core, req, base_id, choices) -> web.Response:
                 if delta.finish_reason is not None:
                     finals[index] = delta
     except RequestError as e:
-        return _error_response(e)
+        return error_response(e)
     bodies = [_choice_body(core, req, c, finals[c.index].output_ids, finals[c.index].output_text,
                            finals[c.index].output_logprobs, finals[c.index].finish_reason, 0)
               for c in choices]
