@@ -36,7 +36,7 @@ from megaserve.runtime.placement import ExpertPlacement
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.runtime.launcher import WorkerLauncher, make_launcher
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
-                                        RestartPolicy, WorkerHealth)
+                                        RestartPolicy, WorkerHealth, add_counters, restarted)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
@@ -155,7 +155,7 @@ class DisaggregatedEngine:
         self._starting = True  # worker failures while (re)starting raise instead of recovering
         self._generation = 0  # bumped by every group restart
         self._ended: list[RequestOutput] = []  # final outputs produced by a recovery
-        self._stats_base = (0, 0, 0)  # counters of replaced groups: prompt, generation, preemptions
+        self._retired: EngineStats | None = None  # counters of replaced worker groups
         self._watch = None
         self._start_workers()
         self._watch = LivenessWatch(self._lost_workers, self._on_loss)
@@ -260,12 +260,9 @@ class DisaggregatedEngine:
         self._health = WorkerHealth("serving", None, self._budget.total)
 
     def _restart_group(self) -> None:
-        known = [s for s in self._stats if s is not None]
-        base = self._stats_base
-        self._stats_base = (base[0] + sum(s.prompt_tokens_total for s in known),
-                            base[1] + sum(s.generation_tokens_total for s in known),
-                            base[2] + sum(s.num_preemptions for s in known))
-        self._stats = [None] * len(self._stats)
+        for stats in filter(None, self._stats):
+            self._retired = add_counters(stats, self._retired)
+        self._stats = [restarted(s) if s is not None else None for s in self._stats]
         world = self.config.attention_replicas + self.placement.num_workers
         self._rendezvous.close()
         self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
@@ -449,16 +446,16 @@ class DisaggregatedEngine:
 
     def stats(self) -> EngineStats:
         known = [s for s in self._stats if s is not None]
-        return EngineStats(
+        return add_counters(EngineStats(
             num_running=sum(s.num_running for s in known),
             num_waiting=sum(s.num_waiting for s in known),
             num_kv_blocks=sum(s.num_kv_blocks for s in known),
             num_free_kv_blocks=sum(s.num_free_kv_blocks for s in known),
-            prompt_tokens_total=self._stats_base[0] + sum(s.prompt_tokens_total for s in known),
-            generation_tokens_total=self._stats_base[1] + sum(s.generation_tokens_total for s in known),
-            num_preemptions=self._stats_base[2] + sum(s.num_preemptions for s in known),
+            prompt_tokens_total=sum(s.prompt_tokens_total for s in known),
+            generation_tokens_total=sum(s.generation_tokens_total for s in known),
+            num_preemptions=sum(s.num_preemptions for s in known),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
             spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in known),
             spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in known),
-        )
+        ), self._retired)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.sequence import Sequence
@@ -74,6 +74,27 @@ class RestartBudget:
         self._times.append(now)
         self.total += 1
         return True
+
+
+GAUGES = ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks")
+
+
+def add_counters(stats, extra):
+    """``stats`` (an EngineStats) with the counters of ``extra`` (None: nothing) added:
+    every field but the :data:`GAUGES`. Counters of a replaced worker group are kept this
+    way, so a Prometheus counter never goes backwards across a restart."""
+    if extra is None:
+        return stats
+    counters = [f.name for f in fields(stats) if f.name not in GAUGES]
+    return replace(stats, **{name: getattr(stats, name) + getattr(extra, name) for name in counters})
+
+
+def restarted(stats):
+    """What a replica's stats read right after a restart: the same KV pool, all free,
+    nothing running, counters at 0 (the old ones live on through :func:`add_counters`)."""
+    counters = {f.name: 0 for f in fields(stats) if f.name not in GAUGES}
+    return replace(stats, num_running=0, num_waiting=0,
+                   num_free_kv_blocks=stats.num_kv_blocks, **counters)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,10 @@ def test_killed_expert_mid_stream_streams_complete_bitwise(reference):
                 assert a.token_ids[:len(b.token_ids)] == b.token_ids
                 assert a.text.startswith(b.text)
         # Counters survive the restart (a Prometheus counter must not go backwards).
-        assert engine.stats().generation_tokens_total >= sum(len(r[1]) for r in reference.values())
+        stats = engine.stats()
+        assert stats.generation_tokens_total >= sum(len(r[1]) for r in reference.values())
+        assert stats.num_kv_blocks > 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert stats.num_running == stats.num_waiting == 0
     finally:
         engine.shutdown()
 
