@@ -2,7 +2,8 @@
 
 What would otherwise fail minutes later, deep in a worker thread or process, with a
 traceback (a model path that is not a checkpoint, ``--device cuda`` on a machine without
-a GPU, more worker processes than the machine can hold, a transport this machine lacks)
+a GPU, more worker processes than the machine can hold, a transport this machine lacks:
+rdma without pyverbs or a device, cuda_ipc without a GPU)
 fails here with a ValueError of one line that says what to change; the CLI prints it and
 exits with status 2.
 """
@@ -91,9 +92,9 @@ def _check_transport(transport: str) -> None:
         reason = rdma_unavailable()
         if reason is not None:
             raise ValueError(f"transport 'rdma': {reason}; use --transport tcp")
-    elif transport in ("cuda_ipc", "nccl"):
+    elif transport == "cuda_ipc":  # (nccl runs over gloo on CPU)
         import torch
 
         if not torch.cuda.is_available():
-            raise ValueError(f"transport {transport!r} needs a CUDA GPU and none is visible; "
+            raise ValueError("transport 'cuda_ipc' needs a CUDA GPU and none is visible; "
                              "use --transport tcp or inproc")
