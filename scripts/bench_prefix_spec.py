@@ -6,10 +6,10 @@ acceptance rate, mean accepted length, measured vs predicted speed-up).
         --model random:qwen3-30b-a3b:2 --draft-model random:qwen3-30b-a3b:1
 
 Prints one table per part with the device name; the baselines (no cache, no speculation)
-are measured in the same run. Random weights: greedy text repeats, which is the
-"repetitive workload" the n-gram proposer is for; a random draft rarely agrees with the
-target, so the draft-model rows show the cost side (alpha near 0) unless a real pair of
-checkpoints is given.
+are measured in the same run. Random weights (``random:<preset>:<layers>``): the 1-layer
+draft shares the embeddings, LM head and first layer of the 2-layer target (one random
+stream writes them in order), so it agrees with the target part of the time; greedy text
+of random weights tends to repeat, the workload the n-gram proposer is for.
 """
 
 from __future__ import annotations
@@ -163,6 +163,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
     parser.add_argument("--only", choices=["prefix", "spec"], default=None)
     args = parser.parse_args(argv)
+    from megaserve.bench.random_model import resolve_random_model
+
+    for name in ("model", "draft_model"):  # random:<preset>:<layers> checkpoints
+        value = getattr(args, name)
+        if value and value.startswith("random:"):
+            setattr(args, name, str(resolve_random_model(value)))
     if args.only != "spec":
         bench_prefix(args)
     if args.only != "prefix":
