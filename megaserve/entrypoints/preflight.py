@@ -3,9 +3,11 @@
 What would otherwise fail minutes later, deep in a worker thread or process, with a
 traceback (a model path that is not a checkpoint, ``--device cuda`` on a machine without
 a GPU, more worker processes than the machine can hold, a transport this machine lacks:
-rdma without pyverbs or a device, cuda_ipc without a GPU)
-fails here with a ValueError of one line that says what to change; the CLI prints it and
-exits with status 2.
+rdma without pyverbs or a device, cuda_ipc without a GPU) fails here with a ValueError of
+one line that says what to change; the CLI prints it and exits with status 2.
+
+With a launcher other than ``local`` (Ray) the workers run on other machines, so only the
+model and its expert count are checked here.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def check_runtime(options: dict[str, Any]) -> None:
     """Raises ValueError (one line, naming the flag) if ``options`` (EngineConfig keyword
     arguments) cannot run on this machine. Reads no weights."""
     num_experts = _num_experts(str(options.get("model", "builtin:tiny-moe")))
-    _check_device(str(options.get("device", "cpu")))
+    local = options.get("launcher", "local") == "local"
+    if local:
+        _check_device(str(options.get("device", "cpu")))
     replicas = int(options.get("attention_replicas", 1))
     workers = int(options.get("expert_workers", 1))
     if options.get("expert_placement") is None and num_experts is not None \
@@ -36,12 +40,13 @@ def check_runtime(options: dict[str, Any]) -> None:
         raise ValueError(f"expert_workers must be in 1..{num_experts} (the model has "
                          f"{num_experts} experts), got {workers}")
     limit = max_worker_processes()
-    if replicas + workers > limit:
+    if local and replicas + workers > limit:
         raise ValueError(
             f"attention_replicas + expert_workers = {replicas + workers} worker processes: "
             f"this machine runs at most {limit} ({WORKERS_PER_CORE} per CPU core, at least "
             f"{MIN_WORKER_LIMIT}); lower --attention-replicas / --expert-workers")
-    _check_transport(str(options.get("transport", "inproc")))
+    if local:
+        _check_transport(str(options.get("transport", "inproc")))
 
 
 def _num_experts(model: str) -> int | None:
