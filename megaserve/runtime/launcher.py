@@ -106,8 +106,9 @@ def process_title(spec: WorkerSpec) -> str:
 
 
 def set_process_title(title: str) -> None:
-    """Name the calling thread (the main thread of a worker process) for ``ps``; Linux
-    only, silently skipped elsewhere."""
+    """Name the calling thread for ``ps`` (a local worker process: its main thread, so
+    ``ps -o comm`` shows it; a Ray actor: the thread running the worker, ``ps -L``);
+    Linux only, silently skipped elsewhere."""
     try:
         import ctypes
 
