@@ -23,7 +23,7 @@ from megaserve.server.grpc_protocol import BadMessage, deserialize_generate, par
 from megaserve.server.errors import RequestError
 
 from .conftest import ServerProcess, assert_idle, http_get
-from .test_hostile import HealthWatch, assert_openai_error
+from .test_hostile import HealthWatch, assert_clean, assert_openai_error
 
 EXAMPLES = int(os.environ.get("MEGASERVE_FUZZ_EXAMPLES", "80"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -199,11 +199,13 @@ def test_grpc_parser_never_raises_and_names_what_it_refuses(data):
     parsed = deserialize_generate(data)
     if isinstance(parsed, BadMessage):
         assert parsed.error.message.startswith(f"{parsed.error.param}: ")
+        assert_clean(parsed.error.message)
         return
     try:
         parse_generate(parsed)
     except RequestError as e:
         assert e.message.startswith(f"{e.param}: ")
+        assert_clean(e.message)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, database=None)
@@ -231,6 +233,7 @@ def test_grpc_server_with_generated_bytes(fuzz_server):
             except grpc.RpcError as e:
                 code = e.code()
                 assert e.details().split(": ", 1)[0], e.details()
+                assert_clean(e.details())
             codes[code.name] = codes.get(code.name, 0) + 1
             assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), code
 
