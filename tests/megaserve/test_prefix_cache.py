@@ -91,10 +91,14 @@ def shared_prefix_arrivals(rng: random.Random, vocab: int, num_requests: int):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), num_requests=st.integers(2, 14),
-       which=st.sampled_from(["roomy", "chunked", "cramped"]))
-def test_outputs_equal_with_and_without_prefix_cache(engines, seed, num_requests, which):
+       which=st.sampled_from(["roomy", "chunked", "cramped", "budget"]), budget=st.integers(1, 48))
+def test_outputs_equal_with_and_without_prefix_cache(engines, seed, num_requests, which, budget):
+    """``budget``: a random chunk size (tokens per step) for the "budget" engine."""
     rng = random.Random(seed)
-    reference, engine = engines["reference"], engines[which]
+    if which == "budget" and ("budget", budget) not in engines:
+        engines[("budget", budget)] = make_engine(max_num_batched_tokens=budget)
+    reference = engines["reference"]
+    engine = engines[("budget", budget) if which == "budget" else which]
     arrivals = shared_prefix_arrivals(rng, reference.vocab_size, num_requests)
     # The reference runs every request alone: nothing can be shared, nothing chunked.
     expected = {a[1]: run(reference, [(0,) + a[1:]])[a[1]] for a in arrivals}

@@ -53,16 +53,19 @@ class Engines:
         self.reference = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN,
                                                 enable_prefix_caching=False))
 
-    def get(self, method: str, k: int, variant: str) -> LLMEngine:
+    def get(self, method: str, k: int, variant: str | int) -> LLMEngine:
+        """``variant``: a name of VARIANTS, or a token budget per step (chunk size)."""
         key = (method, k, variant)
         if key not in self._engines:
+            options = (self.VARIANTS[variant] if isinstance(variant, str)
+                       else dict(max_num_batched_tokens=variant))
             if method == "ngram":
                 spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
             else:
                 spec = {"model": self.drafts[method], "num_speculative_tokens": k}
             self._engines[key] = LLMEngine(EngineConfig(
                 dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
-                speculative_config=spec, **self.VARIANTS[variant]))
+                speculative_config=spec, **options))
         return self._engines[key]
 
 
@@ -122,10 +125,14 @@ def repetitive_arrivals(rng: random.Random, num_requests: int, greedy_only: bool
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), num_requests=st.integers(1, 12), k=st.integers(1, 6),
        method=st.sampled_from(["ngram", "same", "other"]),
-       variant=st.sampled_from(["roomy", "chunked", "cramped"]))
-def test_speculation_is_bitwise_invisible(engines, seed, num_requests, k, method, variant):
+       variant=st.sampled_from(["roomy", "chunked", "cramped", "budget"]),
+       budget=st.integers(0, 40))
+def test_speculation_is_bitwise_invisible(engines, seed, num_requests, k, method, variant, budget):
     """Greedy: equal to decoding without speculation, each request alone. Seeded
-    sampling: equal to the same speculative engine serving the request alone."""
+    sampling: equal to the same speculative engine serving the request alone.
+    ``budget``: a random chunk size (k + 1 + budget tokens per step) for "budget"."""
+    if variant == "budget":
+        variant = k + 1 + budget
     rng = random.Random(seed)
     arrivals = repetitive_arrivals(rng, num_requests, greedy_only=False)
     engine = engines.get(method, k, variant)
