@@ -102,6 +102,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("prompt", help="the prompt text")
     parser.add_argument("--server", default=None, help="host:port of a megaserve gRPC server")
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive (--server)")
+    parser.add_argument("--api-key", default=None,
+                        help="the server's --api-key (--server; default: $MEGASERVE_API_KEY)")
     add_runtime_flags(parser)
     add_sampling_flags(parser)
     args = parser.parse_args(argv)

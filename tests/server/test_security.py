@@ -155,3 +155,16 @@ def test_grpc_abort_cannot_touch_other_callers_requests(server):
     thread.join(60)
     assert http_result["finish_reason"] == "length"  # the HTTP stream ran to the end
     assert_idle(server)
+
+
+def test_generate_client_sends_the_api_key(keyed_server, capsys, monkeypatch):
+    from megaserve.entrypoints.generate_cli import main as generate_main
+
+    monkeypatch.delenv("MEGASERVE_API_KEY", raising=False)
+    args = ["hi", "--server", keyed_server.grpc_address, "--max-tokens", "2"]
+    assert generate_main(args) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert generate_main([*args, "--api-key", KEY]) == 0
+    monkeypatch.setenv("MEGASERVE_API_KEY", KEY)
+    assert generate_main(args) == 0
+    assert "completion_tokens=2" in capsys.readouterr().err
