@@ -337,20 +337,28 @@ def expert_ffn(
                   for start in range(begin, begin + count, tile)]
         begin += count
 
+    gate_up_t = {e: w_gate_up[e].t() for e, c in enumerate(counts) if c}  # [D, 2I] views
+    down_t = {e: w_down[e].t() for e, c in enumerate(counts) if c}  # [I, D] views
+
     def run(part: range) -> None:
         gate_up = torch.empty(tile, two_inter, dtype=x.dtype)
+        act = torch.empty(tile, inter, dtype=x.dtype)
         down = torch.empty(tile, hidden, dtype=x.dtype)
         padded = torch.zeros(tile, x.shape[1], dtype=x.dtype)
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
         for expert, start, n in (tiles[i] for i in part):
             rows = xs[start:start + n]
             if n < tile:
                 padded[:n] = rows
                 padded[n:] = 0
                 rows = padded
-            torch.mm(rows, w_gate_up[expert].t(), out=gate_up)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            torch.mm(act, w_down[expert].t(), out=down)
-            out[start:start + n] = down[:n]
+            torch.mm(rows, gate_up_t[expert], out=gate_up)
+            torch.mul(F.silu(gate, inplace=True), up, out=act)
+            if n == tile:  # straight into the output rows
+                torch.mm(act, down_t[expert], out=out[start:start + tile])
+            else:
+                torch.mm(act, down_t[expert], out=down)
+                out[start:start + n] = down[:n]
 
     _run_lanes([lambda r=r: run(r) for r in _split(len(tiles), _lanes)])
     return torch.empty_like(out).index_copy_(0, order, out)
