@@ -120,6 +120,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="threads the CPU kernels spread their tiles over (EngineConfig.cpu_threads)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -128,9 +130,9 @@ def main(argv: list[str]) -> int:
     model = str(tiny_mixtral_path()) if args.model == "tiny-mixtral" else args.model
     options = dict(model=model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.input_len + args.output_len + 1)
+                   max_model_len=args.input_len + args.output_len + 1, cpu_threads=args.cpu_threads)
     print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  "
-          f"model: {args.model}  dtype: {args.dtype}  "
+          f"model: {args.model}  dtype: {args.dtype}  threads: {args.cpu_threads}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
     print(f"{'run':>4} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:
