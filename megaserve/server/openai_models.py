@@ -6,8 +6,10 @@ reach the engine without a type or overflow error. OpenAI fields megaserve does 
 implement are accepted only at the value that turns the feature off. Extensions, as in
 vLLM: ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids``.
 
-``openapi_document()`` describes the HTTP API from these models (OpenAPI 3.1); the server
-serves it at ``GET /openapi.json`` and the fuzz test generates requests from it.
+The responses are described by models too (not used to build them: the tests check real
+responses against them). ``openapi_document()`` describes the HTTP API from these models
+(OpenAPI 3.1); the server serves it at ``GET /openapi.json`` and the fuzz test generates
+requests from it.
 """
 
 from __future__ import annotations
@@ -166,6 +168,133 @@ class ChatCompletionRequest(_CommonRequest):
         return self
 
 
+# -- responses (documented in the OpenAPI document; tests check real responses against them)
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # every field a response carries is documented
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy format; ``top_logprobs`` keys are token texts (``"bytes:\\xNN"`` for a
+    piece of a character, ``"token_id:<id>"`` where two alternatives share a text)."""
+
+    tokens: list[str]
+    token_ids: list[int]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Response):
+    """A completion, or (``stream=true``) one SSE chunk of it: ``usage`` is then null, or
+    set in a last chunk with no choices (``stream_options.include_usage``)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]  # the token's own bytes
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprob]
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Response):
+    """One SSE chunk of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -189,23 +318,34 @@ _ERROR_STATUSES = {"400": "invalid request (the message names the field)",
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 description of the HTTP API."""
     _, schemas = models_json_schema(
-        [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, ErrorResponse)],
+        [(m, "validation") for m in (
+            CompletionRequest, ChatCompletionRequest, CompletionResponse,
+            ChatCompletionResponse, ChatCompletionChunk, ModelList, ErrorResponse)],
         ref_template="#/components/schemas/{model}")
     errors = {code: {"description": text, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
         for code, text in _ERROR_STATUSES.items()}
 
-    def post(model: str, summary: str) -> dict[str, Any]:
+    def ref(name: str) -> dict[str, str]:
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def post(model: str, response: str, chunk: str, summary: str) -> dict[str, Any]:
         return {"post": {
             "summary": summary, "operationId": model,
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model}"}}}},
-            "responses": {"200": {"description": "the completion (JSON), or an SSE stream "
-                                  "(text/event-stream) when stream=true"}, **errors}}}
+                "schema": ref(model)}}},
+            "responses": {"200": {
+                "description": f"the completion; with stream=true an SSE stream of {chunk} "
+                               "objects (`data: <json>` events) ending with `data: [DONE]`",
+                "content": {"application/json": {"schema": ref(response)},
+                            "text/event-stream": {"schema": {"type": "string"}}}},
+                **errors}}}
 
-    def get(summary: str, media: str = "application/json", open_: bool = False) -> dict[str, Any]:
+    def get(summary: str, media: str = "application/json", open_: bool = False,
+            schema: dict[str, Any] | None = None) -> dict[str, Any]:
         op: dict[str, Any] = {"summary": summary, "responses": {
-            "200": {"description": summary, "content": {media: {}}}}}
+            "200": {"description": summary, "content": {media: {"schema": schema} if schema
+                                                        else {}}}}}
         if open_:  # no API key needed, as in vLLM
             op["security"] = []
         return {"get": op}
@@ -217,9 +357,11 @@ def openapi_document(version: str) -> dict[str, Any]:
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {
-            "/v1/completions": post("CompletionRequest", "text completion"),
-            "/v1/chat/completions": post("ChatCompletionRequest", "chat completion"),
-            "/v1/models": get("the served model"),
+            "/v1/completions": post("CompletionRequest", "CompletionResponse",
+                                    "CompletionResponse", "text completion"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "ChatCompletionResponse",
+                                         "ChatCompletionChunk", "chat completion"),
+            "/v1/models": get("the served model", schema=ref("ModelList")),
             "/health": get("200 when serving, else 503", open_=True),
             "/metrics": get("Prometheus metrics", "text/plain", open_=True),
             "/openapi.json": get("this document", open_=True),

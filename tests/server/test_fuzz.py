@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megaserve.server import generation_pb2 as pb
+from megaserve.server import openai_models as om
 from megaserve.server.grpc_protocol import BadMessage, deserialize_generate, parse_generate
 from megaserve.server.errors import RequestError
 
@@ -147,10 +148,17 @@ def test_http_api_against_its_openapi_document(fuzz_server, openapi, path, model
         assert status < 500, (body[:300], data[:300])
         if content_type.startswith("text/event-stream"):
             assert status == 200 and data.rstrip().endswith(b"data: [DONE]")
+            chunk = om.ChatCompletionChunk if "chat" in path else om.CompletionResponse
+            for event in data.decode().split("\n\n")[:-2]:
+                payload = json.loads(event.removeprefix("data: "))
+                if "error" not in payload:
+                    chunk.model_validate(payload)
             return
         reply = json.loads(data)
-        if status == 200:
-            assert reply["choices"] and "usage" in reply
+        if status == 200:  # as documented
+            response = (om.ChatCompletionResponse if "chat" in path
+                        else om.CompletionResponse).model_validate(reply)
+            assert response.choices and response.usage
         else:
             assert status in (400, 404, 413), (status, reply)
             assert_openai_error(status, reply, status)

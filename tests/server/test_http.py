@@ -204,3 +204,37 @@ def test_still_serving_after_bad_inputs_and_nothing_leaked(server, llm):
     assert status == 200
     assert body["choices"][0]["text"] == ref(llm, "ok", max_tokens=4, temperature=0.0).outputs[0].text
     assert_idle(server)
+
+
+def test_responses_match_the_openapi_document(server):
+    """Real responses, unary and streamed, validate against the documented models (which
+    forbid undocumented fields); so do error bodies and the model list."""
+    from megaserve.server import openai_models as om
+
+    status, body = http_post(server.url + "/v1/completions", {
+        "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "logprobs": 2, "seed": 1,
+        "return_token_ids": True})
+    assert status == 200
+    assert len(om.CompletionResponse.model_validate(body).choices) == 4
+    status, body = http_post(server.url + "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    assert status == 200
+    om.ChatCompletionResponse.model_validate(body)
+    for path, model, extra in [
+            ("/v1/chat/completions", om.ChatCompletionChunk, {"messages": MESSAGES}),
+            ("/v1/completions", om.CompletionResponse, {"prompt": PROMPT, "logprobs": 1})]:
+        events = sse(server, path, {"max_tokens": 3, "stream": True,
+                                    "stream_options": {"include_usage": True}, **extra})
+        assert events[-1] == "[DONE]"
+        chunks = [model.model_validate(e) for e in events[:-1]]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    status, body = http_get(server.url + "/v1/models")
+    om.ModelList.model_validate_json(body)
+    status, body = http_post(server.url + "/v1/completions", {"prompt": 5})
+    assert status == 400
+    om.ErrorResponse.model_validate(body)
+    status, doc = http_get(server.url + "/openapi.json")
+    doc = json.loads(doc)
+    assert doc["openapi"].startswith("3.1")
+    ok = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/ChatCompletionResponse")
