@@ -7,7 +7,10 @@ drawn like HF's initialiser: normal, std 0.02) serves N requests of P random pro
 tokens and G generated tokens, greedy, ignore_eos. Prints generated tokens/s of the batch
 and the time per output token of a lone request (decode steps only: its first token,
 which includes the prefill, is excluded). ``--repeat R`` measures R times and prints
-each run, so a change can be compared with alternating runs on a shared machine.
+each run, so a change can be compared with alternating runs on a shared machine;
+``--baseline-tree DIR`` does that against another source tree (e.g. ``git archive <commit>
+kernels megaserve | tar -x -C DIR``): each run in a fresh process, the two trees in turn,
+with the ratio of every round.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +115,7 @@ def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: i
             "generated": generated, "tpot_ms": tpot_ms}
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megaserve bench cpu", description=__doc__)
     parser.add_argument("--model", default="tiny-mixtral",
                         help="'tiny-mixtral' (default) or any model path / builtin:NAME")
@@ -124,33 +129,82 @@ def main(argv: list[str]) -> int:
                         help="threads the CPU kernels spread their tiles over (EngineConfig.cpu_threads)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--baseline-tree", default=None,
+                        help="a source tree (holding kernels/ and megaserve/) measured in turn "
+                             "with this one, each run in a fresh process")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
+    """One warm-up, then ``repeat`` timed runs in this process."""
     from megaserve import LLM
 
     model = str(tiny_mixtral_path()) if args.model == "tiny-mixtral" else args.model
     options = dict(model=model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.input_len + args.output_len + 1, cpu_threads=args.cpu_threads)
+    with LLM(**options) as llm:
+        run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
+        return [run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
+                for _ in range(repeat)]
+
+
+def _in_fresh_process(tree: Path, argv: list[str]) -> dict:
+    """One warm-up and one timed run with ``tree``'s megaserve and kernels."""
+    code = ("import runpy, sys; sys.argv = ['cpu'] + sys.argv[1:]; "
+            f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", code, *argv, "--worker"], env=env,
+                         cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise ValueError(f"run with {tree} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _row(name: str, res: dict, extra: str = "") -> str:
+    return (f"{name:>10} {res['seconds']:>8.2f} {res['tokens_per_s']:>10.1f} "
+            f"{res['generated'] / res['cpu_seconds']:>10.1f} {res['tpot_ms']:>13.2f}{extra}")
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        print(json.dumps(_measure(args, 1)[0]))
+        return 0
     print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  "
           f"model: {args.model}  dtype: {args.dtype}  threads: {args.cpu_threads}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
-    print(f"{'run':>4} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
+    print(f"{'run':>10} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:
-        with LLM(**options) as llm:
-            run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
-            results = []
+        if args.baseline_tree:
+            tree = Path(__file__).resolve().parents[2]
+            passthrough = [a for a in argv if a != "--worker"]
+            skip = {"--baseline-tree", "--repeat"}
+            passthrough = [a for i, a in enumerate(passthrough)
+                           if a not in skip and (i == 0 or passthrough[i - 1] not in skip)]
+            base, this = [], []
             for r in range(args.repeat):
-                res = run_workload(llm, args.num_prompts, args.input_len, args.output_len,
-                                   args.seed)
-                results.append(res)
-                print(f"{r:>4} {res['seconds']:>8.2f} {res['tokens_per_s']:>10.1f} "
-                      f"{res['generated'] / res['cpu_seconds']:>10.1f} {res['tpot_ms']:>13.2f}",
-                      flush=True)
+                base.append(_in_fresh_process(Path(args.baseline_tree), passthrough))
+                print(_row(f"base {r}", base[-1]), flush=True)
+                this.append(_in_fresh_process(tree, passthrough))
+                ratio = this[-1]["tokens_per_s"] / base[-1]["tokens_per_s"]
+                print(_row(f"this {r}", this[-1], f"  x{ratio:.2f}"), flush=True)
+            results = this
+            print(f"{'base':>10} median {statistics.median(r['tokens_per_s'] for r in base):>12.1f}")
+        else:
+            results = _measure(args, args.repeat)
+            for r, res in enumerate(results):
+                print(_row(str(r), res), flush=True)
     except ValueError as e:
         print(f"megaserve bench: {e}", file=sys.stderr)
         return 2
     if len(results) > 1:
-        print(f"{'median':>13} {statistics.median(r['tokens_per_s'] for r in results):>10.1f} "
+        print(f"{'median':>10} {'':>8} {statistics.median(r['tokens_per_s'] for r in results):>10.1f} "
               f"{statistics.median(r['generated'] / r['cpu_seconds'] for r in results):>10.1f} "
               f"{statistics.median(r['tpot_ms'] for r in results):>13.2f}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
