@@ -37,12 +37,13 @@ def references():
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-@pytest.mark.parametrize("transport, replicas, experts, microbatches",
-                         [("inproc", 2, 2, 2), ("tcp", 1, 2, 1)])
+@pytest.mark.parametrize("transport, replicas, experts, microbatches, aggregation",
+                         [("inproc", 2, 2, 2, "per_layer"), ("tcp", 1, 2, 1, "per_layer"),
+                          ("tcp", 2, 2, 1, "lockstep")])
 def test_speculation_through_disaggregated_layouts(references, method, transport, replicas,
-                                                   experts, microbatches):
+                                                   experts, microbatches, aggregation):
     with LLM(dtype="float32", attention_replicas=replicas, expert_workers=experts,
-             microbatches=microbatches, transport=transport,
+             microbatches=microbatches, transport=transport, aggregation=aggregation,
              speculative_config=_spec(method)) as llm:
         greedy = _signature(llm.generate(PROMPTS, GREEDY))
         seeded = _signature(llm.generate(PROMPTS, SEEDED))
