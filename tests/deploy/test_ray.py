@@ -46,6 +46,7 @@ def _free_port() -> int:
 def cluster(tmp_path_factory):
     """A head (state API, no CPUs for workers) and one node per GPU type, 2 CPUs each."""
     cache = str(tmp_path_factory.mktemp("megaserve-cache"))
+    old_cache = os.environ.get("MEGASERVE_CACHE")
     os.environ["MEGASERVE_CACHE"] = cache
     from megaserve.models.builtin import resolve_model
 
@@ -64,7 +65,10 @@ def cluster(tmp_path_factory):
     finally:
         ray.shutdown()
         c.shutdown()
-        os.environ.pop("MEGASERVE_CACHE", None)
+        if old_cache is None:
+            os.environ.pop("MEGASERVE_CACHE", None)
+        else:
+            os.environ["MEGASERVE_CACHE"] = old_cache
 
 
 def _worker_actors(c, state: str = "ALIVE") -> list:
@@ -136,6 +140,19 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         assert len(workers) == 4 and victim.actor_id not in {a.actor_id for a in workers}
         pids += [a.pid for a in workers]
         assert http_get(server.url + "/health")[0] == 200
+
+        # Idle: expert 1's actor dies with nothing in flight; health reports it within 2 s.
+        (victim,) = [a for a in workers if "-expert-1-" in a.name]
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: poller.first("NOT_SERVING", killed) is not None, 5, "NOT_SERVING")
+        assert poller.first("NOT_SERVING", killed) - killed < 2.0
+        wait_for(lambda: poller.first("SERVING", poller.first("NOT_SERVING", killed)) is not None,
+                 60, "health back after the idle kill")
+        again = Stream(server.grpc_address, *REQUESTS[1])
+        again.run()
+        assert again.error is None and list(again.complete.output_ids) == expected[1].token_ids
+        pids += [a.pid for a in _worker_actors(cluster) if a.class_name == "RayWorker"]
     finally:
         code = server.stop()  # first: nothing may leave the server running
         poller.stop()
