@@ -66,6 +66,10 @@ def _launcher_options(args: argparse.Namespace) -> dict:
     if runtime_options(args).get("transport", "inproc") == "inproc":
         raise ValueError("--launcher ray: the workers are Ray actors, each its own process; "
                          "add --transport tcp")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError("--launcher ray: Ray is not installed; pip install 'megaserve[ray]'")
     options = {"launcher": "ray", "ray_address": args.ray_address}
     if args.plan:
         from deploy.plans import plan_gpu_options
