@@ -1,17 +1,24 @@
 """CPU implementation of the kernel API (torch only), batch-invariant bitwise.
 
-Two techniques make every result independent of the batch:
+Three techniques make every result independent of the batch:
 
-* **Fixed-shape row tiles for GEMMs.** ``torch.mm`` on CPU picks its blocking (and with it
-  the reduction order) from M: measured here, row 0 of a product changed for 16 of 19
-  batch sizes. Running every product as `[ROW_TILE, K] @ [K, N]` tiles (the last one
-  zero-padded) gives each row the same code path whatever M is, and whatever row of the
-  tile it lands in, for 1 or 2 threads (tests/kernels/test_cpu_invariance.py).
-* **Tree reductions from elementwise ops.** Sums over features (RMSNorm, softmax, the
-  attention dot products) use a pairwise halving tree over the length padded to a power
-  of two. Elementwise ops are exact per element, so the order is fixed by the reduced
-  length alone; padding with zeros leaves the value unchanged (``x + 0 == x``), which
-  also makes attention independent of how many keys past a query's position exist.
+* **Fixed-shape GEMM tiles.** ``torch.mm`` on CPU picks its blocking (and with it the
+  reduction order) from M: measured here, row 0 of a product changed for 16 of 19 batch
+  sizes. Every product runs as one ``torch.mm`` per `[ROW_TILE, K] @ [K, N]` tile (the last
+  one zero-padded), so each row takes the same code path whatever M is and whatever row of
+  the tile it lands in. Row sums (RMSNorm, log-softmax) are such products with a ones
+  column. Batched ``torch.bmm`` is used only where every call has at least two items of one
+  fixed shape (attention): a single item runs as a plain GEMM, another code path.
+* **Attention items.** Each (query token, key split of KV_SPLIT_SIZE keys) is one fixed-shape
+  ``bmm`` item; keys past a token's position get probability exactly 0 and sums over keys
+  and splits are zero-padded trees, so a token's bits depend only on its query and the keys
+  it sees (see :func:`paged_attention`).
+* **Tree reductions from elementwise ops** where a sum is short (softmax over experts, key
+  splits): a pairwise halving tree over the length padded to a power of two. Elementwise ops
+  are exact per element, and padding with zeros leaves the value unchanged (``x + 0 == x``).
+
+Tiles are independent, so :func:`set_num_lanes` spreads them over threads without changing
+a bit. Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py.
 """
 
 from __future__ import annotations
