@@ -46,7 +46,7 @@ class _JsonErrorHandler(RequestHandler):
         else:  # the client's fault: a log line, not a traceback
             if request.writer.output_size > 0:
                 raise ConnectionError("response already sent, cannot send an error")
-            first = (message or "malformed HTTP").strip().splitlines()[0]
+            first = ((message or "").strip().splitlines() or ["malformed HTTP"])[0]
             logger.info("refused malformed HTTP from %s: %s", request.remote, first[:200])
             text = f"request: malformed HTTP ({first[:200]})"
         resp = error_json(status, text, "internal_error" if status >= 500
