@@ -261,6 +261,8 @@ def profile_cuda(
     torch.cuda.synchronize(device)
     weights = torch.cuda.memory_allocated(device) - start.torch_allocated_bytes
     local = experts if isinstance(experts, LocalExperts) else _NoExperts()
+    # Free cached blocks first: activations must not hide in memory that loading reserved.
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base_reserved = torch.cuda.memory_reserved(device)
     scratch = _profile_forward(attention, local, config.max_num_batched_tokens,
