@@ -92,8 +92,7 @@ def main(argv: list[str]) -> int:
                              http_port=args.http_port, max_waiting=args.max_waiting,
                              grace_period=args.grace_period, api_key=args.api_key,
                              timeout_keep_alive=args.timeout_keep_alive)
-        if args.launcher == "local":  # with Ray, the cluster's nodes run the workers
-            check_runtime(engine)  # model, device, workers, transport: before binding ports
+        check_runtime(engine)  # model (and with --launcher local: device, workers, transport)
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return EXIT_USAGE
