@@ -119,7 +119,8 @@ class DevicePlaneEngine:
     """Front-end; see the module docstring."""
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, profile: bool = False) -> None:
+        """``profile``: record wait times and GEMM sizes (benchmarks; in-process workers)."""
         reason = device_plane_reason(config)
         if reason is not None:
             raise ValueError(reason)
@@ -148,13 +149,15 @@ class DevicePlaneEngine:
         self._stop = threading.Event()
         self.replica_inbox = ReplicaInbox(self.shape, self.device)
         self.servers: list[ExpertServer] = []  # in-process workers (for stats and tests)
+        self.profile = profile
         try:
             if config.transport == "inproc":
                 links = self._start_threads(config, str(path))
             else:
                 links = self._start_processes(config, str(path))
             self.experts = DeviceExperts(self.shape, links, self.replica_inbox,
-                                         placement.owner_table(), timeout_s=timeout_s)
+                                         placement.owner_table(), timeout_s=timeout_s,
+                                         profile=profile)
             engine_config = replace(config, model=str(path), attention_replicas=1,
                                     expert_workers=1, transport="inproc", expert_placement=None,
                                     disaggregate=False)
@@ -175,7 +178,7 @@ class DevicePlaneEngine:
             part = _load_experts(path, config.dtype, config.device, expert_ids)
             inbox = ExpertInbox(self.shape, self.device)
             server = ExpertServer(part, index, self.shape, inbox, self.replica_inbox,
-                                  self.moe_layers, self.device)
+                                  self.moe_layers, self.device, profile=self.profile)
             messages: queue.Queue = queue.Queue()
             done = _Done()
             thread = threading.Thread(
@@ -185,7 +188,7 @@ class DevicePlaneEngine:
             self.servers.append(server)
             self._threads.append(thread)
             self._queues.append(messages)
-            links.append(ExpertLink(inbox, messages, done))
+            links.append(ExpertLink(inbox, messages, done, server))
         torch.cuda.synchronize()  # buffers zeroed before any flag is read
         return links
 

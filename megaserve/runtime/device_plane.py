@@ -25,7 +25,9 @@ Steps run in one of two ways:
 * **graph steps** (decode): the attention worker replays one CUDA graph per batch bucket
   (all layers, all micro-batches, flags included) after one host message per expert worker
   (``("graph", c)``); the expert worker replays its CUDA graph of all layers and ticks for
-  ``c`` rows. The host never waits inside a step.
+  ``c`` rows. The host never waits inside a step. In one process the "message" is the
+  launch itself: the replica's thread launches the worker's graph on the worker's stream
+  (waking a Python thread cost ~1.5 ms a step on an H100, more than the data plane).
 * **eager steps** (prefill, mixed): one host message per tick. In one process the message
   carries a CUDA event instead of using a flag (NOTE: a stream blocked on a flag while the
   *same process* loads a kernel module deadlocks: the load waits for every stream of the
@@ -174,6 +176,33 @@ class _Done:
             return self._events.pop(key)
 
 
+def timing_event() -> torch.cuda.Event:
+    """A timing event that a CUDA graph records as a node of its own (``external``), so its
+    time can be read after each replay."""
+    return torch.cuda.Event(enable_timing=True, external=True)
+
+
+class _timed_wait:
+    """Events around a wait inside a captured graph (when ``on``), appended to ``sink``."""
+
+    def __init__(self, on: bool, sink: list) -> None:
+        self.events = None
+        if on:
+            self.events = (timing_event(), timing_event())
+            self.events[0].record()
+            sink.append(self.events)
+
+    def end(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+
+
+def wait_times_ms(pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> list[float]:
+    """Elapsed times of (start, end) event pairs of the last replay (synchronises)."""
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in pairs]
+
+
 @dataclass
 class PlaneStats:
     """Host-side work of the data plane (what a test bounds per step)."""
@@ -200,6 +229,9 @@ class ExpertLink:
     inbox: ExpertInbox
     messages: object  # queue.Queue or multiprocessing queue: ("graph", c) / ("tick", ...)
     done: _Done | None = None  # same process: eager ticks complete through CUDA events
+    # Same process: the worker's server, whose step graph the replica's thread launches
+    # itself (on the worker's stream) instead of waking the worker's thread for it.
+    server: ExpertServer | None = None
 
 
 class DeviceExperts:
@@ -210,7 +242,7 @@ class DeviceExperts:
     """
 
     def __init__(self, shape: PlaneShape, links: list[ExpertLink], inbox: ReplicaInbox,
-                 owner: torch.Tensor, timeout_s: float = 60.0) -> None:
+                 owner: torch.Tensor, timeout_s: float = 60.0, profile: bool = False) -> None:
         if len(links) != shape.num_workers:
             raise ValueError(f"{len(links)} expert links for {shape.num_workers} workers")
         self.shape = shape
@@ -221,6 +253,12 @@ class DeviceExperts:
         self.timeout_s = timeout_s
         self.stats = PlaneStats()
         self._releaser: sf.Releaser | None = None
+        self._watchdog: _Watchdog | None = None
+        # profile: captured graphs record CUDA events around each combine wait, so the
+        # attention GPU's idle time per tick can be read after a replay (wait_times_ms).
+        self.profile = profile
+        self._captured_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.waits_by_batch: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
 
     # -- ExpertClient -----------------------------------------------------------------
 
@@ -231,8 +269,15 @@ class DeviceExperts:
         """A captured step of ``batch_size`` rows in ``num_microbatches`` equal parts is
         about to be replayed: one message per expert worker, nothing else."""
         rows = batch_size // num_microbatches
+        if self._captured_waits:  # the graph of this size was captured just now
+            self.waits_by_batch[batch_size] = self._captured_waits
+            self._captured_waits = []
         for link in self.links:
-            link.messages.put(("graph", rows))
+            if link.server is not None:
+                if link.server.serving:  # a stopped worker's steps never start: the
+                    link.server.graph_step(rows)  # replica's wait then times out
+            else:
+                link.messages.put(("graph", rows))
         self.stats.host_messages += len(self.links)
         self.stats.graph_steps += 1
 
@@ -269,12 +314,14 @@ class DeviceExperts:
         """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order."""
         i, t = handle.microbatch, handle.num_tokens
         capturing = torch.cuda.is_current_stream_capturing()
+        timed = _timed_wait(self.profile and capturing, self._captured_waits)
         for e, link in enumerate(self.links):
             if link.done is not None and not capturing:
                 event = link.done.take((handle.layer, i), self.timeout_s)
                 torch.cuda.current_stream().wait_event(event)
             else:
                 sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
+        timed.end()
         if len(self.links) == 1:
             return self.inbox.out[i, 0, :t]  # read before dispatch (l + 1, i) reuses it
         cap, k = self.shape.capacity, self.shape.top_k
@@ -301,18 +348,17 @@ class DeviceExperts:
     # -- bounded waits ----------------------------------------------------------------
 
     def wait(self, event: torch.cuda.Event) -> None:
-        """Poll ``event`` (recorded after a step) until done or ``timeout_s``; on timeout,
-        drain the stream by raising every combine flag to ABORT, and raise
-        :class:`CommTimeoutError`. Never blocks in the driver."""
-        deadline = time.monotonic() + self.timeout_s
-        pause = 0.0
-        while not event.query():
-            if time.monotonic() > deadline:
-                self._drain(event)
-                raise CommTimeoutError(f"the expert workers did not complete a step within "
-                                       f"{self.timeout_s:.0f}s; the step was abandoned")
-            time.sleep(pause)
-            pause = min(0.001, pause + 0.00002)
+        """Block until ``event`` (recorded after a step) completes; if that takes longer
+        than ``timeout_s``, a watchdog thread drains the stream by raising every combine
+        flag to ABORT, and this raises :class:`CommTimeoutError`."""
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self._drain)
+        self._watchdog.arm(event, time.monotonic() + self.timeout_s)
+        event.synchronize()  # releases the GIL; the watchdog ends it if a flag never comes
+        if self._watchdog.disarm():
+            self.inbox.flags.zero_()
+            raise CommTimeoutError(f"the expert workers did not complete a step within "
+                                   f"{self.timeout_s:.0f}s; the step was abandoned")
 
     def _drain(self, event: torch.cuda.Event) -> None:
         if self._releaser is None:
@@ -322,7 +368,44 @@ class DeviceExperts:
         while not event.query():
             self._releaser.release(flags)
             time.sleep(0.001)
-        self.inbox.flags.zero_()
+
+
+class _Watchdog:
+    """Calls ``drain(event)`` when an armed wait passes its deadline (one thread)."""
+
+    def __init__(self, drain) -> None:
+        self._drain = drain
+        self._cond = threading.Condition()
+        self._armed: tuple[torch.cuda.Event, float] | None = None
+        self._fired = False
+        threading.Thread(target=self._loop, name="megaserve-plane-watchdog", daemon=True).start()
+
+    def arm(self, event: torch.cuda.Event, deadline: float) -> None:
+        with self._cond:
+            self._armed, self._fired = (event, deadline), False
+            self._cond.notify()
+
+    def disarm(self) -> bool:
+        """Disarm; True if the deadline had passed (the stream was drained)."""
+        with self._cond:
+            self._armed = None
+            return self._fired
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._armed is None:
+                    self._cond.wait()
+                event, deadline = self._armed
+                left = deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._fired = True
+            self._drain(event)
+            with self._cond:  # wait for the waiter to see it
+                while self._armed is not None and self._armed[0] is event:
+                    self._cond.wait(0.01)
 
 
 class ExpertServer:
@@ -335,7 +418,8 @@ class ExpertServer:
     """
 
     def __init__(self, part: ExpertPart, index: int, shape: PlaneShape, inbox: ExpertInbox,
-                 replica: ReplicaInbox, moe_layers: list[int], device: torch.device) -> None:
+                 replica: ReplicaInbox, moe_layers: list[int], device: torch.device,
+                 profile: bool = False) -> None:
         self.part = part
         self.index = index
         self.shape = shape
@@ -352,14 +436,22 @@ class ExpertServer:
         self._rows = torch.arange(shape.capacity, device=self.device, dtype=torch.int32)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self.rows_computed = 0  # (token, expert) pairs offered to the GEMMs (host count)
         self.ticks = 0
+        self.serving = False  # True while serve() runs
+        # profile: events around each dispatch wait in captured graphs (idle time of the
+        # expert GPU).
+        self.profile = profile
+        self.waits_by_rows: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+        self._captured_waits: list = []
 
     def _tick(self, layer: int, i: int, c: int, use_flags: bool) -> None:
         """Tick (layer, micro-batch i) over the first ``c`` rows of the slot."""
         k, d = self.shape.top_k, self.shape.hidden
         if use_flags:
+            timed = _timed_wait(self.profile and torch.cuda.is_current_stream_capturing(),
+                                self._captured_waits)
             sf.wait_and_clear(self.inbox.flags[i: i + 1])
+            timed.end()
         valid = self._rows[:c] < self.inbox.counts[i]  # [c] rows this tick really holds
         ids = torch.where(valid[:, None], self.inbox.ids[i, :c], -1)  # [c, k]
         local = self._lookup[ids.long()].reshape(-1)  # [c*k]; sentinel → never computed
@@ -369,6 +461,19 @@ class ExpertServer:
         self.replica.out[i, self.index, :c].copy_(out.view(c, k, d))
         if use_flags:
             sf.write(self.replica.flags[i, self.index: self.index + 1], sf.SET)
+
+    def rows_per_gemm(self) -> float:
+        """(token, expert) rows per expert GEMM of the ticks now in the slots (the last
+        layer's; reads the slots: call between steps, for reports)."""
+        rows = gemms = 0
+        for i in range(self.shape.microbatches):
+            count = int(self.inbox.counts[i])
+            ids = self.inbox.ids[i, :count].long().reshape(-1)
+            local = self._lookup[ids]
+            local = local[local < len(self.part.expert_ids)]
+            rows += local.numel()
+            gemms += int(torch.unique(local).numel())
+        return rows / gemms if gemms else 0.0
 
     def tick(self, layer: int, i: int, c: int, event: torch.cuda.Event | None) -> torch.cuda.Event:
         """An eager tick: after ``event`` (same process) or the dispatch flag (another
@@ -404,11 +509,15 @@ class ExpertServer:
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[c] = graph
+        if self._captured_waits:
+            self.waits_by_rows[c] = self._captured_waits
+            self._captured_waits = []
         return graph
 
     def serve(self, messages, done: _Done | None, should_stop, idle_s: float = 0.2) -> None:
         """Serve messages until ``("stop",)`` or ``should_stop()``: ``("graph", c)`` and
         ``("tick", layer, i, c, event)``; eager completions go to ``done`` (same process)."""
+        self.serving = True
         try:
             while True:
                 try:
@@ -433,6 +542,8 @@ class ExpertServer:
             if done is not None:
                 done.fail(f"{type(e).__name__}: {e}")
             raise
+        finally:
+            self.serving = False
 
 
 @dataclass

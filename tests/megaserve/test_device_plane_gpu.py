@@ -67,14 +67,18 @@ def test_decode_steps_have_no_host_sync_and_constant_host_messages() -> None:
         run = graphs.run
         servers = engine.servers
 
-        def checked(scheduled):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return run(scheduled)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        graphs.run = _sync_checked(run)
+        wait = engine.experts.wait
 
-        graphs.run = checked
+        def end_of_step(event):  # the one host wait of a step: its end (tokens next)
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return wait(event)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+
+        engine.experts.wait = end_of_step
         for server in servers:  # the expert side's replays, too
             server.graph_step = _sync_checked(server.graph_step)
         before = engine.experts.stats.host_messages
@@ -90,12 +94,14 @@ def test_decode_steps_have_no_host_sync_and_constant_host_messages() -> None:
 
 
 def _sync_checked(fn):
+    """``fn`` under ``set_sync_debug_mode("error")``: any synchronising call raises."""
     def wrapped(*args):
+        previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
             return fn(*args)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(previous)
     return wrapped
 
 
