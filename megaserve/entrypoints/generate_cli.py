@@ -41,6 +41,13 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                         help="how expert workers batch the tokens of several replicas")
     parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
                         help="expert workers gather frames this long to batch replicas together")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="run attention and experts as separate workers even for one "
+                             "replica and one expert worker in this process")
+    parser.add_argument("--data-plane", default="auto", choices=["auto", "device", "host"],
+                        help="dispatch/combine on CUDA: device (stream flags, CUDA graphs for "
+                             "both roles; one attention replica, inproc or cuda_ipc), host "
+                             "(frames), auto (device where it applies)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -87,6 +94,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
         microbatches=args.microbatches, transport=args.transport,
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
         cuda_graphs=not args.no_cuda_graphs,
+        disaggregate=args.disaggregate, data_plane=args.data_plane,
     )
     options.update(enable_prefix_caching=args.enable_prefix_caching,
                    speculative_config=args.speculative_config)
