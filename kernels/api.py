@@ -150,7 +150,8 @@ def expert_ffn(
     """SwiGLU expert MLP over rows grouped by expert; each row's result is independent of
     how many rows each expert received.
 
-    x: `[R, D]`; expert_ids: `[R]` int64 indices into the local expert stack;
+    x: `[R, D]`; expert_ids: `[R]` int64 indices into the local expert stack, or ``E`` for
+    a row routed nowhere (it is never computed; its output row is unspecified);
     w_gate_up: `[E, 2I, D]` (gate rows then up rows); w_down: `[E, D, I]`.
     Returns `[R, D]` in x.dtype: ``down_e(silu(gate_e x) * up_e x)`` for each row.
     """

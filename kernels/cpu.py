@@ -333,7 +333,8 @@ def expert_ffn(
     num_experts, two_inter, _ = w_gate_up.shape
     inter, hidden = two_inter // 2, w_down.shape[1]
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()
+    # Ids == num_experts (rows routed nowhere) sort last and get no tile: never computed.
+    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()[:num_experts]
     xs = x.index_select(0, order)  # [R, D], grouped by expert
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     tile = EXPERT_ROW_TILE

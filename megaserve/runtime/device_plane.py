@@ -221,6 +221,51 @@ class _Handle:
     positions: torch.Tensor | None  # [E, T] row of token t in worker e's slot (E > 1)
 
 
+def pack(inbox: ExpertInbox, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
+         owners: torch.Tensor, worker: int, only_worker: bool) -> torch.Tensor | None:
+    """Write the rows of micro-batch ``microbatch`` that expert worker ``worker`` needs into
+    its inbox slot, in token order, with their expert ids (-1 where another worker serves
+    that rank) and their count; kernels only, no host synchronisation.
+
+    x: `[T, D]`; topk_ids, owners: `[T, k]` int64. Returns pos `[T]`, each token's row in
+    the slot (-1 where none), or None for ``only_worker`` (row t is token t).
+    """
+    num_tokens = x.shape[0]
+    slot_rows, slot_ids = inbox.rows[microbatch], inbox.ids[microbatch]
+    if only_worker:  # every token goes to the one worker: a plain copy
+        slot_rows[:num_tokens].copy_(x)
+        slot_ids[:num_tokens].copy_(topk_ids)
+        inbox.counts[microbatch].fill_(num_tokens)
+        return None
+    capacity = slot_rows.shape[0] - 1
+    mine = owners == worker  # [T, k]
+    need = mine.any(dim=1)  # [T]
+    pos = need.cumsum(0) - 1  # [T] row in the slot, in token order
+    dest = torch.where(need, pos, capacity)  # tokens it does not need: the dump row
+    slot_rows.index_copy_(0, dest, x)
+    slot_ids.index_copy_(0, dest, torch.where(mine, topk_ids, -1).to(torch.int32))
+    inbox.counts[microbatch: microbatch + 1].copy_(need.sum(0, keepdim=True))
+    return pos
+
+
+def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor,
+           positions: torch.Tensor | None) -> torch.Tensor:
+    """The expert outputs of micro-batch ``microbatch`` in (token, rank) order: `[T, k, D]`.
+
+    owners: `[T, k]` expert worker of each (token, rank); positions: `[E, T]` each token's
+    row in each worker's slot (None with one worker: row t is token t, a view is returned).
+    """
+    out = inbox.out[microbatch]  # [E, C, k, D]
+    num_tokens, k = owners.shape
+    if positions is None:
+        return out[0, :num_tokens]  # read before dispatch (l + 1, i) reuses the slot
+    capacity, hidden = out.shape[1], out.shape[3]
+    pos = positions.gather(0, owners.T).T  # [T, k] row in the owner's slot
+    ranks = torch.arange(k, device=owners.device)
+    flat = (owners * capacity + pos) * k + ranks  # [T, k] into out as [E*C*k, D]
+    return out.reshape(-1, hidden)[flat.reshape(-1)].view(num_tokens, k, hidden)
+
+
 @dataclass
 class ExpertLink:
     """The replica's view of one expert worker: its inbox, its message queue, and (same
@@ -292,19 +337,8 @@ class DeviceExperts:
         capturing = torch.cuda.is_current_stream_capturing()
         positions = []
         for e, link in enumerate(self.links):
-            slot_rows, slot_ids = link.inbox.rows[microbatch], link.inbox.ids[microbatch]
-            if len(self.links) == 1:  # every token goes to the one worker: a plain copy
-                slot_rows[:num_tokens].copy_(x)
-                slot_ids[:num_tokens].copy_(topk_ids)
-                link.inbox.counts[microbatch].fill_(num_tokens)
-            else:
-                mine = owners == e  # [T, k]
-                need = mine.any(dim=1)  # [T]
-                pos = need.cumsum(0) - 1  # [T] row in the slot, in token order
-                dest = torch.where(need, pos, self.shape.capacity)  # others: the dump row
-                slot_rows.index_copy_(0, dest, x)
-                slot_ids.index_copy_(0, dest, torch.where(mine, topk_ids, -1).to(torch.int32))
-                link.inbox.counts[microbatch: microbatch + 1].copy_(need.sum(0, keepdim=True))
+            pos = pack(link.inbox, microbatch, x, topk_ids, owners, e, len(self.links) == 1)
+            if pos is not None:
                 positions.append(pos)
             self._signal(link, e, layer, microbatch, num_tokens, capturing)
         stacked = torch.stack(positions) if positions else None
@@ -312,7 +346,7 @@ class DeviceExperts:
 
     def combine(self, handle: _Handle) -> torch.Tensor:
         """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order."""
-        i, t = handle.microbatch, handle.num_tokens
+        i = handle.microbatch
         capturing = torch.cuda.is_current_stream_capturing()
         timed = _timed_wait(self.profile and capturing, self._captured_waits)
         for e, link in enumerate(self.links):
@@ -322,13 +356,7 @@ class DeviceExperts:
             else:
                 sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
         timed.end()
-        if len(self.links) == 1:
-            return self.inbox.out[i, 0, :t]  # read before dispatch (l + 1, i) reuses it
-        cap, k = self.shape.capacity, self.shape.top_k
-        pos = handle.positions.gather(0, handle.owners.T).T  # [T, k] row in owner's slot
-        ranks = torch.arange(k, device=self.device)
-        flat = (handle.owners * cap + pos) * k + ranks  # [T, k] into out[i] as [E*C*k, D]
-        return self.inbox.out[i].reshape(-1, self.shape.hidden)[flat.reshape(-1)].view(t, k, -1)
+        return gather(self.inbox, i, handle.owners, handle.positions)
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:
@@ -427,7 +455,7 @@ class ExpertServer:
         self.replica = replica
         self.moe_layers = list(moe_layers)
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Global expert id → local index; -1 (routed elsewhere) indexes the last entry,
         # the sentinel past the local experts, whose rows the grouped GEMM skips.
         lookup = torch.full((shape.num_experts + 1,), len(part.expert_ids), dtype=torch.int64)

@@ -1,0 +1,113 @@
+"""The device data plane's arithmetic on the CPU (megaserve.runtime.device_plane): packing
+rows per expert worker, the expert tick with rows beyond the count masked, and the
+combine's gather give bitwise what in-process experts give; buffers, capture sizes and the
+engine choice. The CUDA side (flags, graphs, processes) is in test_device_plane_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaserve.engine.config import EngineConfig
+from megaserve.engine.cuda_graphs import capture_sizes
+from megaserve.models.expert_part import ExpertPart
+from megaserve.models.forward import LocalExperts
+from megaserve.runtime.device_engine import device_plane_reason, uses_device_plane
+from megaserve.runtime.device_plane import (ExpertInbox, ExpertServer, PlaneShape, ReplicaInbox,
+                                            gather, pack)
+
+E, D, INTER, K = 8, 32, 16, 2
+
+
+def _parts(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w_gate_up = torch.randn(E, 2 * INTER, D, generator=g) / D ** 0.5
+    w_down = torch.randn(E, D, INTER, generator=g) / INTER ** 0.5
+    full = ExpertPart(list(range(E)), E, {3: w_gate_up}, {3: w_down})
+    return full, w_gate_up, w_down
+
+
+@pytest.mark.parametrize("placement", [[list(range(8))], [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                       [[0, 5], [1, 2, 3], [4, 6, 7]]])
+def test_pack_tick_gather_is_bitwise_local_experts(placement) -> None:
+    full, w_gate_up, w_down = _parts(0)
+    workers = len(placement)
+    shape = PlaneShape(num_workers=workers, microbatches=2, capacity=16, hidden=D, top_k=K,
+                       num_experts=E, dtype=torch.float32)
+    replica = ReplicaInbox(shape, "cpu")
+    replica.out.fill_(float("nan"))  # unwritten rows must never be read
+    servers = []
+    for index, ids in enumerate(placement):
+        inbox = ExpertInbox(shape, "cpu")
+        inbox.rows.fill_(float("nan"))  # stale rows beyond the count must never be computed
+        inbox.ids.fill_(ids[0])
+        part = ExpertPart(ids, E, {3: w_gate_up[ids]}, {3: w_down[ids]})
+        servers.append(ExpertServer(part, index, shape, inbox, replica, [3], "cpu"))
+    owner = torch.empty(E, dtype=torch.int64)
+    for index, ids in enumerate(placement):
+        owner[ids] = index
+    g = torch.Generator().manual_seed(1)
+    for num_tokens in (1, 5, 11, 16):
+        x = torch.randn(num_tokens, D, generator=g)
+        topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]  # distinct
+        owners = owner[topk_ids]
+        positions = [pack(s.inbox, 1, x, topk_ids, owners, s.index, workers == 1)
+                     for s in servers]
+        for server in servers:
+            server._tick(3, 1, shape.capacity, use_flags=False)  # the whole slot: counts mask
+        got = gather(replica, 1, owners, None if workers == 1 else torch.stack(positions))
+        want = LocalExperts(full).dispatch(3, 1, x, topk_ids)
+        assert torch.equal(got, want), f"{workers} workers, {num_tokens} tokens"
+
+
+def test_buffers_are_aligned_disjoint_views_of_one_allocation() -> None:
+    shape = PlaneShape(num_workers=3, microbatches=2, capacity=10, hidden=24, top_k=4,
+                       num_experts=16, dtype=torch.bfloat16)
+    inbox = ExpertInbox(shape, "cpu")
+    assert inbox.rows.shape == (2, 11, 24) and inbox.ids.shape == (2, 11, 4)
+    assert inbox.counts.shape == (2,) and inbox.flags.shape == (2,)
+    views = [inbox.rows, inbox.ids, inbox.counts, inbox.flags]
+    base = inbox.storage.data_ptr()
+    spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size())
+                   for v in views)
+    assert all(start % 256 == 0 for start, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= inbox.storage.numel()
+    # A peer maps the same bytes: the same views over the shared storage.
+    peer = ExpertInbox(shape, storage=inbox.storage)
+    inbox.flags[1] = 7
+    assert int(peer.flags[1]) == 7
+    replica = ReplicaInbox(shape, "cpu")
+    assert replica.out.shape == (2, 3, 10, 4, 24) and replica.flags.shape == (2, 3)
+
+
+def test_plane_shape_is_validated() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        PlaneShape(num_workers=1, microbatches=1, capacity=0, hidden=8, top_k=2,
+                   num_experts=4, dtype=torch.float32)
+
+
+def test_captured_sizes_split_evenly_into_microbatches() -> None:
+    for m in (1, 2, 4):
+        sizes = capture_sizes(256, m)
+        assert sizes[-1] == 256 and all(s % m == 0 for s in sizes)
+        assert sizes == sorted(set(sizes))
+    assert capture_sizes(7, 4) == [4, 8]
+
+
+def test_which_layouts_run_on_the_device_plane() -> None:
+    cuda = dict(device="cuda", model="builtin:tiny-moe")
+    assert device_plane_reason(EngineConfig(**cuda, disaggregate=True)) is None
+    assert device_plane_reason(EngineConfig(**cuda, transport="cuda_ipc", expert_workers=2)) is None
+    assert "CUDA" in device_plane_reason(EngineConfig(device="cpu", disaggregate=True))
+    assert "one attention replica" in device_plane_reason(
+        EngineConfig(**cuda, attention_replicas=2, transport="cuda_ipc"))
+    assert "tcp" in device_plane_reason(EngineConfig(**cuda, transport="tcp", expert_workers=2))
+    assert not uses_device_plane(EngineConfig(**cuda))  # co-located stays co-located
+    assert uses_device_plane(EngineConfig(**cuda, disaggregate=True))
+    assert not uses_device_plane(EngineConfig(**cuda, disaggregate=True, data_plane="host"))
+    assert not uses_device_plane(EngineConfig(device="cpu", disaggregate=True))
+    with pytest.raises(ValueError, match="data_plane='device'"):
+        uses_device_plane(EngineConfig(device="cpu", disaggregate=True, data_plane="device"))
+    with pytest.raises(ValueError, match="data_plane"):
+        EngineConfig(data_plane="gpu")
