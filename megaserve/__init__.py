@@ -13,7 +13,7 @@ _LAZY = {
     "SamplingParams": "megaserve.sampling_params",
     "RequestOutput": "megaserve.outputs",
     "CompletionOutput": "megaserve.outputs",
-    "AsyncLLMEngine": "megaserve.engine.async_engine",
+    "AsyncLLMEngine": "megaserve.runtime.async_engine",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -276,25 +276,6 @@ def derive_seed(engine_seed: int, arrival: int) -> int:
     return (engine_seed * 0x9E3779B97F4A7C15 + arrival * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
-def make_engine(config: EngineConfig):
-    """The engine for a config: everything in this process (the defaults), or a
-    front-end over attention and expert workers (any of R, E, m, transport changed)."""
-    layout = (config.attention_replicas, config.expert_workers, config.transport)
-    from megaserve.runtime.device_engine import uses_device_plane
-
-    if uses_device_plane(config):
-        from megaserve.runtime.device_engine import DevicePlaneEngine
-
-        return DevicePlaneEngine(config)
-    disaggregated = (layout != (1, 1, "inproc") or config.expert_placement is not None
-                     or config.disaggregate)
-    if disaggregated:
-        from megaserve.runtime.cluster import DisaggregatedEngine
-
-        return DisaggregatedEngine(config)
-    return LLMEngine(config)
-
-
 def validate_prompt(
     prompt: Prompt,
     params: SamplingParams,

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import make_engine
+from megaserve.runtime.factory import make_engine
 from megaserve.outputs import RequestOutput
 from megaserve.sampling_params import SamplingParams
 

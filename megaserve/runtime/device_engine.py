@@ -31,39 +31,13 @@ from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
 from megaserve.runtime.device_plane import (DeviceExperts, ExpertInbox, ExpertLink, ExpertServer,
                                             PlaneShape, ReplicaInbox, _Done)
+from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-
-
-def device_plane_reason(config: EngineConfig) -> str | None:
-    """Why ``config`` cannot run on the device data plane, or None if it can."""
-    if not config.device.startswith("cuda"):
-        return "the device data plane needs CUDA"
-    if config.attention_replicas != 1:
-        return "the device data plane runs one attention replica so far"
-    if config.transport not in ("inproc", "cuda_ipc"):
-        return f"the device data plane moves bytes in-process or over cuda_ipc, not {config.transport}"
-    if config.speculative_config is not None:
-        return "speculative decoding runs on the host data plane"
-    return None
-
-
-def uses_device_plane(config: EngineConfig) -> bool:
-    """True where ``make_engine`` should build a :class:`DevicePlaneEngine`."""
-    if config.data_plane == "host":
-        return False
-    split = config.disaggregate or (config.attention_replicas, config.expert_workers,
-                                    config.transport) != (1, 1, "inproc")
-    if not split:
-        return False
-    reason = device_plane_reason(config)
-    if config.data_plane == "device" and reason is not None:
-        raise ValueError(f"data_plane='device': {reason}")
-    return reason is None
 
 
 @dataclass(frozen=True)

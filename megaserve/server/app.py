@@ -78,7 +78,7 @@ class ServeConfig:
 
 
 def _default_engine_factory(config: ServeConfig) -> Any:
-    from megaserve.engine.async_engine import AsyncLLMEngine
+    from megaserve.runtime.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine(**config.engine)
 

@@ -261,7 +261,7 @@ class ServingCore:
             finished = True  # refused before it ran: nothing to abort
             raise RequestError.from_value_error(e) from None
         except Exception as e:
-            from megaserve.engine.async_engine import EngineDeadError  # loaded by now
+            from megaserve.runtime.async_engine import EngineDeadError  # loaded by now
 
             if isinstance(e, EngineDeadError):  # the engine thread is gone for good
                 self.mark_failed(str(e))

@@ -12,7 +12,7 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import capture_sizes
 from megaserve.models.expert_part import ExpertPart
 from megaserve.models.forward import LocalExperts
-from megaserve.runtime.device_engine import device_plane_reason, uses_device_plane
+from megaserve.runtime.factory import device_plane_reason, uses_device_plane
 from megaserve.runtime.device_plane import (ExpertInbox, ExpertServer, PlaneShape, ReplicaInbox,
                                             gather, pack)
 

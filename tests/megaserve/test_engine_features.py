@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megaserve import LLM, SamplingParams
-from megaserve.engine.async_engine import AsyncLLMEngine
+from megaserve.runtime.async_engine import AsyncLLMEngine
 
 PROMPT = "The quick brown fox"
 

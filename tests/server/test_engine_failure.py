@@ -12,7 +12,7 @@ from megaserve.server.errors import ErrorCode, RequestError
 
 
 def test_engine_thread_failure_marks_the_server_failed(model_cache):
-    from megaserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+    from megaserve.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 
     async def scenario():
         engine = AsyncLLMEngine(model="builtin:tiny-moe", dtype="float32", device="cpu",
@@ -46,7 +46,7 @@ def test_engine_failure_reaches_clients_without_internals(model_cache):
     import grpc
     from aiohttp import web
 
-    from megaserve.engine.async_engine import AsyncLLMEngine
+    from megaserve.runtime.async_engine import AsyncLLMEngine
     from megaserve.server.client import build_request, generation_stub
     from megaserve.server.grpc_service import GenerationService, build_grpc_server
     from megaserve.server.openai_http import build_app

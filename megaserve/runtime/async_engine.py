@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import EngineStats, Prompt, make_engine
+from megaserve.engine.engine import EngineStats, Prompt
+from megaserve.runtime.factory import make_engine
 from megaserve.outputs import RequestOutput
 from megaserve.sampling_params import SamplingParams
 

@@ -1,0 +1,56 @@
+"""make_engine: the engine a config asks for, from the layer that composes engines.
+
+The engine package knows nothing of the cluster (it never imports the runtime); this
+function picks the co-located :class:`~megaserve.engine.engine.LLMEngine`, the device data
+plane's front-end or the host data plane's front-end, importing the latter two lazily so
+that a co-located engine never loads them.
+"""
+
+from __future__ import annotations
+
+from megaserve.engine.config import EngineConfig
+from megaserve.engine.engine import LLMEngine
+
+
+def device_plane_reason(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot run on the device data plane, or None if it can."""
+    if not config.device.startswith("cuda"):
+        return "the device data plane needs CUDA"
+    if config.attention_replicas != 1:
+        return "the device data plane runs one attention replica so far"
+    if config.transport not in ("inproc", "cuda_ipc"):
+        return f"the device data plane moves bytes in-process or over cuda_ipc, not {config.transport}"
+    if config.speculative_config is not None:
+        return "speculative decoding runs on the host data plane"
+    return None
+
+
+def uses_device_plane(config: EngineConfig) -> bool:
+    """True where :func:`make_engine` should build a ``DevicePlaneEngine``."""
+    if config.data_plane == "host":
+        return False
+    split = config.disaggregate or (config.attention_replicas, config.expert_workers,
+                                    config.transport) != (1, 1, "inproc")
+    if not split:
+        return False
+    reason = device_plane_reason(config)
+    if config.data_plane == "device" and reason is not None:
+        raise ValueError(f"data_plane='device': {reason}")
+    return reason is None
+
+
+def make_engine(config: EngineConfig):
+    """The engine for a config: everything in this process (the defaults), or a
+    front-end over attention and expert workers (any of R, E, m, transport changed)."""
+    layout = (config.attention_replicas, config.expert_workers, config.transport)
+    if uses_device_plane(config):
+        from megaserve.runtime.device_engine import DevicePlaneEngine
+
+        return DevicePlaneEngine(config)
+    disaggregated = (layout != (1, 1, "inproc") or config.expert_placement is not None
+                     or config.disaggregate)
+    if disaggregated:
+        from megaserve.runtime.cluster import DisaggregatedEngine
+
+        return DisaggregatedEngine(config)
+    return LLMEngine(config)
