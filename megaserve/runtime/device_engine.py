@@ -30,7 +30,8 @@ from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
 from megaserve.runtime.device_plane import (DeviceExperts, ExpertInbox, ExpertLink, ExpertServer,
-                                            PlaneShape, ReplicaInbox, _Done)
+                                            PlaneShape, ReplicaInbox, Stop, WorkerFailed,
+                                            WorkerReady, EagerCompletions)
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 
@@ -73,7 +74,7 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
         server = ExpertServer(part, spec.index, spec.shape, inbox, replica,
                               list(spec.moe_layers), device)
         torch.cuda.synchronize()
-        replies.put(("ready", spec.index, share_tensor(inbox.storage)))
+        replies.put(WorkerReady(spec.index, share_tensor(inbox.storage)))
 
         def parent_gone() -> bool:
             try:
@@ -86,7 +87,7 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
         torch.cuda.synchronize()
     except BaseException as e:  # noqa: BLE001 - reported to the front-end
         logger.exception("expert worker %d failed", spec.index)
-        replies.put(("error", spec.index, f"{type(e).__name__}: {e}"))
+        replies.put(WorkerFailed(spec.index, f"{type(e).__name__}: {e}"))
 
 
 class DevicePlaneEngine:
@@ -154,7 +155,7 @@ class DevicePlaneEngine:
             server = ExpertServer(part, index, self.shape, inbox, self.replica_inbox,
                                   self.moe_layers, self.device, profile=self.profile)
             messages: queue.Queue = queue.Queue()
-            done = _Done()
+            done = EagerCompletions()
             thread = threading.Thread(
                 target=self._serve_thread, args=(server, messages, done),
                 name=f"megaserve-expert-{index}", daemon=True)
@@ -166,7 +167,7 @@ class DevicePlaneEngine:
         torch.cuda.synchronize()  # buffers zeroed before any flag is read
         return links
 
-    def _serve_thread(self, server: ExpertServer, messages, done: _Done) -> None:
+    def _serve_thread(self, server: ExpertServer, messages, done: EagerCompletions) -> None:
         torch.cuda.set_device(self.device)
         try:
             server.serve(messages, done, self._stop.is_set)
@@ -200,9 +201,9 @@ class DevicePlaneEngine:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"expert workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
                 continue
-            if message[0] == "error":
-                raise RuntimeError(f"expert worker {message[1]} failed: {message[2]}")
-            inboxes[message[1]] = ExpertInbox(self.shape, storage=open_tensor(message[2]))
+            if isinstance(message, WorkerFailed):
+                raise RuntimeError(f"expert worker {message.index} failed: {message.reason}")
+            inboxes[message.index] = ExpertInbox(self.shape, storage=open_tensor(message.inbox_handle))
         return [ExpertLink(inboxes[i], self._queues[i]) for i in range(len(self._processes))]
 
     def _check_processes(self) -> None:
@@ -219,7 +220,7 @@ class DevicePlaneEngine:
         self._closed = True
         self._stop.set()
         for messages in self._queues:
-            messages.put(("stop",))
+            messages.put(Stop())
         deadline = time.monotonic() + STOP_GRACE_S
         for worker in [*self._threads, *self._processes]:
             worker.join(max(0.0, deadline - time.monotonic()))

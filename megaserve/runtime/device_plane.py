@@ -24,7 +24,7 @@ Steps run in one of two ways:
 
 * **graph steps** (decode): the attention worker replays one CUDA graph per batch bucket
   (all layers, all micro-batches, flags included) after one host message per expert worker
-  (``("graph", c)``); the expert worker replays its CUDA graph of all layers and ticks for
+  (:class:`GraphStep`); the expert worker replays its CUDA graph of all layers and ticks for
   ``c`` rows. The host never waits inside a step. In one process the "message" is the
   launch itself: the replica's thread launches the worker's graph on the worker's stream
   (waking a Python thread cost ~1.5 ms a step on an H100, more than the data plane).
@@ -144,7 +144,50 @@ class ReplicaInbox(_Buffers):
 # -- eager steps in one process: per-tick messages carrying CUDA events ------------------
 
 
-class _Done:
+# -- messages to an expert worker (the host's whole share of the data plane) -------------
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """Replay the step graph for ``rows`` rows per micro-batch slot (decode steps)."""
+
+    rows: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Serve one (layer, micro-batch) tick eagerly over ``rows`` rows (prefill, mixed)."""
+
+    layer: int
+    microbatch: int
+    rows: int
+    # Same process: the dispatch's CUDA event (never a flag: module NOTE); across
+    # processes None, and the dispatch flag says when the rows are in.
+    event: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the serve loop."""
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """An expert worker process is up: its inbox, shared (comm.cuda_ipc.share_tensor)."""
+
+    index: int
+    inbox_handle: bytes
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """An expert worker process failed (the reason, for the front-end's error)."""
+
+    index: int
+    reason: str
+
+
+class EagerCompletions:
     """Completions of eager ticks, (layer, micro-batch) → event, handed across threads."""
 
     def __init__(self) -> None:
@@ -272,8 +315,8 @@ class ExpertLink:
     process only) where its eager completions come back."""
 
     inbox: ExpertInbox
-    messages: object  # queue.Queue or multiprocessing queue: ("graph", c) / ("tick", ...)
-    done: _Done | None = None  # same process: eager ticks complete through CUDA events
+    messages: object  # queue.Queue or multiprocessing queue of GraphStep / Tick / Stop
+    done: EagerCompletions | None = None  # same process: eager ticks complete through CUDA events
     # Same process: the worker's server, whose step graph the replica's thread launches
     # itself (on the worker's stream) instead of waking the worker's thread for it.
     server: ExpertServer | None = None
@@ -322,7 +365,7 @@ class DeviceExperts:
                 if link.server.serving:  # a stopped worker's steps never start: the
                     link.server.graph_step(rows)  # replica's wait then times out
             else:
-                link.messages.put(("graph", rows))
+                link.messages.put(GraphStep(rows))
         self.stats.host_messages += len(self.links)
         self.stats.graph_steps += 1
 
@@ -366,10 +409,10 @@ class DeviceExperts:
         if link.done is not None:  # same process: an event, never a flag (module NOTE)
             event = torch.cuda.Event()
             event.record()
-            link.messages.put(("tick", layer, microbatch, num_tokens, event))
+            link.messages.put(Tick(layer, microbatch, num_tokens, event))
         else:
             sf.write(link.inbox.flags[microbatch: microbatch + 1], sf.SET)
-            link.messages.put(("tick", layer, microbatch, num_tokens, None))
+            link.messages.put(Tick(layer, microbatch, num_tokens, None))
         self.stats.host_messages += 1
         self.stats.eager_ticks += 1
 
@@ -542,9 +585,9 @@ class ExpertServer:
             self._captured_waits = []
         return graph
 
-    def serve(self, messages, done: _Done | None, should_stop, idle_s: float = 0.2) -> None:
-        """Serve messages until ``("stop",)`` or ``should_stop()``: ``("graph", c)`` and
-        ``("tick", layer, i, c, event)``; eager completions go to ``done`` (same process)."""
+    def serve(self, messages, done: EagerCompletions | None, should_stop, idle_s: float = 0.2) -> None:
+        """Serve :class:`GraphStep` and :class:`Tick` messages until :class:`Stop` or
+        ``should_stop()``; eager completions go to ``done`` (same process)."""
         self.serving = True
         try:
             while True:
@@ -554,18 +597,17 @@ class ExpertServer:
                     if should_stop():
                         return
                     continue
-                kind = message[0]
-                if kind == "stop":
+                if isinstance(message, Stop):
                     return
-                if kind == "graph":
-                    self.graph_step(message[1])
-                elif kind == "tick":
-                    _, layer, i, c, event = message
-                    finished = self.tick(layer, i, c, event)
+                if isinstance(message, GraphStep):
+                    self.graph_step(message.rows)
+                elif isinstance(message, Tick):
+                    finished = self.tick(message.layer, message.microbatch, message.rows,
+                                         message.event)
                     if done is not None:
-                        done.put((layer, i), finished)
+                        done.put((message.layer, message.microbatch), finished)
                 else:
-                    raise ValueError(f"expert worker: unknown message {kind!r}")
+                    raise ValueError(f"expert worker: unknown message {message!r}")
         except BaseException as e:
             if done is not None:
                 done.fail(f"{type(e).__name__}: {e}")

@@ -111,6 +111,7 @@ def test_a_lost_expert_worker_is_a_typed_error_not_a_hang() -> None:
     from comm import CommError
     from megaserve.engine.config import EngineConfig
     from megaserve.runtime.device_engine import DevicePlaneEngine
+    from megaserve.runtime.device_plane import Stop
 
     engine = DevicePlaneEngine(EngineConfig(model="builtin:tiny-moe", device="cuda",
                                             dtype="bfloat16", disaggregate=True,
@@ -121,7 +122,7 @@ def test_a_lost_expert_worker_is_a_typed_error_not_a_hang() -> None:
         engine.add_request("r0", "Hello", params)
         for _ in range(6):
             engine.step()
-        engine._queues[0].put(("stop",))  # the expert worker goes away between steps
+        engine._queues[0].put(Stop())  # the expert worker goes away between steps
         engine._threads[0].join(5)
         start = time.monotonic()
         with pytest.raises(CommError):
