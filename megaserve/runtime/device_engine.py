@@ -29,9 +29,9 @@ from megaserve.engine.engine import LLMEngine
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
-from megaserve.runtime.device_plane import (DeviceExperts, ExpertInbox, ExpertLink, ExpertServer,
-                                            PlaneShape, ReplicaInbox, Stop, WorkerFailed,
-                                            WorkerReady, EagerCompletions)
+from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, ExpertInbox,
+                                            ExpertLink, ExpertServer, PlaneShape, ReplicaInbox,
+                                            Stop, WorkerFailed, WorkerReady)
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 
@@ -203,7 +203,8 @@ class DevicePlaneEngine:
                 continue
             if isinstance(message, WorkerFailed):
                 raise RuntimeError(f"expert worker {message.index} failed: {message.reason}")
-            inboxes[message.index] = ExpertInbox(self.shape, storage=open_tensor(message.inbox_handle))
+            inboxes[message.index] = ExpertInbox(self.shape,
+                                                 storage=open_tensor(message.inbox_handle))
         return [ExpertLink(inboxes[i], self._queues[i]) for i in range(len(self._processes))]
 
     def _check_processes(self) -> None:

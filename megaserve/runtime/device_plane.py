@@ -316,7 +316,8 @@ class ExpertLink:
 
     inbox: ExpertInbox
     messages: object  # queue.Queue or multiprocessing queue of GraphStep / Tick / Stop
-    done: EagerCompletions | None = None  # same process: eager ticks complete through CUDA events
+    # Same process: eager ticks complete through CUDA events handed back here.
+    done: EagerCompletions | None = None
     # Same process: the worker's server, whose step graph the replica's thread launches
     # itself (on the worker's stream) instead of waking the worker's thread for it.
     server: ExpertServer | None = None
@@ -585,7 +586,8 @@ class ExpertServer:
             self._captured_waits = []
         return graph
 
-    def serve(self, messages, done: EagerCompletions | None, should_stop, idle_s: float = 0.2) -> None:
+    def serve(self, messages, done: EagerCompletions | None, should_stop,
+              idle_s: float = 0.2) -> None:
         """Serve :class:`GraphStep` and :class:`Tick` messages until :class:`Stop` or
         ``should_stop()``; eager completions go to ``done`` (same process)."""
         self.serving = True
