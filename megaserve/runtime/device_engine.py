@@ -56,6 +56,17 @@ class ExpertWorkerSpec:
     parent_pid: int
 
 
+def expert_device(requested: str, replica: torch.device, index: int) -> str:
+    """Expert worker ``index``'s GPU: with ``device="cuda"`` and several GPUs visible, the
+    GPUs after the replica's, round-robin (the replica keeps its GPU to itself while there
+    are others); with one GPU or ``cuda:N``, the replica's GPU."""
+    count = torch.cuda.device_count()
+    if requested != "cuda" or count < 2:
+        return str(replica)
+    others = [d for d in range(count) if d != replica.index]
+    return f"cuda:{others[index % len(others)]}"
+
+
 def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
     return load_model(resolve_model(model), dtype, device, attention=False,
                       expert_ids=list(expert_ids)).experts
@@ -182,7 +193,8 @@ class DevicePlaneEngine:
         torch.cuda.synchronize()  # the replica's buffers are zeroed before they are shared
         handle = share_tensor(self.replica_inbox.storage)
         for index, expert_ids in enumerate(self.placement.workers):
-            spec = ExpertWorkerSpec(index, path, config.dtype, str(self.device),
+            device = expert_device(config.device, self.device, index)
+            spec = ExpertWorkerSpec(index, path, config.dtype, device,
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
                                     handle, os.getpid())
             messages = ctx.Queue()
