@@ -35,9 +35,10 @@ Steps run in one of two ways:
   used, as in graph steps.
 
 HAZARD: a flag that never comes (a dead expert worker) would block the attention stream for
-ever: the host polls the step's completion event against ``timeout_s``, then raises every
-flag it waits on to ``ABORT`` from a side stream (:class:`comm.stream_flags.Releaser`) until
-the stream drains, and raises :class:`comm.CommTimeoutError`; that step's outputs are lost.
+ever: while the host waits for the step's completion event, a watchdog thread counts
+``timeout_s``, then raises every flag the replica waits on to ``ABORT`` from a side stream
+(:class:`comm.stream_flags.Releaser`) until the stream drains; the step raises
+:class:`comm.CommTimeoutError` and its outputs are lost.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -616,12 +617,3 @@ class ExpertServer:
             raise
         finally:
             self.serving = False
-
-
-@dataclass
-class InprocPlane:
-    """Buffers and links of a replica and its expert workers in one process."""
-
-    shape: PlaneShape
-    replica: ReplicaInbox
-    links: list[ExpertLink] = field(default_factory=list)
