@@ -1,9 +1,17 @@
-"""Disaggregated runtime: attention workers and expert workers over the comm transport.
+"""Disaggregated runtime: attention workers and expert workers, composed over engines.
 
+* :mod:`factory` — ``make_engine``: co-located, device data plane or host data plane.
+* :mod:`async_engine` — ``AsyncLLMEngine``: any of them behind an asyncio stream API.
 * :mod:`placement` — which expert worker holds which expert.
-* :mod:`frames` — the dispatch / combine payloads.
-* :mod:`remote_experts` — the attention side's ExpertClient over an endpoint.
-* :mod:`expert_worker` — the expert side's serve loop (per-layer aggregation).
-* :mod:`attention_worker` — an engine replica driven by commands.
-* :mod:`cluster` — the front-end engine: launch, route, collect, shut down.
+* :mod:`device_plane` — the GPU data plane: registered buffers, device-side packing and
+  counts, stream flags, CUDA graphs for both roles (``DeviceExperts``, ``ExpertServer``).
+* :mod:`device_engine` — ``DevicePlaneEngine``: one replica, expert workers as threads or
+  cuda_ipc processes over the device data plane.
+* :mod:`frames` — the host data plane's dispatch / combine payloads.
+* :mod:`remote_experts` — the attention side's ExpertClient over a comm endpoint.
+* :mod:`expert_worker` — the expert side's serve loop (per-layer or lockstep aggregation).
+* :mod:`workers` — worker entry points (attention or expert) for threads and processes.
+* :mod:`launcher`, :mod:`recovery` — starting workers (local or Ray) and replacing lost ones.
+* :mod:`cluster` — ``DisaggregatedEngine``: the host data plane's front-end: launch,
+  route, collect, shut down.
 """
