@@ -86,7 +86,7 @@ def _child() -> None:
 def test_attention_launch_switches_keep_bits() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=540)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
     assert line is not None, f"interpreter child failed: {proc.stderr[-3000:]}"
     assert json.loads(line)["fails"] == []

@@ -239,7 +239,7 @@ def _child() -> None:
 def interp_results() -> dict[str, dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=540)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
