@@ -13,9 +13,9 @@ issues whatever lets the producer write that flag again. Values baked into a CUD
 constants, so the flags cannot count steps; the toggle needs none.
 
 HAZARD: a wait has no timeout of its own. A stream whose producer died would block
-forever, so :func:`release` lets the host raise a flag (to ``ABORT``) from a separate
-non-blocking stream; the data plane calls it when its host-side deadline passes, the waits
-drain, and the step's results are discarded with a typed error.
+forever, so :meth:`Releaser.release` lets the host raise a flag (to ``ABORT``) from a
+separate non-blocking stream; the data plane calls it when its host-side deadline passes,
+the waits drain, and the step's results are discarded with a typed error.
 
 Nothing here imports torch or cuda-python at import time.
 """

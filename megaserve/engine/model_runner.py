@@ -128,8 +128,8 @@ class ModelRunner:
             return None
 
     def _wait_experts(self) -> None:
-        """On the device data plane, wait (bounded, polling an event) until the experts'
-        rows of this eager step are in: a dead expert worker raises instead of hanging."""
+        """On the device data plane, wait (bounded by the client's timeout) until the
+        experts' rows of this eager step are in: a dead expert worker raises, never hangs."""
         wait = getattr(self.experts, "wait", None)
         if wait is not None:
             done = torch.cuda.Event()
