@@ -40,6 +40,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megaserve.runtime.launcher import process_title, set_process_title
+from megaserve.runtime.messages import Stop
 from megaserve.runtime.workers import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class RayGroup:
         if self._stopped:
             return
         for handle in self.handles:
-            handle.send(("stop",))
+            handle.send(Stop())
         refs = [h.run_ref for h in self.handles]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s, fetch_local=False)
         if len(ready) < len(refs):

@@ -35,6 +35,8 @@ from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.runtime.launcher import WorkerLauncher, make_launcher
+from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
+                                        WorkerFailure, WorkerReady, WorkerStats)
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
                                         RestartPolicy, WorkerHealth, add_counters, restarted)
 from megaserve.runtime.workers import WorkerSpec
@@ -79,11 +81,10 @@ class WorkerError(RuntimeError):
     """A worker failed or disappeared; the engine cannot continue."""
 
 
-def _raise_if_error(message: tuple) -> None:
-    """Turn a worker's ("error", role, index, detail) report into a WorkerError."""
-    if message[0] == "error":
-        _, role, index, detail = message
-        raise WorkerError(f"{role} worker {index} failed: {detail}")
+def _raise_if_error(message) -> None:
+    """Turn a worker's WorkerFailure report into a WorkerError."""
+    if isinstance(message, WorkerFailure):
+        raise WorkerError(f"{message.role} worker {message.index} failed: {message.detail}")
 
 
 def _locked(method):
@@ -255,7 +256,8 @@ class DisaggregatedEngine:
             self._forget(out.request_id)
         self._ended += ended
         for request_id, ids, params, seed in reruns:
-            self._group.handles[self._owner[request_id]].send(("add", request_id, ids, params, seed))
+            self._group.handles[self._owner[request_id]].send(
+                AddRequest(request_id, ids, params, seed))
         logger.warning("workers: back, re-running %d request(s)", len(reruns))
         self._health = WorkerHealth("serving", None, self._budget.total)
 
@@ -281,7 +283,7 @@ class DisaggregatedEngine:
             message = self._next_message(max(0.1, deadline - time.monotonic()))
             if message is None:
                 raise WorkerError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
-            if message[0] == "ready":
+            if isinstance(message, WorkerReady):
                 ready += 1
 
     def shutdown(self) -> None:
@@ -308,8 +310,8 @@ class DisaggregatedEngine:
             message = self._group.receive(0)
             if message is None:
                 return
-            if message[0] == "stats":
-                self.expert_stats[message[2]] = message[3]
+            if isinstance(message, WorkerStats):
+                self.expert_stats[message.index] = message.stats
 
     def __del__(self) -> None:
         try:
@@ -341,7 +343,7 @@ class DisaggregatedEngine:
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self._load[replica] += work
         self._in_flight.added(request_id, self._prompts[request_id], ids, params, seed)
-        self._group.handles[replica].send(("add", request_id, ids, params, seed))
+        self._group.handles[replica].send(AddRequest(request_id, ids, params, seed))
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -349,7 +351,7 @@ class DisaggregatedEngine:
         replica = self._owner.get(request_id)
         if replica is not None:
             self._in_flight.aborting(request_id)
-            self._group.handles[replica].send(("abort", request_id))
+            self._group.handles[replica].send(AbortRequest(request_id))
         return None
 
     def has_unfinished_requests(self) -> bool:
@@ -376,7 +378,7 @@ class DisaggregatedEngine:
         """Announce a step to every replica with requests; wait until all have run it."""
         participants = sorted(set(self._owner.values()))
         for replica in participants:
-            self._group.handles[replica].send(("step", len(participants)))
+            self._group.handles[replica].send(RunStep(len(participants)))
         outputs: list[RequestOutput] = []
         pending = len(participants)
         generation = self._generation
@@ -384,15 +386,15 @@ class DisaggregatedEngine:
             message = self._next_message(1.0)
             if message is None:
                 continue
-            pending -= message[0] == "stepped"
+            pending -= isinstance(message, StepOutputs) and message.stepped
             outputs += self._accept(message)
         return outputs
 
-    def _accept(self, message: tuple) -> list[RequestOutput]:
-        """Bookkeeping for a worker's outputs message; returns its outputs."""
-        if message[0] not in ("outputs", "stepped"):
+    def _accept(self, message) -> list[RequestOutput]:
+        """Bookkeeping for a worker's StepOutputs; returns its outputs."""
+        if not isinstance(message, StepOutputs):
             return []
-        _, replica, outs, stats = message
+        replica, outs, stats = message.replica, message.outputs, message.stats
         self._stats[replica] = stats
         delivered = []
         for out in outs:
@@ -402,7 +404,7 @@ class DisaggregatedEngine:
             out, must_abort = self._in_flight.translate(out)
             out.prompt = prompt
             if must_abort:
-                self._group.handles[replica].send(("abort", out.request_id))
+                self._group.handles[replica].send(AbortRequest(out.request_id))
             if out.finished:
                 self._forget(out.request_id)
             delivered.append(out)
@@ -420,13 +422,13 @@ class DisaggregatedEngine:
         if message is None:
             self._check_alive()
             return None
-        if message[0] == "error" and not (self._starting or self._closed):
-            _, role, index, detail = message
-            self._recover(f"{role} worker {index} failed: {detail.splitlines()[0]}")
+        if isinstance(message, WorkerFailure) and not (self._starting or self._closed):
+            self._recover(f"{message.role} worker {message.index} failed: "
+                          f"{message.detail.splitlines()[0]}")
             return None
         _raise_if_error(message)
-        if message[0] == "stats":
-            self.expert_stats[message[2]] = message[3]
+        if isinstance(message, WorkerStats):
+            self.expert_stats[message.index] = message.stats
         return message
 
     def _check_alive(self) -> None:
@@ -434,11 +436,11 @@ class DisaggregatedEngine:
         if dead and not self._closed:
             # A worker that failed reported why just before exiting: surface that first.
             message = self._group.receive(1.0)
-            if message is not None and message[0] == "error":
+            if isinstance(message, WorkerFailure):
                 if self._starting:
                     _raise_if_error(message)
-                _, role, index, detail = message
-                self._recover(f"{role} worker {index} failed: {detail.splitlines()[0]}")
+                self._recover(f"{message.role} worker {message.index} failed: "
+                              f"{message.detail.splitlines()[0]}")
                 return
             if self._starting:
                 raise WorkerError(f"{', '.join(dead)} exited unexpectedly")

@@ -54,6 +54,7 @@ import kernels
 from comm import CommTimeoutError
 from comm import stream_flags as sf
 from megaserve.models.expert_part import ExpertPart
+from megaserve.runtime.messages import Stop
 
 _ALIGN = 256
 
@@ -165,11 +166,6 @@ class Tick:
     # Same process: the dispatch's CUDA event (never a flag: module NOTE); across
     # processes None, and the dispatch flag says when the rows are in.
     event: torch.cuda.Event | None
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Leave the serve loop."""
 
 
 @dataclass(frozen=True)

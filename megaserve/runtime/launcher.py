@@ -6,7 +6,7 @@ them for one *group* (every worker of one mesh: attention replicas, then expert 
 
     launcher = LocalLauncher(use_processes=True)      # or deploy.ray_launcher.RayLauncher
     group = launcher.start(specs)                     # one worker per WorkerSpec, same order
-    group.handles[i].send(("add", ...))               # front-end → worker i
+    group.handles[i].send(AddRequest(...))            # front-end → worker i
     group.receive(timeout)                            # any worker → front-end, or None
     group.dead()                                      # names of workers that are gone
     group = launcher.restart(group, new_specs)        # stop the group, start a fresh one
@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+from megaserve.runtime.messages import Stop
 from megaserve.runtime.workers import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ class _LocalHandle:
         return self.worker.is_alive()
 
     def kill(self) -> None:
-        # NOTE: threads cannot be killed; an inproc worker stops only through ("stop",).
+        # NOTE: threads cannot be killed; an inproc worker stops only through Stop().
         if isinstance(self.worker, multiprocessing.process.BaseProcess) and self.worker.is_alive():
             self.worker.kill()
 
@@ -178,7 +179,7 @@ class _LocalGroup:
         self._stopped = True
         for handle in self.handles:
             try:
-                handle.send(("stop",))
+                handle.send(Stop())
             except (OSError, ValueError):  # a closed queue: the worker is gone anyway
                 pass
         deadline = time.monotonic() + grace_s

@@ -1,17 +1,7 @@
 """Worker entry points: one function runs an attention or an expert worker, as a thread
 (``inproc``) or as a spawned process (``tcp``, ``cuda_ipc``, ``nccl``).
 
-Messages, both ways plain picklable tuples:
-
-    front-end → attention worker:  ("add", request_id, token_ids, params, seed)
-                                    ("abort", request_id)   ("stop",)
-                                    ("step", participants)   (lockstep only)
-    front-end → expert worker:      ("stop",)
-    any worker → front-end:         ("ready", role, index)
-                                    ("outputs", index, [RequestOutput...], EngineStats)
-                                    ("stepped", index, [RequestOutput...], EngineStats)
-                                    ("stats", role, index, stats)   (on the way out)
-                                    ("error", role, index, message)
+Messages both ways are the typed dataclasses of :mod:`megaserve.runtime.messages`.
 """
 
 from __future__ import annotations
@@ -26,6 +16,8 @@ import torch
 
 from comm import ChannelConfig, Endpoint, create_endpoint, exchange
 from megaserve.engine.config import EngineConfig
+from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs, Stop,
+                                        WorkerFailure, WorkerReady, WorkerStats)
 from megaserve.runtime.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
@@ -70,8 +62,8 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
             _serve_experts(spec, endpoint, inbox, outbox)
     except BaseException as e:  # noqa: BLE001 - forwarded to the front-end
         logger.exception("%s worker %d failed", spec.role, spec.index)
-        outbox.put(("error", spec.role, spec.index,
-                    f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        outbox.put(WorkerFailure(spec.role, spec.index,
+                                 f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
     finally:
         if endpoint is not None:
             endpoint.close()
@@ -118,7 +110,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
     lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
     experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
     engine = LLMEngine(config, experts=experts)
-    outbox.put(("ready", spec.role, spec.index))
+    outbox.put(WorkerReady(spec.role, spec.index))
     if lockstep is not None:
         _serve_attention_lockstep(spec, engine, experts, inbox, outbox)
         return
@@ -129,22 +121,29 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
         except queue.Empty:
             message = None
         if message is not None:
-            if message[0] == "stop":
+            if isinstance(message, Stop):
                 return
-            if message[0] == "add":
-                _, request_id, token_ids, params, seed = message
-                engine.add_request(request_id, token_ids, params, seed=seed)
-            elif message[0] == "abort":
-                out = engine.abort_request(message[1])
-                if out is not None:
-                    outbox.put(("outputs", spec.index, [out], engine.stats()))
+            _apply(spec, engine, message, outbox)
             continue  # drain every queued command before stepping
         if _parent_gone(spec):
             return
         if busy:
             outputs = engine.step()
             if outputs:
-                outbox.put(("outputs", spec.index, outputs, engine.stats()))
+                outbox.put(StepOutputs(spec.index, outputs, engine.stats()))
+
+
+def _apply(spec: WorkerSpec, engine, message, outbox) -> None:
+    """An AddRequest or AbortRequest on the replica's engine (an abort's output goes out)."""
+    if isinstance(message, AddRequest):
+        engine.add_request(message.request_id, message.token_ids, message.params,
+                           seed=message.seed)
+    elif isinstance(message, AbortRequest):
+        out = engine.abort_request(message.request_id)
+        if out is not None:
+            outbox.put(StepOutputs(spec.index, [out], engine.stats()))
+    else:
+        raise ValueError(f"attention worker {spec.index}: unexpected message {message!r}")
 
 
 def _lockstep_shape(spec: WorkerSpec):
@@ -163,7 +162,7 @@ def _lockstep_shape(spec: WorkerSpec):
 
 
 def _serve_attention_lockstep(spec: WorkerSpec, engine, experts, inbox, outbox) -> None:
-    """Lockstep: run one engine step per ("step", participants) command, no more."""
+    """Lockstep: run one engine step per RunStep command, no more."""
     while True:
         try:
             message = inbox.get(timeout=IDLE_WAIT_S)
@@ -171,21 +170,15 @@ def _serve_attention_lockstep(spec: WorkerSpec, engine, experts, inbox, outbox) 
             if _parent_gone(spec):
                 return
             continue
-        kind = message[0]
-        if kind == "stop":
+        if isinstance(message, Stop):
             return
-        if kind == "add":
-            _, request_id, token_ids, params, seed = message
-            engine.add_request(request_id, token_ids, params, seed=seed)
-        elif kind == "abort":
-            out = engine.abort_request(message[1])
-            if out is not None:
-                outbox.put(("outputs", spec.index, [out], engine.stats()))
-        elif kind == "step":
-            experts.set_participants(message[1])
+        if isinstance(message, RunStep):
+            experts.set_participants(message.participants)
             outputs = engine.step()
             experts.end_step()
-            outbox.put(("stepped", spec.index, outputs, engine.stats()))
+            outbox.put(StepOutputs(spec.index, outputs, engine.stats(), stepped=True))
+        else:
+            _apply(spec, engine, message, outbox)
 
 
 def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
@@ -199,17 +192,17 @@ def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
     )
     worker = ExpertWorker(model.experts, endpoint, torch.device(spec.device),
                           aggregation_wait_s=spec.engine.expert_aggregation_wait_ms / 1000)
-    outbox.put(("ready", spec.role, spec.index))
+    outbox.put(WorkerReady(spec.role, spec.index))
     stop = False
 
     def should_stop() -> bool:
         nonlocal stop
         try:
             while not stop:
-                stop = inbox.get_nowait()[0] == "stop"
+                stop = isinstance(inbox.get_nowait(), Stop)
         except queue.Empty:
             pass
         return stop or _parent_gone(spec)
 
     worker.serve(should_stop)
-    outbox.put(("stats", spec.role, spec.index, worker.stats))
+    outbox.put(WorkerStats(spec.role, spec.index, worker.stats))
