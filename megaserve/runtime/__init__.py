@@ -7,6 +7,7 @@
   counts, stream flags, CUDA graphs for both roles (``DeviceExperts``, ``ExpertServer``).
 * :mod:`device_engine` — ``DevicePlaneEngine``: one replica, expert workers as threads or
   cuda_ipc processes over the device data plane.
+* :mod:`messages` — the typed messages between the front-end and its workers.
 * :mod:`frames` — the host data plane's dispatch / combine payloads.
 * :mod:`remote_experts` — the attention side's ExpertClient over a comm endpoint.
 * :mod:`expert_worker` — the expert side's serve loop (per-layer or lockstep aggregation).
