@@ -124,15 +124,12 @@ def _ping_graph(flags, stream, rounds: int, timed: bool):
     return graph, events
 
 
-def _pong_process(handle: bytes, go, done) -> None:
-    """The other process: answers every SET of flags[0] by SET of flags[1]."""
+def _pong_graph(flags, stream):
+    """A graph of round trips' other half: wait for flags[0] (and clear it), SET flags[1]."""
     import torch
 
     from comm import stream_flags as sf
-    from comm.cuda_ipc import open_tensor
 
-    flags = open_tensor(handle)
-    stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         graph.capture_begin(capture_error_mode="thread_local")
@@ -140,6 +137,17 @@ def _pong_process(handle: bytes, go, done) -> None:
             sf.wait_and_clear(flags[0:1])
             sf.write(flags[1:2], sf.SET)
         graph.capture_end()
+    return graph
+
+
+def _pong_process(handle: bytes, go, done) -> None:
+    """The other process: answers every SET of flags[0] by SET of flags[1]."""
+    import torch
+
+    from comm.cuda_ipc import open_tensor
+
+    stream = torch.cuda.Stream()
+    graph = _pong_graph(open_tensor(handle), stream)
     done.put("ready")
     while go.get() == "go":
         with torch.cuda.stream(stream):
@@ -162,15 +170,7 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
     flags = torch.zeros(4 << 20, dtype=torch.int32, device="cuda")  # own segment (IPC)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     ping, events = _ping_graph(flags, a, ROUND_TRIPS, timed=True)
-    from comm import stream_flags as sf
-
-    pong = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(b):
-        pong.capture_begin(capture_error_mode="thread_local")
-        for _ in range(ROUND_TRIPS):
-            sf.wait_and_clear(flags[0:1])
-            sf.write(flags[1:2], sf.SET)
-        pong.capture_end()
+    pong = _pong_graph(flags, b)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
