@@ -1,8 +1,9 @@
-"""Helpers for the deploy tests: streaming gRPC clients, a health poller, process lookup."""
+"""Helpers for the deploy tests: streaming gRPC clients, a health poller, waiting."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -87,40 +88,26 @@ def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.01) -> None
         time.sleep(poll_s)
 
 
-def parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        return None
-
-
-def descendants(root: int) -> list[int]:
-    parents = {int(d): parent_of(int(d)) for d in os.listdir("/proc") if d.isdigit()}
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid]
-        found += children
-        frontier += children
-    return found
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+def kill_mid_stream(grpc_address: str, poller: HealthPoller, expected, victim_pid: int) -> None:
+    """Stream REQUESTS; once every stream has tokens and none is complete, SIGKILL
+    ``victim_pid`` (a worker). Asserts that every stream then completes with the ids and
+    text of ``expected`` (the undisturbed run, in REQUESTS order), that health turned
+    NOT_SERVING within 2 s of the kill, and that it came back to SERVING."""
+    streams = [Stream(grpc_address, p, s) for p, s in REQUESTS]
+    for s in streams:
+        s.start()
+    wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
+             "first tokens of every stream")
+    os.kill(victim_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert not any(s.complete is not None for s in streams), "a stream ended before the kill"
+    for s in streams:
+        s.join(240)
+    for s, exp in zip(streams, expected):
+        assert s.error is None, s.error
+        assert list(s.complete.output_ids) == exp.token_ids
+        assert s.complete.text == exp.text
+        assert s.chunk_ids == exp.token_ids and s.chunk_text == exp.text
+    down = poller.first("NOT_SERVING", killed)
+    assert down is not None and down - killed < 2.0, "health did not dip"
+    wait_for(lambda: poller.history[-1][1] == "SERVING", 60, "health back")

@@ -18,9 +18,10 @@ from ray.util import state as ray_state  # noqa: E402
 
 from megaserve.engine.config import EngineConfig  # noqa: E402
 from megaserve.sampling_params import SamplingParams  # noqa: E402
+from tests.processes import alive  # noqa: E402
 from tests.server.conftest import ServerProcess, http_get  # noqa: E402
 
-from .serving import REQUESTS, HealthPoller, Stream, alive, wait_for  # noqa: E402
+from .serving import REQUESTS, HealthPoller, Stream, kill_mid_stream, wait_for  # noqa: E402
 
 MODEL = "builtin:tiny-moe"
 PLAN = """\
@@ -117,25 +118,9 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
 
         poller.start()
         wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 10, "SERVING")
-        streams = [Stream(server.grpc_address, p, s) for p, s in REQUESTS]
-        for s in streams:
-            s.start()
-        wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
-                 "first tokens of every stream")
         (victim,) = [a for a in workers if "-expert-0-" in a.name]
-        os.kill(victim.pid, signal.SIGKILL)  # the actor's process dies: a lost worker
-        killed = time.monotonic()
-        assert not any(s.complete is not None for s in streams), "a stream ended before the kill"
-        for s in streams:
-            s.join(240)
-        for s, exp in zip(streams, expected):
-            assert s.error is None, s.error
-            assert list(s.complete.output_ids) == exp.token_ids
-            assert s.complete.text == exp.text
-            assert s.chunk_ids == exp.token_ids and s.chunk_text == exp.text
-        down = poller.first("NOT_SERVING", killed)
-        assert down is not None and down - killed < 2.0, "health did not dip"
-        wait_for(lambda: poller.history[-1][1] == "SERVING", 60, "health back")
+        # The actor's process dies mid-stream: a lost worker.
+        kill_mid_stream(server.grpc_address, poller, expected, victim.pid)
         workers = [a for a in _worker_actors(cluster) if a.class_name == "RayWorker"]
         assert len(workers) == 4 and victim.actor_id not in {a.actor_id for a in workers}
         pids += [a.pid for a in workers]

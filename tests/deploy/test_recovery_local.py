@@ -13,6 +13,7 @@ from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
 from megaserve.runtime.recovery import RestartPolicy
+from tests.processes import alive
 
 PROMPTS = ["Hello world, the", "Once upon a time", [5, 17, 99, 3, 250, 41, 7], "A B C D E F G"]
 PARAMS = [
@@ -129,19 +130,6 @@ def test_spent_restart_budget_fails_with_typed_error_and_health_says_why():
     finally:
         engine.shutdown()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+    assert not any(alive(p) for p in pids)

@@ -11,9 +11,10 @@ import time
 import pytest
 
 from megaserve.sampling_params import SamplingParams
+from tests.processes import alive, comm, descendants
 from tests.server.conftest import ServerProcess, http_get
 
-from .serving import REQUESTS, HealthPoller, Stream, alive, comm, descendants, wait_for
+from .serving import REQUESTS, HealthPoller, Stream, kill_mid_stream, wait_for
 
 MODEL = "builtin:tiny-moe"
 
@@ -59,25 +60,8 @@ def test_server_survives_killed_expert_worker(model_cache, tmp_path):
         wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 10, "SERVING")
 
         # 1. Mid-stream: every stream has tokens, none is complete, then E0 dies.
-        streams = [Stream(server.grpc_address, p, s) for p, s in REQUESTS]
-        for s in streams:
-            s.start()
-        wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
-                 "first tokens of every stream")
         victim = expert_pid(server, 0)
-        os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        assert not any(s.complete is not None for s in streams), "a stream ended before the kill"
-        for s in streams:
-            s.join(240)
-        for s, exp in zip(streams, expected):
-            assert s.error is None, s.error
-            assert list(s.complete.output_ids) == exp.token_ids
-            assert s.complete.text == exp.text
-            assert s.chunk_ids == exp.token_ids and s.chunk_text == exp.text
-        down = poller.first("NOT_SERVING", killed)
-        assert down is not None and down - killed < 2.0, "health did not dip"
-        wait_for(lambda: poller.history[-1][1] == "SERVING", 60, "health back")
+        kill_mid_stream(server.grpc_address, poller, expected, victim)
         assert expert_pid(server, 0) != victim
 
         # 2. Idle: E1 dies with no request in flight; health reports it within 2 s.

@@ -15,6 +15,7 @@ from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError, nccl_gpu_clash
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.recovery import RestartPolicy
+from tests.processes import alive
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
 PARAMS = [
@@ -54,19 +55,6 @@ def _worker_pids(engine: DisaggregatedEngine, role: str) -> list[int]:
     return [w.pid for w in engine._workers if w.name.startswith(f"megaserve-{role}")]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
-
-
 @pytest.mark.parametrize("transport", ["tcp", "nccl"])
 def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
     # No restart allowed: the lost worker must surface as WorkerError (recovery itself is
@@ -88,9 +76,9 @@ def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
     finally:
         engine.shutdown()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "worker processes outlived shutdown"
+    assert not any(alive(p) for p in pids), "worker processes outlived shutdown"
 
 
 def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process():
@@ -108,7 +96,7 @@ def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process():
     used = sum(cpu_seconds(p) for p in pids) - before
     llm.shutdown()
     assert used < 0.5, f"4 idle workers used {used:.2f} CPU-seconds in 2 s"
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_requests_spread_over_replicas_by_outstanding_work():
@@ -180,13 +168,13 @@ def test_workers_exit_when_the_front_end_is_killed(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert len(pids) == 4 and all(alive(p) for p in pids)
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "orphaned worker processes"
+        assert not any(alive(p) for p in pids), "orphaned worker processes"
     finally:
         proc.kill()
 

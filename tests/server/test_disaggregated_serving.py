@@ -4,10 +4,10 @@ single-process engine, and shuts down without leaving workers behind."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 from megaserve.sampling_params import SamplingParams
+from tests.processes import alive, descendants
 
 from .conftest import ServerProcess, assert_idle, http_post
 
@@ -29,38 +29,11 @@ def test_disaggregated_server_equals_llm_and_leaves_no_workers(model_cache, llm,
                 max_tokens=12, temperature=body["temperature"], seed=body["seed"]))[0]
             assert reply["choices"][0]["text"] == expected.outputs[0].text
         assert_idle(server)
-        workers = _descendants(server.proc.pid)
+        workers = descendants(server.proc.pid)
         assert len(workers) >= 5  # 2 attention + 3 expert workers (+ the fork server)
     finally:
         assert server.stop() == 0
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in workers if _alive(p)], "worker processes outlived the server"
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError, ValueError):
-        return None
-
-
-def _descendants(root: int) -> list[int]:
-    parents = {int(d): _parent_of(int(d)) for d in os.listdir("/proc") if d.isdigit()}
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parents.items() if p == pid]
-        found += children
-        frontier += children
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not [p for p in workers if alive(p)], "worker processes outlived the server"
