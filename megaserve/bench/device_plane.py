@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
         row.update(_steady(engine, prompts, params, args.max_num_seqs, trace))
         rows.append(row)
         print("measured", row, flush=True)
-        engine.shutdown() if hasattr(engine, "shutdown") else None
+        engine.shutdown()
         del engine
         gc.collect()
         torch.cuda.empty_cache()

@@ -126,11 +126,9 @@ class DecodeGraphs:
         if graph_step is not None:
             graph_step(b, self.microbatches)
         graph.replay()
-        wait = getattr(self.experts, "wait", None)
-        if wait is not None:  # bounded: a dead expert worker raises, never hangs
-            done = torch.cuda.Event()
-            done.record()
-            wait(done)
+        finish_step = getattr(self.experts, "finish_step", None)
+        if finish_step is not None:  # bounded: a dead expert worker raises, never hangs
+            finish_step()
         self.num_steps += 1
         return out[:n]
 

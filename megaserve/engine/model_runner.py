@@ -130,11 +130,9 @@ class ModelRunner:
     def _wait_experts(self) -> None:
         """On the device data plane, wait (bounded by the client's timeout) until the
         experts' rows of this eager step are in: a dead expert worker raises, never hangs."""
-        wait = getattr(self.experts, "wait", None)
-        if wait is not None:
-            done = torch.cuda.Event()
-            done.record()
-            wait(done)
+        finish_step = getattr(self.experts, "finish_step", None)
+        if finish_step is not None:
+            finish_step()
 
     def _build_decode_graphs(self) -> bool:
         """Create the decode graphs (CUDA; in-process experts, or the device data plane,

@@ -43,6 +43,7 @@ ever: while the host waits for the step's completion event, a watchdog thread co
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -78,26 +79,19 @@ class PlaneShape:
                 raise ValueError(f"PlaneShape.{name} must be a positive integer, got {value!r}")
 
 
+def _aligned_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a ``shape`` x ``dtype`` view, rounded up to the 256-byte alignment."""
+    return -(-dtype.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
+
+
 def _carve(storage: torch.Tensor, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict:
     """Views of ``storage`` (uint8) for each (name, shape, dtype), 256-byte aligned."""
     views, offset = {}, 0
     for name, shape, dtype in specs:
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
+        nbytes = dtype.itemsize * math.prod(shape)
         views[name] = storage[offset: offset + nbytes].view(dtype).view(shape)
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        offset += _aligned_nbytes(shape, dtype)
     return views
-
-
-def _storage_bytes(specs) -> int:
-    total = 0
-    for _, shape, dtype in specs:
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
-        total += -(-nbytes // _ALIGN) * _ALIGN
-    return total
 
 
 # Allocations of at least this size get their own cudaMalloc segment (hence their own IPC
@@ -110,7 +104,7 @@ class _Buffers:
 
     def __init__(self, specs, device: torch.device | str | None = None,
                  storage: torch.Tensor | None = None) -> None:
-        size = _storage_bytes(specs)
+        size = sum(_aligned_nbytes(shape, dtype) for _, shape, dtype in specs)
         if storage is None:
             storage = torch.empty(max(size, _OWN_SEGMENT_BYTES), dtype=torch.uint8,
                                   device=device)[:size]
@@ -416,10 +410,12 @@ class DeviceExperts:
 
     # -- bounded waits ----------------------------------------------------------------
 
-    def wait(self, event: torch.cuda.Event) -> None:
-        """Block until ``event`` (recorded after a step) completes; if that takes longer
-        than ``timeout_s``, a watchdog thread drains the stream by raising every combine
-        flag to ABORT, and this raises :class:`CommTimeoutError`."""
+    def finish_step(self) -> None:
+        """Block until the current stream's work so far (the step) completes; if that takes
+        longer than ``timeout_s``, a watchdog thread drains the stream by raising every
+        combine flag to ABORT, and this raises :class:`CommTimeoutError`."""
+        event = torch.cuda.Event()
+        event.record()
         if self._watchdog is None:
             self._watchdog = _Watchdog(self._drain)
         self._watchdog.arm(event, time.monotonic() + self.timeout_s)

@@ -68,17 +68,17 @@ def test_decode_steps_have_no_host_sync_and_constant_host_messages() -> None:
         servers = engine.servers
 
         graphs.run = _sync_checked(run)
-        wait = engine.experts.wait
+        finish_step = engine.experts.finish_step
 
-        def end_of_step(event):  # the one host wait of a step: its end (tokens next)
+        def end_of_step():  # the one host wait of a step: its end (tokens next)
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("default")
             try:
-                return wait(event)
+                return finish_step()
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
 
-        engine.experts.wait = end_of_step
+        engine.experts.finish_step = end_of_step
         for server in servers:  # the expert side's replays, too
             server.graph_step = _sync_checked(server.graph_step)
         before = engine.experts.stats.host_messages
