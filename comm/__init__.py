@@ -2,7 +2,7 @@
 
 One primitive: a sender writes a payload into a slot that the receiver registered in
 advance, together with a 32-bit immediate (layer, micro-batch, slot, tag — see
-:mod:`comm.imm`); the receiver gets a :class:`Completion` (sender rank, immediate, a view
+:mod:`megaserve.comm.imm`); the receiver gets a :class:`Completion` (sender rank, immediate, a view
 of the slot's bytes, the length) and releases the slot explicitly, which returns one
 credit to the sender. A sender without credit blocks (up to ``timeout_s``); it never
 retries. Completions are counted, not ordered. A peer that dies surfaces as
@@ -17,7 +17,7 @@ direction; gloo on CPU).
 Usage (one endpoint per worker; M attention workers and N expert workers are all both
 senders and receivers)::
 
-    from comm import ChannelConfig, create_endpoint, exchange
+    from megaserve.comm import ChannelConfig, create_endpoint, exchange
 
     cfg = ChannelConfig(slot_bytes=8 << 20, slots_per_peer=4, timeout_s=30)
     ep = create_endpoint("tcp", rank, world_size, cfg)       # binds host:0
@@ -40,11 +40,11 @@ Nothing here imports torch or megaserve at import time.
 
 from __future__ import annotations
 
-from comm.endpoint import PROVIDERS, Endpoint, create_endpoint
-from comm.errors import CommError, CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
-from comm.imm import Imm, decode_imm, encode_imm
-from comm.protocol import ChannelConfig, Completion
-from comm.rendezvous import RendezvousServer, exchange
+from megaserve.comm.endpoint import PROVIDERS, Endpoint, create_endpoint
+from megaserve.comm.errors import CommError, CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
+from megaserve.comm.imm import Imm, decode_imm, encode_imm
+from megaserve.comm.protocol import ChannelConfig, Completion
+from megaserve.comm.rendezvous import RendezvousServer, exchange
 
 __all__ = [
     "PROVIDERS", "ChannelConfig", "CommError", "CommTimeoutError", "Completion", "Endpoint",

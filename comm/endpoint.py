@@ -16,18 +16,18 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Sequence
 
-from comm.errors import EndpointClosedError
-from comm.imm import encode_imm
-from comm.protocol import ChannelConfig, Completion, CompletionQueue, CreditPool, SlotRing
+from megaserve.comm.errors import EndpointClosedError
+from megaserve.comm.imm import encode_imm
+from megaserve.comm.protocol import ChannelConfig, Completion, CompletionQueue, CreditPool, SlotRing
 
 log = logging.getLogger(__name__)
 
 PROVIDERS: dict[str, str] = {
-    "inproc": "comm.inproc:InprocEndpoint",
-    "tcp": "comm.tcp:TcpEndpoint",
-    "cuda_ipc": "comm.cuda_ipc:CudaIpcEndpoint",
-    "rdma": "comm.rdma:RdmaEndpoint",
-    "nccl": "comm.nccl:NcclEndpoint",
+    "inproc": "megaserve.comm.inproc:InprocEndpoint",
+    "tcp": "megaserve.comm.tcp:TcpEndpoint",
+    "cuda_ipc": "megaserve.comm.cuda_ipc:CudaIpcEndpoint",
+    "rdma": "megaserve.comm.rdma:RdmaEndpoint",
+    "nccl": "megaserve.comm.nccl:NcclEndpoint",
 }
 
 
@@ -164,7 +164,7 @@ class Endpoint(ABC):
 
     # -- provider hooks ----------------------------------------------------------------
     def _prepare(self, payload: Any) -> tuple[Any, int]:
-        from comm.protocol import as_byte_views, total_bytes
+        from megaserve.comm.protocol import as_byte_views, total_bytes
 
         views = as_byte_views(payload)
         return views, total_bytes(views)

@@ -18,9 +18,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from comm.endpoint import Endpoint
-from comm.errors import PeerLostError
-from comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
+from megaserve.comm.endpoint import Endpoint
+from megaserve.comm.errors import PeerLostError
+from megaserve.comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
 
 _LIVE: "weakref.WeakValueDictionary[str, InprocEndpoint]" = weakref.WeakValueDictionary()
 _LIVE_LOCK = threading.Lock()

@@ -4,7 +4,7 @@ Mapping (per ordered pair sender s → receiver r, one RC QP on each side):
 
 * out of band: the tcp control connection carries the HELLO (s's QP number, PSN, LID, GID)
   and the WELCOME (r's QP number, PSN, LID, GID, and the rkey / address of the ring MR that
-  r registered for s) as :class:`comm.wire.RdmaPeerInfo`; credits (CREDIT frames), BYE
+  r registered for s) as :class:`megaserve.comm.wire.RdmaPeerInfo`; credits (CREDIT frames), BYE
   and liveness (EOF = lost peer) stay on that connection.
 * data: s copies the payload into its staging MR at the slot's offset and posts
   ``IBV_WR_RDMA_WRITE_WITH_IMM`` to ``ring_addr + slot * slot_bytes`` with the immediate in
@@ -35,11 +35,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from comm.errors import CommError, PeerLostError, ProtocolError
-from comm.imm import slot_of
-from comm.protocol import ChannelConfig, Completion
-from comm.tcp import TcpEndpoint
-from comm.wire import Hello, RdmaPeerInfo
+from megaserve.comm.errors import CommError, PeerLostError, ProtocolError
+from megaserve.comm.imm import slot_of
+from megaserve.comm.protocol import ChannelConfig, Completion
+from megaserve.comm.tcp import TcpEndpoint
+from megaserve.comm.wire import Hello, RdmaPeerInfo
 
 log = logging.getLogger(__name__)
 

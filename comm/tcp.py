@@ -22,11 +22,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from comm.endpoint import Endpoint
-from comm.errors import CommTimeoutError, PeerLostError, ProtocolError
-from comm.imm import slot_of
-from comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
-from comm.wire import HEADER, Hello, Kind, pack_header, unpack_header
+from megaserve.comm.endpoint import Endpoint
+from megaserve.comm.errors import CommTimeoutError, PeerLostError, ProtocolError
+from megaserve.comm.imm import slot_of
+from megaserve.comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
+from megaserve.comm.wire import HEADER, Hello, Kind, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from comm.errors import ProtocolError
+from megaserve.comm.errors import ProtocolError
 
 HEADER = struct.Struct("<BBHII")
 MAGIC = 0x4D53434D  # "MSCM"

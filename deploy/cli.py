@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.k8s import DeployConfig, build_manifests, render
+from megaserve.deploy.k8s import DeployConfig, build_manifests, render
 
 EXIT_USAGE = 2
 

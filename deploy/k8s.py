@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from deploy.plans import load_units, unit_gpus
+from megaserve.deploy.plans import load_units, unit_gpus
 
 RAY_VERSION = "2.60.0"
 PLAN_DIR = "/etc/megaserve"

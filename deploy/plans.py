@@ -32,8 +32,8 @@ class UnitGpus:
 
 def load_units(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The plan and its units. Raises ValueError for an unreadable or malformed plan."""
-    from planner.errors import InputError
-    from planner.plan_file import load_plan
+    from megaserve.planner.errors import InputError
+    from megaserve.planner.plan_file import load_plan
 
     try:
         plan = load_plan(path)

@@ -10,12 +10,12 @@ Shape legend used throughout:
     k = experts per token (top-k), V = vocabulary, R = routed rows (token, expert) pairs.
 
 The implementation is chosen from the device of the first tensor argument: CUDA tensors go
-to ``kernels.triton_impl`` (once it exists), everything else to ``kernels.cpu``.
+to ``megaserve.kernels.triton_impl`` (once it exists), everything else to ``megaserve.kernels.cpu``.
 """
 
 from __future__ import annotations
 
-from kernels.api import (
+from megaserve.kernels.api import (
     KV_SPLIT_SIZE,
     combine,
     counter_uniform,

@@ -16,7 +16,7 @@ import torch
 # position: a decode token and the same token inside a (chunked) prefill agree bitwise.
 KV_SPLIT_SIZE = 64
 
-_BACKENDS = {"cpu": "kernels.cpu", "cuda": "kernels.triton_impl"}
+_BACKENDS = {"cpu": "megaserve.kernels.cpu", "cuda": "megaserve.kernels.triton_impl"}
 _loaded: dict[str, ModuleType] = {}
 
 
@@ -28,7 +28,7 @@ def _backend(t: torch.Tensor) -> ModuleType:
         return module
     name = _BACKENDS.get(kind)
     if kind == "cuda" and os.environ.get("MEGASERVE_KERNELS") == "reference":
-        name = "kernels.torch_ref"  # cuBLAS/SDPA baseline: NOT batch-invariant
+        name = "megaserve.kernels.torch_ref"  # cuBLAS/SDPA baseline: NOT batch-invariant
     if name is None:
         raise RuntimeError(
             f"no kernel backend for device type {kind!r}; supported: {sorted(_BACKENDS)}"
@@ -50,7 +50,7 @@ def set_cpu_threads(num_threads: int) -> None:
     count never changes a result, and no OpenMP team spins on a busy machine.
     Raises ``ValueError`` for ``num_threads < 1``.
     """
-    from kernels import cpu
+    from megaserve.kernels import cpu
 
     cpu.set_num_lanes(num_threads)
     torch.set_num_threads(1)

@@ -30,8 +30,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.api import KV_SPLIT_SIZE
-from kernels.filters import filter_row
+from megaserve.kernels.api import KV_SPLIT_SIZE
+from megaserve.kernels.filters import filter_row
 
 ROW_TILE = 16
 # Rows per expert GEMM tile (a fixed shape, like ROW_TILE). Measured on the issue-14

@@ -2,7 +2,7 @@
 
 Shared by the CPU and the CUDA sampling paths. Only single-row torch ops are used: a
 stable sort is exact and the cumulative sum sees one row, so nothing here depends on
-the batch (the batch-invariance contract of ``kernels.api.sample``).
+the batch (the batch-invariance contract of ``megaserve.kernels.api.sample``).
 """
 
 from __future__ import annotations

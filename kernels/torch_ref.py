@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
+from megaserve.kernels.triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """As ``kernels.api.rms_norm``, with torch's own reductions."""
+    """As ``megaserve.kernels.api.rms_norm``, with torch's own reductions."""
     if residual is not None:
         x = x + residual
     h = x.float()

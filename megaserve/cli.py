@@ -14,16 +14,16 @@ from megaserve import __version__
 COMMANDS = {
     "generate": ("megaserve.entrypoints.generate_cli:main", "generate text (local model or --server)"),
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
-    "plan": ("planner.cli:main", "plan a deployment over heterogeneous GPUs"),
-    "deploy": ("deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
+    "plan": ("megaserve.planner.cli:main", "plan a deployment over heterogeneous GPUs"),
+    "deploy": ("megaserve.deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
     "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner", "cpu", "device-plane"])),
 }
 
 BENCHMARKS = {
     "throughput": "megaserve.bench.throughput:main",
-    "kernels": "kernels.bench:main",
-    "comm": "comm.bench:main",
-    "planner": "planner.bench:main",
+    "kernels": "megaserve.kernels.bench:main",
+    "comm": "megaserve.comm.bench:main",
+    "planner": "megaserve.planner.bench:main",
     "cpu": "megaserve.bench.cpu:main",
     "device-plane": "megaserve.bench.device_plane:main",
 }

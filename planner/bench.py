@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 
-from planner import ilp, search
-from planner.catalog import parse_cluster
-from planner.errors import PlanError
-from planner.model_spec import load_model
-from planner.perf import Workload
+from megaserve.planner import ilp, search
+from megaserve.planner.catalog import parse_cluster
+from megaserve.planner.errors import PlanError
+from megaserve.planner.model_spec import load_model
+from megaserve.planner.perf import Workload
 
 DEFAULT_INVENTORY = {"H20": 250, "L40S": 250, "H800": 250, "A100-80G": 250}
 

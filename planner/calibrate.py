@@ -35,10 +35,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from planner.catalog import GpuSpec
-from planner.errors import InputError
-from planner.measurements import Run, load_file, parse_runs, predict, rel_errors
-from planner.profile import Efficiency, Profile
+from megaserve.planner.catalog import GpuSpec
+from megaserve.planner.errors import InputError
+from megaserve.planner.measurements import Run, load_file, parse_runs, predict, rel_errors
+from megaserve.planner.profile import Efficiency, Profile
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from planner.errors import InputError
+from megaserve.planner.errors import InputError
 
 GB = 1e9
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from planner.errors import PlanError
+from megaserve.planner.errors import PlanError
 
 EXIT_USAGE = 2
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _calibrate(argv: list[str]) -> int:
     args = _parse(_calibrate_parser(), argv)
     if isinstance(args, int):
         return args
-    from planner import calibrate, catalog, profile
+    from megaserve.planner import calibrate, catalog, profile
 
     files = [*args.files, *args.bench]
     if not files:
@@ -103,11 +103,11 @@ def _plan(argv: list[str]) -> int:
     args = _parse(_parser(), argv)
     if isinstance(args, int):
         return args
-    from planner import ilp, plan_file, report, search
-    from planner.catalog import load_cluster
-    from planner.model_spec import load_model
-    from planner.perf import Workload
-    from planner.profile import load_profile
+    from megaserve.planner import ilp, plan_file, report, search
+    from megaserve.planner.catalog import load_cluster
+    from megaserve.planner.model_spec import load_model
+    from megaserve.planner.perf import Workload
+    from megaserve.planner.profile import load_profile
 
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
@@ -139,7 +139,7 @@ def _plan(argv: list[str]) -> int:
         print()
         print(report.table(model, atoms, ranked, args.objective))
     if args.explain is not None:
-        from planner.explain import compare_layouts, explain
+        from megaserve.planner.explain import compare_layouts, explain
 
         if args.explain > len(ranked):
             raise PlanError(f"--explain {args.explain}: the table has only {len(ranked)} rows")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner import perf
-from planner.catalog import Cluster
-from planner.model_spec import ModelSpec
-from planner.profile import Profile
-from planner.search import TP_CHOICES, Atoms, binary_search_batch
+from megaserve.planner import perf
+from megaserve.planner.catalog import Cluster
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.profile import Profile
+from megaserve.planner.search import TP_CHOICES, Atoms, binary_search_batch
 
 EP_CHOICES = (1, 2, 4, 8)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner import perf
-from planner.catalog import Cluster
-from planner.errors import InfeasibleError
-from planner.model_spec import ModelSpec
-from planner.profile import Profile
-from planner.search import LAYOUTS, Atoms
+from megaserve.planner import perf
+from megaserve.planner.catalog import Cluster
+from megaserve.planner.errors import InfeasibleError
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.profile import Profile
+from megaserve.planner.search import LAYOUTS, Atoms
 
 
 def _fmt_bytes(x: float) -> str:
@@ -92,7 +92,7 @@ def _overheads(hw: perf.Hw, tokens: float) -> str:
 
 def _explain_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, r: dict) -> str:
     """The arithmetic of a co-located unit (planner/colocated.py)."""
-    from planner.colocated import all_to_all_time, colocated_max_batch, colocated_step
+    from megaserve.planner.colocated import all_to_all_time, colocated_max_batch, colocated_step
 
     g = cluster.gpus[r["attn_gpu"]]
     hw = perf.Hw([g], profile)
@@ -137,7 +137,7 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
                     objective: str, target_rate: float | None, time_limit_s: float) -> str:
     """Best plan of each layout alone (same ILP), which wins, by how much, and why: batch and
     KV memory per GPU at the SLO, expert GEMM size, communication share of a layer."""
-    from planner import ilp
+    from megaserve.planner import ilp
 
     best = {}
     for k, name in enumerate(LAYOUTS):

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from planner.errors import InfeasibleError
-from planner.search import Atoms
+from megaserve.planner.errors import InfeasibleError
+from megaserve.planner.search import Atoms
 
 logger = logging.getLogger(__name__)
 

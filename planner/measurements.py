@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from planner import perf
-from planner.catalog import GpuSpec
-from planner.colocated import colocated_prefill, colocated_step
-from planner.errors import InputError
-from planner.model_spec import BUILTIN_CONFIGS, ModelSpec, spec_from_config
-from planner.profile import Efficiency, Profile
+from megaserve.planner import perf
+from megaserve.planner.catalog import GpuSpec
+from megaserve.planner.colocated import colocated_prefill, colocated_step
+from megaserve.planner.errors import InputError
+from megaserve.planner.model_spec import BUILTIN_CONFIGS, ModelSpec, spec_from_config
+from megaserve.planner.profile import Efficiency, Profile
 
 FORMAT = "megaserve-measurements/1"
 MEASUREMENTS_DIR = Path(__file__).resolve().parent / "profiles" / "measurements"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from planner.errors import InputError
+from megaserve.planner.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
-from planner.catalog import GpuSpec
-from planner.model_spec import ModelSpec
-from planner.profile import Profile
+from megaserve.planner.catalog import GpuSpec
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.profile import Profile
 
 
 @dataclass(frozen=True)

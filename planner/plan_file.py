@@ -24,11 +24,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from planner.errors import InputError
-from planner.ilp import Selection
-from planner.model_spec import ModelSpec
-from planner.perf import Workload
-from planner.search import Atoms
+from megaserve.planner.errors import InputError
+from megaserve.planner.ilp import Selection
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.perf import Workload
+from megaserve.planner.search import Atoms
 
 PLAN_VERSION = 1
 

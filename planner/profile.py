@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from planner.errors import InputError
+from megaserve.planner.errors import InputError
 
 
 @dataclass(frozen=True)

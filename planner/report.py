@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from planner import perf
-from planner.catalog import Cluster
-from planner.ilp import Selection
-from planner.model_spec import ModelSpec
-from planner.search import Atoms
+from megaserve.planner import perf
+from megaserve.planner.catalog import Cluster
+from megaserve.planner.ilp import Selection
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.search import Atoms
 
 
 def rank(atoms: Atoms, objective: str) -> list[int]:

@@ -18,11 +18,11 @@ from typing import Sequence
 
 import numpy as np
 
-from planner import perf
-from planner.catalog import Cluster, GpuSpec
-from planner.errors import InfeasibleError
-from planner.model_spec import ModelSpec
-from planner.profile import Profile
+from megaserve.planner import perf
+from megaserve.planner.catalog import Cluster, GpuSpec
+from megaserve.planner.errors import InfeasibleError
+from megaserve.planner.model_spec import ModelSpec
+from megaserve.planner.profile import Profile
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def find_atoms(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile:
         except InfeasibleError as e:
             error = e
     if "colocated" in layouts and cluster.available():
-        from planner.colocated import find_colocated
+        from megaserve.planner.colocated import find_colocated
 
         parts.append(find_colocated(model, work, cluster, profile))
     # NOTE: pruned per layout, so the table can compare layouts; the ILP optimum is the

@@ -54,8 +54,8 @@ def main() -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.bench import _paged_inputs
-    from kernels.triton_impl.attention import paged_attention
+    from megaserve.kernels.bench import _paged_inputs
+    from megaserve.kernels.triton_impl.attention import paged_attention
 
     hq, hkv, dh = 32, 8, 128
     q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(args.seqs, args.ctx, 1, hq, hkv, dh,

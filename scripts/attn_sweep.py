@@ -100,7 +100,7 @@ CASES = [("decode", 8, 8192, 1), ("decode", 64, 4096, 1), ("decode", 32, 2048, 1
 def _setup(hq, hkv, dh, bs, length, seed):
     import torch
 
-    from kernels.triton_impl import write_kv_cache
+    from megaserve.kernels.triton_impl import write_kv_cache
 
     torch.manual_seed(seed)
     nb = -(-length // bs)
@@ -121,7 +121,7 @@ def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
     failures, checks, rel_err}."""
     import torch
 
-    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     hq, hkv, dh, bs, length = SHAPES[idx]
     q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, idx)
@@ -198,7 +198,7 @@ def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
 
 
 def _paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
-    from kernels.bench import _paged_inputs as make
+    from megaserve.kernels.bench import _paged_inputs as make
 
     import torch
 
@@ -213,8 +213,8 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.bench import _time_ms
-    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+    from megaserve.kernels.bench import _time_ms
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     hq, hkv, dh = 32, 8, 128
     rows = []
@@ -334,7 +334,7 @@ def _checks(parts: int) -> bool:
                       f"{len(res['failures']) - n_split}")
             for f in res["failures"][:8]:
                 print(f"   FAIL {f}")
-    from kernels.triton_impl.attention import exp2_default
+    from megaserve.kernels.triton_impl.attention import exp2_default
 
     print(f"phase 1 (checks, parallel, exp2={exp2_default()}) {time.time() - t0:.0f}s; "
           "all bitwise checks "

@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.triton_impl import attention_kernels as ak  # noqa: E402
+from megaserve.kernels.triton_impl import attention_kernels as ak  # noqa: E402
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INT_PTRS = ("bt_ptr", "ctx_ptr", "qsl_ptr")

@@ -40,7 +40,7 @@ TEST_MS = [1, 2, 3, 7, 16, 63, 64, 65, 100, 128, 129, 200, 511, 1000, 2047, 4096
 
 
 def launches() -> dict:
-    from kernels.triton_impl.matmul import Launch as L
+    from megaserve.kernels.triton_impl.matmul import Launch as L
 
     return {
         "s64": L("swap", 64, num_warps=4, num_stages=3),
@@ -55,14 +55,14 @@ def launches() -> dict:
 
 
 def rule_of(name: str):
-    from kernels.triton_impl.matmul import SmallKRule
+    from megaserve.kernels.triton_impl.matmul import SmallKRule
 
     p = RULES[name]
     return None if p is None else SmallKRule(2048, p)
 
 
 def config(name: str, n: int, k: int, dt):
-    from kernels.triton_impl.matmul import config_for
+    from megaserve.kernels.triton_impl.matmul import config_for
 
     rule = rule_of(name)
     return config_for(n, k, dt) if rule is None else rule.config(n, k)
@@ -132,7 +132,7 @@ def check_job(job: tuple) -> tuple:
     rname, k, n, lname, smoke, check_ms = job
     torch = _setup(smoke)
     torch, dev, dt = _env(smoke)
-    from kernels.triton_impl.matmul import linear, plan_launch
+    from megaserve.kernels.triton_impl.matmul import linear, plan_launch
 
     key = f"{rname}:{k}x{n}:{lname}"
     try:
@@ -167,7 +167,7 @@ def warm_job(job: tuple) -> tuple:
     k, n, ms, with_bias, smoke = job
     torch = _setup(smoke)
     torch, dev, dt = _env(smoke)
-    from kernels.triton_impl.matmul import _TALL, Launch, linear
+    from megaserve.kernels.triton_impl.matmul import _TALL, Launch, linear
 
     try:
         w, b, x = _data(torch, dev, dt, k, n, max(ms))
@@ -265,7 +265,7 @@ def decide(times: dict, bad: set, shapes: list, smoke_ok: bool = False) -> dict:
 def rule_json(rname: str | None, buckets: list) -> str:
     if rname is None:
         return "none"
-    from kernels.triton_impl.matmul import SmallKRule
+    from megaserve.kernels.triton_impl.matmul import SmallKRule
 
     base = rule_of(rname)
     return SmallKRule(base.max_k, base.target_programs, base.min_steps, base.quantum,
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> int:
         shapes, check_ms = [(256, 200), (128, 96)], [1, 3, 8, 17, 64, 65, 128]
     torch = _setup(args.smoke)
     torch, dev, dt = _env(args.smoke)
-    from kernels.triton_impl.matmul import linear, plan_launch
+    from megaserve.kernels.triton_impl.matmul import linear, plan_launch
 
     jobs = [(r, k, n, ln, args.smoke, check_ms) for r in RULES for k, n in shapes
             for ln in ["tall", *launches()]

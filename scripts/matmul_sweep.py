@@ -23,7 +23,7 @@ CHECK_MS = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 256, 
 
 def variants(part: str) -> dict[str, tuple[object, int, int]]:
     """name -> (Launch, smallest M, largest M) of the candidates of one sweep part."""
-    from kernels.triton_impl.matmul import Launch as L
+    from megaserve.kernels.triton_impl.matmul import Launch as L
 
     small = {
         "swap128": (L("swap", 128, num_warps=4, num_stages=4), 1, 64),
@@ -95,8 +95,8 @@ def main(argv: list[str]) -> int:
     import torch
     import triton.testing
 
-    from kernels.bench import SHAPES_KN
-    from kernels.triton_impl.matmul import linear
+    from megaserve.kernels.bench import SHAPES_KN
+    from megaserve.kernels.triton_impl.matmul import linear
 
     dev, dt, shapes, check_ms = "cuda", torch.bfloat16, SHAPES_KN, CHECK_MS
     if args.smoke:  # the interpreter mis-reads bf16 through TMA descriptors: fp16

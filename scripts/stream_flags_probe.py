@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from comm import stream_flags as sf
+from megaserve.comm import stream_flags as sf
 
 
 def main() -> None:

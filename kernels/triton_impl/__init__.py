@@ -1,4 +1,4 @@
-"""Triton implementation of the kernel API for CUDA tensors (see ``kernels.api``).
+"""Triton implementation of the kernel API for CUDA tensors (see ``megaserve.kernels.api``).
 
 One module per kernel family: ``matmul`` (linear), ``rowwise`` (RMSNorm, SwiGLU,
 combine, log-softmax), ``attention`` (KV write, paged attention), ``moe`` (routing,
@@ -8,11 +8,11 @@ is compiled or launched until a function is called.
 
 from __future__ import annotations
 
-from kernels.triton_impl.attention import paged_attention, write_kv_cache
-from kernels.triton_impl.matmul import linear
-from kernels.triton_impl.moe import expert_ffn, topk_route
-from kernels.triton_impl.rowwise import combine, log_softmax, rms_norm, silu_and_mul
-from kernels.triton_impl.sampling import counter_uniform, sample
+from megaserve.kernels.triton_impl.attention import paged_attention, write_kv_cache
+from megaserve.kernels.triton_impl.matmul import linear
+from megaserve.kernels.triton_impl.moe import expert_ffn, topk_route
+from megaserve.kernels.triton_impl.rowwise import combine, log_softmax, rms_norm, silu_and_mul
+from megaserve.kernels.triton_impl.sampling import counter_uniform, sample
 
 __all__ = [
     "combine",

@@ -33,7 +33,7 @@ fp32, then the fold kernel folds them into chunks and merges those). The two lev
 what makes the chunk mode possible: few long sequences get a program per chunk and a
 fold over a few chunk states, not over every split.
 
-The kernels are in :mod:`kernels.triton_impl.attention_kernels`; its docstring describes
+The kernels are in :mod:`megaserve.kernels.triton_impl.attention_kernels`; its docstring describes
 the loop switches (masks only on diagonal splits, block ids one split ahead, long rows
 first), launch choices like the tile.
 """
@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.api import KV_SPLIT_SIZE
-from kernels.triton_impl.attention_kernels import (
+from megaserve.kernels.api import KV_SPLIT_SIZE
+from megaserve.kernels.triton_impl.attention_kernels import (
     _attention_fold_kernel,
     _attention_parts_kernel,
     _paged_attention_kernel,
@@ -212,7 +212,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     launch: AttentionLaunch | None = None,
                     l_by_dot: bool = True, exp2: bool | None = None,
                     parts_only: bool = False) -> torch.Tensor:
-    """See ``kernels.api.paged_attention``; no host synchronisation (graph-capturable).
+    """See ``megaserve.kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
     block_tables `[S, max_blocks]` int32; context_lens `[S]`; query_start_loc `[S+1]`.

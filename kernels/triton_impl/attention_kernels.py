@@ -1,5 +1,5 @@
 """Triton kernels of paged attention; the host side and the contract are in
-:mod:`kernels.triton_impl.attention` (see its NOTE: the per-split arithmetic, fixed).
+:mod:`megaserve.kernels.triton_impl.attention` (see its NOTE: the per-split arithmetic, fixed).
 
 Launch-only switches (constexpr, never the bits):
 

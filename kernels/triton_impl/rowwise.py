@@ -37,7 +37,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """See ``kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None."""
+    """See ``megaserve.kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None."""
     t, d = x.shape
     block_d = triton.next_power_of_2(d)
     if block_d > 65536:

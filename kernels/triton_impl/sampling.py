@@ -2,7 +2,7 @@
 
 Shape legend: B = rows (requests), V = vocabulary.
 
-The uniforms use the same 32-bit hash as ``kernels.cpu.counter_uniform`` in int64
+The uniforms use the same 32-bit hash as ``megaserve.kernels.cpu.counter_uniform`` in int64
 arithmetic (every product stays below 2**59), so they equal the CPU draws bit for bit;
 the contract only requires that they be a pure function of (seed, position, index).
 """
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.filters import filter_row
-from kernels.triton_impl.rowwise import log_softmax
+from megaserve.kernels.filters import filter_row
+from megaserve.kernels.triton_impl.rowwise import log_softmax
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
 def sample(logprobs: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
            top_ps: torch.Tensor, min_ps: torch.Tensor, seeds: torch.Tensor,
            positions: torch.Tensor) -> torch.Tensor:
-    """See ``kernels.api.sample``: logprobs `[B, V]` float32 → tokens `[B]` int64.
+    """See ``megaserve.kernels.api.sample``: logprobs `[B, V]` float32 → tokens `[B]` int64.
 
     Greedy rows: argmax (first maximum). Sampled rows are processed one at a time with
     Gumbel-max over :func:`counter_uniform` noise (NOTE: this reads the temperatures on

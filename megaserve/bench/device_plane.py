@@ -104,7 +104,7 @@ def _ping_graph(flags, stream, rounds: int, timed: bool):
     with ``timed``, events around each round trip."""
     import torch
 
-    from comm import stream_flags as sf
+    from megaserve.comm import stream_flags as sf
     from megaserve.runtime.device_plane import timing_event
 
     events = []
@@ -128,7 +128,7 @@ def _pong_graph(flags, stream):
     """A graph of round trips' other half: wait for flags[0] (and clear it), SET flags[1]."""
     import torch
 
-    from comm import stream_flags as sf
+    from megaserve.comm import stream_flags as sf
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -144,7 +144,7 @@ def _pong_process(handle: bytes, go, done) -> None:
     """The other process: answers every SET of flags[0] by SET of flags[1]."""
     import torch
 
-    from comm.cuda_ipc import open_tensor
+    from megaserve.comm.cuda_ipc import open_tensor
 
     stream = torch.cuda.Stream()
     graph = _pong_graph(open_tensor(handle), stream)
@@ -163,7 +163,7 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
 
     import torch
 
-    from comm.cuda_ipc import share_tensor
+    from megaserve.comm.cuda_ipc import share_tensor
 
     results: dict[str, list[float]] = {}
     # Same process: two streams.

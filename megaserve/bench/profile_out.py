@@ -39,7 +39,7 @@ def catalog_gpu(device_name: str) -> str | None:
 
 def planner_model(model: str) -> tuple[str, int]:
     """(planner built-in name, layers) of ``random:<preset>:<layers>``; ValueError otherwise."""
-    from planner.model_spec import BUILTIN_CONFIGS
+    from megaserve.planner.model_spec import BUILTIN_CONFIGS
 
     parts = model.split(":")
     if len(parts) != 3 or parts[0] != "random" or parts[1] not in BUILTIN_CONFIGS:

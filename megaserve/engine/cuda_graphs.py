@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-import kernels
+from megaserve import kernels
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.expert_part import ExpertPart

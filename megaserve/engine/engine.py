@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.api
+from megaserve.kernels import api as kernels_api
 from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
@@ -60,7 +60,7 @@ class LLMEngine:
         """``experts``: where routed tokens go (default: all experts in this process)."""
         self.config = config
         if config.device == "cpu":
-            kernels.api.set_cpu_threads(config.cpu_threads)
+            kernels_api.set_cpu_threads(config.cpu_threads)
         path = resolve_model(config.model)
         self.model_path = Path(path)
         self.tokenizer = load_tokenizer(path)

@@ -203,8 +203,7 @@ def _profile_forward(attention, experts, num_tokens: int, num_seqs: int, block_s
     from megaserve.models.attention_part import AttentionMetadata
     from megaserve.models.forward import MicroBatch, run_layers
 
-    import kernels
-
+    from megaserve import kernels
     device, cfg = attention.device, attention.config
     num_seqs = max(1, min(num_seqs, num_tokens))
     base, extra = divmod(num_tokens, num_seqs)

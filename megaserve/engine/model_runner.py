@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
-from comm import CommError
+from megaserve import kernels
+from megaserve.comm import CommError
 from megaserve.engine import spec_decode
 from megaserve.engine.cuda_graphs import DecodeGraphs
 from megaserve.engine.scheduler import ScheduledSeq

@@ -19,7 +19,7 @@ accepted draw the bonus from ``p_j``. ``q`` is the draft model's distribution, o
 one-hot at ``d`` for an n-gram proposal. The output distribution is the target's.
 
 Every random number is a pure function of (seed, position, vocabulary index): the
-acceptance uniform and the residual draw use ``kernels.counter_uniform`` under seeds
+acceptance uniform and the residual draw use ``megaserve.kernels.counter_uniform`` under seeds
 derived from the request's seed (one stream per purpose, so the draws are independent),
 and the bonus draw is the ordinary sampler's. Which drafts a step carries depends only on
 the sequence (the scheduler never cuts them to fit the batch), so a seeded request's
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-import kernels
-from kernels.filters import filter_row
+from megaserve import kernels
+from megaserve.kernels.filters import filter_row
 from megaserve.engine.config import SpeculativeConfig
 from megaserve.engine.sequence import Sequence
 
@@ -57,7 +57,7 @@ def stream_seed(seed: int, stream: int) -> int:
 
 
 def sampling_probs(logprobs: torch.Tensor, params) -> torch.Tensor:
-    """The distribution ``kernels.sample`` draws from for one `[V]` fp32 logprob row:
+    """The distribution ``megaserve.kernels.sample`` draws from for one `[V]` fp32 logprob row:
     tempered, then top-k / top-p / min-p filtered, renormalised (the rule's ratio
     ``p / q`` needs both normalised). Returns `[V]` float64."""
     tempered = kernels.log_softmax((logprobs / params.temperature)[None])[0]
@@ -82,7 +82,7 @@ def verify(item: "ScheduledSeq", logprobs: torch.Tensor, target_tokens: list[int
     """The tokens a step produces for a sequence with drafts, and how many drafts it kept.
 
     logprobs: `[j + 1, V]` float32, the target's rows ``p_0 .. p_j`` (module docstring);
-    target_tokens: ``kernels.sample`` of each row at its position (the ordinary draw).
+    target_tokens: ``megaserve.kernels.sample`` of each row at its position (the ordinary draw).
     Returns (accepted drafts + one target token, number accepted).
     """
     seq, drafts = item.seq, list(item.draft_token_ids)

@@ -92,7 +92,7 @@ def _check_device(device: str) -> None:
 
 def _check_transport(transport: str) -> None:
     if transport == "rdma":
-        from comm.rdma import rdma_unavailable
+        from megaserve.comm.rdma import rdma_unavailable
 
         reason = rdma_unavailable()
         if reason is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+from megaserve import kernels
 from megaserve.models.config import ModelConfig
 
 

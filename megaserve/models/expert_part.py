@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-
-
+from megaserve import kernels
 class ExpertPart:
     """Routed experts ``expert_ids`` of every MoE layer.
 

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import replace
 
-from comm import ChannelConfig, RendezvousServer
+from megaserve.comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import (EngineStats, Prompt, cache_root, derive_seed,
                                      load_tokenizer, resolve_max_model_len, validate_prompt)
@@ -111,7 +111,7 @@ class DisaggregatedEngine:
                 f"not {config.transport!r}"
             )
         if config.transport == "rdma":
-            from comm.rdma import rdma_unavailable
+            from megaserve.comm.rdma import rdma_unavailable
 
             reason = rdma_unavailable()
             if reason is not None:

@@ -74,7 +74,7 @@ def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
 
 def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
     """Entry point of an expert worker process (``cuda_ipc``)."""
-    from comm.cuda_ipc import open_tensor, share_tensor
+    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
     try:
         device = torch.device(spec.device)
@@ -186,7 +186,7 @@ class DevicePlaneEngine:
             logger.exception("expert worker %d failed", server.index)
 
     def _start_processes(self, config: EngineConfig, path: str) -> list[ExpertLink]:
-        from comm.cuda_ipc import open_tensor, share_tensor
+        from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
         ctx = multiprocessing.get_context("spawn")
         self._replies = ctx.Queue()

@@ -17,7 +17,7 @@ its rows of (l, i)::
 
 Routing, packing rows per destination (stable: token order), counts, the expert-side
 masking of rows beyond the count, the grouped GEMM and the combine's gather are kernels;
-counts never leave the GPU. Arrival is a device flag (:mod:`comm.stream_flags`, a toggle)
+counts never leave the GPU. Arrival is a device flag (:mod:`megaserve.comm.stream_flags`, a toggle)
 that the consumer's stream waits on.
 
 Steps run in one of two ways:
@@ -37,7 +37,7 @@ Steps run in one of two ways:
 HAZARD: a flag that never comes (a dead expert worker) would block the attention stream for
 ever: while the host waits for the step's completion event, a watchdog thread counts
 ``timeout_s``, then raises every flag the replica waits on to ``ABORT`` from a side stream
-(:class:`comm.stream_flags.Releaser`) until the stream drains; the step raises
+(:class:`megaserve.comm.stream_flags.Releaser`) until the stream drains; the step raises
 :class:`comm.CommTimeoutError` and its outputs are lost.
 """
 
@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from comm import CommTimeoutError
-from comm import stream_flags as sf
+from megaserve import kernels
+from megaserve.comm import CommTimeoutError
+from megaserve.comm import stream_flags as sf
 from megaserve.models.expert_part import ExpertPart
 from megaserve.runtime.messages import Stop
 

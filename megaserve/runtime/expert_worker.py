@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from comm import CommTimeoutError, Completion, Endpoint
+from megaserve.comm import CommTimeoutError, Completion, Endpoint
 from megaserve.models.expert_part import ExpertPart
 from megaserve.runtime.frames import (
     TAG_COMBINE, TAG_DISPATCH, decode_dispatch, encode_combine, frames_on_host,

@@ -236,7 +236,7 @@ def make_launcher(name: str, use_processes: bool, ray_address: str | None = None
             raise ValueError("launcher 'ray' runs workers as Ray actors (processes): choose a "
                              "process transport, e.g. transport='tcp'")
         try:
-            from deploy.ray_launcher import RayLauncher
+            from megaserve.deploy.ray_launcher import RayLauncher
         except ImportError as e:
             raise ValueError(f"launcher 'ray': {e}; install it with pip install "
                              "'megaserve[ray]'") from None

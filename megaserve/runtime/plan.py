@@ -16,8 +16,8 @@ def engine_options_from_plan(path: str, unit_index: int = 0) -> dict[str, Any]:
     The plan's model and GPU types are the planner's; the weights served are ``--model``'s.
     Raises ``ValueError`` for an unreadable or malformed plan or a unit index out of range.
     """
-    from planner.errors import InputError
-    from planner.plan_file import load_plan
+    from megaserve.planner.errors import InputError
+    from megaserve.planner.plan_file import load_plan
 
     try:
         plan = load_plan(path)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from comm import Endpoint
+from megaserve.comm import Endpoint
 from megaserve.runtime.frames import (
     TAG_COMBINE, TAG_DISPATCH, decode_combine, encode_dispatch, frames_on_host,
 )

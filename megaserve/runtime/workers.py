@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from comm import ChannelConfig, Endpoint, create_endpoint, exchange
+from megaserve.comm import ChannelConfig, Endpoint, create_endpoint, exchange
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs, Stop,
                                         WorkerFailure, WorkerReady, WorkerStats)

@@ -72,7 +72,7 @@ def _launcher_options(args: argparse.Namespace) -> dict:
         raise ValueError("--launcher ray: Ray is not installed; pip install 'megaserve[ray]'")
     options = {"launcher": "ray", "ray_address": args.ray_address}
     if args.plan:
-        from deploy.plans import plan_gpu_options
+        from megaserve.deploy.plans import plan_gpu_options
 
         options.update(plan_gpu_options(args.plan, args.plan_unit))
     return options

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from comm.bench import default_patterns, main, parse_pattern, parse_size
+from megaserve.comm.bench import default_patterns, main, parse_pattern, parse_size
 
 
 def test_parsers():

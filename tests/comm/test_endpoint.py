@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from comm import (ChannelConfig, CommTimeoutError, EndpointClosedError, PeerLostError,
+from megaserve.comm import (ChannelConfig, CommTimeoutError, EndpointClosedError, PeerLostError,
                   RendezvousServer, create_endpoint, exchange)
-from comm.errors import ProtocolError
+from megaserve.comm.errors import ProtocolError
 from tests.comm.workers import payload
 
 PROVIDERS = ["inproc", "tcp", "nccl"]  # nccl: its gloo (CPU) backend

@@ -6,8 +6,8 @@ import multiprocessing as mp
 
 import pytest
 
-from comm import RendezvousServer
-from comm.bench import reap
+from megaserve.comm import RendezvousServer
+from megaserve.comm.bench import reap
 from tests.comm import workers
 
 CTX = mp.get_context("spawn")

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from comm import ChannelConfig, CommTimeoutError, PeerLostError, ProtocolError, create_endpoint
-from comm.imm import MAX_LAYER, MAX_MICROBATCH, MAX_SLOT, MAX_TAG, decode_imm, encode_imm
-from comm.protocol import CompletionQueue, CreditPool, SlotRing
-from comm.wire import Hello, Kind, RdmaPeerInfo, pack_header, unpack_header
+from megaserve.comm import ChannelConfig, CommTimeoutError, PeerLostError, ProtocolError, create_endpoint
+from megaserve.comm.imm import MAX_LAYER, MAX_MICROBATCH, MAX_SLOT, MAX_TAG, decode_imm, encode_imm
+from megaserve.comm.protocol import CompletionQueue, CreditPool, SlotRing
+from megaserve.comm.wire import Hello, Kind, RdmaPeerInfo, pack_header, unpack_header
 
 
 @given(st.integers(0, MAX_LAYER), st.integers(0, MAX_MICROBATCH), st.integers(0, MAX_SLOT),

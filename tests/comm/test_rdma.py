@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from comm import ChannelConfig, CommError, create_endpoint
-from comm.rdma import SignalPolicy, bytes_to_gid, gid_to_bytes, rdma_unavailable, verbs_enum
+from megaserve.comm import ChannelConfig, CommError, create_endpoint
+from megaserve.comm.rdma import SignalPolicy, bytes_to_gid, gid_to_bytes, rdma_unavailable, verbs_enum
 
 
 def test_verbs_enum_resolves_old_and_new_pyverbs_layouts():

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from comm import ChannelConfig, RendezvousServer
-from comm.bench import reap
+from megaserve.comm import ChannelConfig, RendezvousServer
+from megaserve.comm.bench import reap
 from tests.comm import workers
 
 MiB = 1 << 20

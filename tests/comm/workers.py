@@ -9,7 +9,7 @@ import traceback
 
 import numpy as np
 
-from comm import ChannelConfig, CommError, create_endpoint, exchange
+from megaserve.comm import ChannelConfig, CommError, create_endpoint, exchange
 
 MiB = 1 << 20
 

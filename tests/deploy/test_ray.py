@@ -150,7 +150,7 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
 
 
 def test_unplaceable_gpu_type_is_a_typed_error(cluster):
-    from deploy.ray_launcher import RayLauncher
+    from megaserve.deploy.ray_launcher import RayLauncher
     from megaserve.runtime.cluster import DisaggregatedEngine
 
     config = EngineConfig(dtype="float32", expert_workers=2, transport="tcp", launcher="ray",

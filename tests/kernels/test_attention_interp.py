@@ -29,8 +29,8 @@ def _child() -> None:
     interp_support.install()  # fixed-order tl.dot: bits independent of the host BLAS
     import torch
 
-    from kernels.triton_impl import attention, write_kv_cache
-    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+    from megaserve.kernels.triton_impl import attention, write_kv_cache
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     attention.POISON_BUFFERS = True  # unwritten elements and unread parts -> NaN
     attention.CHUNK_SPLITS = 2  # chunk boundaries at 128 and 256 keys (3 splits here)

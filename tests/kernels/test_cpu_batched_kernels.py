@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.api import KV_SPLIT_SIZE
+from megaserve.kernels import cpu
+from megaserve.kernels.api import KV_SPLIT_SIZE
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

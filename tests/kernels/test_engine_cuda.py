@@ -158,10 +158,9 @@ def test_cuda_graphs_on_equals_off(scenario: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_expert_ffn_replays_in_a_cuda_graph(rows: int) -> None:
-    """kernels.expert_ffn has no host synchronisation: captured once, a replay on new
+    """megaserve.kernels.expert_ffn has no host synchronisation: captured once, a replay on new
     inputs (other experts idle) equals the eager call bitwise."""
-    import kernels
-
+    from megaserve import kernels
     g = torch.Generator(device="cuda").manual_seed(rows)
     e, d, i = 16, 256, 128
     w_gu = (torch.randn(e, 2 * i, d, device="cuda", generator=g) * 0.05).bfloat16()

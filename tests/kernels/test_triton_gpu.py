@@ -33,7 +33,7 @@ def _poison_allocator():
 
 @pytest.mark.parametrize("k,n", [(4096, 14336), (2048, 7168), (7168, 2048), (1024, 96)])
 def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
-    from kernels.triton_impl import linear
+    from megaserve.kernels.triton_impl import linear
 
     torch.manual_seed(k + n)
     w = torch.randn(n, k, device="cuda", dtype=BF16) / k**0.5
@@ -50,7 +50,7 @@ def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
         assert not out.isnan().any(), f"M={m}: unwritten or NaN output"
         assert torch.equal(out, full[rows]), f"M={m}: rows differ from the M=4096 batch"
     # Every launch the planner can pick (tile shapes, swap, parallel fold): fold's bits.
-    from kernels.triton_impl.matmul import _TALL, Launch, config_for, small_k_rule
+    from megaserve.kernels.triton_impl.matmul import _TALL, Launch, config_for, small_k_rule
 
     launches = list(_TALL.values()) + [
         Launch("swap", 128, num_warps=4, num_stages=4),
@@ -70,7 +70,7 @@ def test_linear_reference_and_row_invariance(k: int, n: int) -> None:
 
 
 def test_rms_norm_and_rowwise() -> None:
-    from kernels.triton_impl import combine, log_softmax, rms_norm, silu_and_mul
+    from megaserve.kernels.triton_impl import combine, log_softmax, rms_norm, silu_and_mul
 
     x = torch.randn(300, 4096, device="cuda", dtype=BF16)
     res = torch.randn_like(x)
@@ -93,7 +93,7 @@ def test_rms_norm_and_rowwise() -> None:
 
 
 def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
-    from kernels.triton_impl import attention, paged_attention, write_kv_cache
+    from megaserve.kernels.triton_impl import attention, paged_attention, write_kv_cache
 
     monkeypatch.setattr(attention, "POISON_BUFFERS", True)  # unwritten elements -> NaN
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
         assert torch.equal(got, full), mode
     # Tiles are a launch choice: 16-row (mma v2) and 64/128-row (wgmma) tiles, any warps
     # and pipeline depth, serial or split, give the same bits (module NOTE).
-    from kernels.triton_impl.attention import AttentionLaunch
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch
 
     for launch in (AttentionLaunch("serial", 16, 4, 3), AttentionLaunch("serial", 32, 2, 2),
                    AttentionLaunch("serial", 64, 4, 2), AttentionLaunch("serial", 128, 8, 3),
@@ -181,7 +181,7 @@ def test_paged_attention_exp2_split_equals_serial() -> None:
     """The opt-in EXP2 arithmetic (round 6): within bf16 rounding of the default, and its
     serial and split modes give the same bits (the round-6 device run found them 1 ulp
     apart before ``m_s`` got its select; this checks that fix)."""
-    from kernels.triton_impl.attention import AttentionLaunch, paged_attention
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     torch.manual_seed(1)
     hq, hkv, dh, bs, length = 32, 8, 128, 16, 1000
@@ -212,7 +212,7 @@ def test_paged_attention_exp2_split_equals_serial() -> None:
 
 
 def test_moe_and_sampling() -> None:
-    from kernels.triton_impl import expert_ffn, sample, topk_route
+    from megaserve.kernels.triton_impl import expert_ffn, sample, topk_route
 
     logits = torch.randn(500, 64, device="cuda")
     ids, w = topk_route(logits, 6, True)

@@ -203,7 +203,7 @@ def check_moe(torch, ti) -> None:
 
 
 def check_sampling(torch, ti) -> None:
-    import kernels.cpu as cpu
+    import megaserve.kernels.cpu as cpu
 
     seeds = torch.tensor([1, 2**40 + 7, 12345])
     positions = torch.tensor([0, 5, 99])
@@ -224,7 +224,7 @@ def _child() -> None:
     interp_support.install()  # fixed-order tl.dot: bits independent of the host BLAS
     import torch
 
-    import kernels.triton_impl as ti
+    import megaserve.kernels.triton_impl as ti
 
     for name in CHECKS:
         torch.manual_seed(0)

@@ -108,7 +108,7 @@ def _sync_checked(fn):
 def test_a_lost_expert_worker_is_a_typed_error_not_a_hang() -> None:
     import time
 
-    from comm import CommError
+    from megaserve.comm import CommError
     from megaserve.engine.config import EngineConfig
     from megaserve.runtime.device_engine import DevicePlaneEngine
     from megaserve.runtime.device_plane import Stop

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from comm.rdma import rdma_unavailable
+from megaserve.comm.rdma import rdma_unavailable
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError, nccl_gpu_clash

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from planner import calibrate, measurements
-from planner.catalog import DEFAULT_GPUS
-from planner.errors import InputError
-from planner.profile import Efficiency, Profile, load_profile
+from megaserve.planner import calibrate, measurements
+from megaserve.planner.catalog import DEFAULT_GPUS
+from megaserve.planner.errors import InputError
+from megaserve.planner.profile import Efficiency, Profile, load_profile
 
 H200 = DEFAULT_GPUS["H200"]
 TOLERANCE = 0.15  # issue 18: predicted vs measured within 15 % after calibration

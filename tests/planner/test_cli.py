@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planner.plan_file import load_plan
+from megaserve.planner.plan_file import load_plan
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "megaserve.cli", "plan"]
@@ -30,8 +30,9 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 def test_planner_never_imports_torch_and_help_is_fast():
     code = (
-        "import sys, planner.cli, planner.search, planner.ilp, planner.bench, planner.explain, planner.calibrate,"
-        " planner.colocated, planner.measurements;"
+        "import sys, megaserve.planner.cli, megaserve.planner.search, megaserve.planner.ilp, megaserve.planner.bench,"
+        " megaserve.planner.explain, megaserve.planner.calibrate, megaserve.planner.colocated,"
+        " megaserve.planner.measurements;"
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner import colocated, ilp, perf, search
-from planner.catalog import DEFAULT_GPUS, parse_cluster
-from planner.model_spec import load_model
-from planner.profile import Efficiency, Profile, load_profile
+from megaserve.planner import colocated, ilp, perf, search
+from megaserve.planner.catalog import DEFAULT_GPUS, parse_cluster
+from megaserve.planner.model_spec import load_model
+from megaserve.planner.profile import Efficiency, Profile, load_profile
 
 H200 = DEFAULT_GPUS["H200"]
 QWEN = load_model("qwen3-30b-a3b")

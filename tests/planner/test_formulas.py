@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from planner import perf
-from planner.catalog import DEFAULT_GPUS
-from planner.model_spec import BUILTIN_CONFIGS, load_model, spec_from_config
-from planner.profile import Efficiency, Profile
+from megaserve.planner import perf
+from megaserve.planner.catalog import DEFAULT_GPUS
+from megaserve.planner.model_spec import BUILTIN_CONFIGS, load_model, spec_from_config
+from megaserve.planner.profile import Efficiency, Profile
 
 PROFILE = Profile(Efficiency(hbm_eff=0.5, flops_eff=0.5, link_eff=1.0, net_eff=1.0, link_alpha_us=0.0,
                              net_alpha_us=0.0, msg_half_kb=0.0))

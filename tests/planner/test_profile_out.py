@@ -8,9 +8,9 @@ import json
 import pytest
 
 from megaserve.bench import profile_out
-from planner import measurements
-from planner.catalog import DEFAULT_GPUS
-from planner.profile import Efficiency
+from megaserve.planner import measurements
+from megaserve.planner.catalog import DEFAULT_GPUS
+from megaserve.planner.profile import Efficiency
 
 
 def test_decode_steps_are_measured_per_batch_on_the_cpu_engine():

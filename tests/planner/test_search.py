@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner import ilp, perf, search
-from planner.catalog import parse_cluster
-from planner.errors import InfeasibleError
-from planner.model_spec import load_model
-from planner.profile import Profile
+from megaserve.planner import ilp, perf, search
+from megaserve.planner.catalog import parse_cluster
+from megaserve.planner.errors import InfeasibleError
+from megaserve.planner.model_spec import load_model
+from megaserve.planner.profile import Profile
 
 # MegaScale-Infer's own GPU table (prices normalised so that L20 = 1.00)
 PAPER_GPUS = {

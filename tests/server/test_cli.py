@@ -28,7 +28,7 @@ def assert_usage_error(result: subprocess.CompletedProcess, *words: str) -> None
 
 
 def _rdma_missing() -> bool:
-    from comm.rdma import rdma_unavailable
+    from megaserve.comm.rdma import rdma_unavailable
 
     return rdma_unavailable() is not None
 
