@@ -16,11 +16,12 @@ COMMANDS = {
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("megaserve.planner.cli:main", "plan a deployment over heterogeneous GPUs"),
     "deploy": ("megaserve.deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
-    "bench": (None, "benchmarks: " + ", ".join(["throughput", "kernels", "comm", "planner", "cpu", "device-plane"])),
+    "bench": (None, "benchmarks: " + ", ".join(["throughput", "decode", "kernels", "comm", "planner", "cpu", "device-plane"])),
 }
 
 BENCHMARKS = {
     "throughput": "megaserve.bench.throughput:main",
+    "decode": "megaserve.bench.decode:main",
     "kernels": "megaserve.kernels.bench:main",
     "comm": "megaserve.comm.bench:main",
     "planner": "megaserve.planner.bench:main",

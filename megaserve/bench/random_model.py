@@ -1,8 +1,17 @@
-"""Random-weight checkpoints with the layer shapes of real MoE models, for benchmarks.
+"""Random-weight models with the layer shapes of real MoE models, for benchmarks.
 
-``random:<preset>:<layers>`` (e.g. ``random:qwen3-30b-a3b:2``) names a Qwen3-MoE-format
-checkpoint with the preset's per-layer dimensions and fewer layers, written once into the
-cache directory. Weights are small random numbers: speed is realistic, text is not.
+``random:<preset>:<layers>`` (e.g. ``random:qwen3-30b-a3b:48``) names a checkpoint with the
+preset's per-layer dimensions and ``layers`` layers. Two materialisations:
+
+* ``weights="device"`` (default): a directory with ``config.json`` and the random-weights
+  marker only; the loader draws every tensor directly on the engine's device
+  (megaserve.models.random_weights). Nothing large touches the disk: 48 layers of
+  Qwen3-30B-A3B appear on a GPU in seconds.
+* ``weights="file"``: a safetensors checkpoint written once into the cache directory (what
+  tools that read the files themselves need; 16 layers took ~150 s to write).
+
+Weights are small random numbers (norms 1, matrices N(0, 1/fan_in)): speed is realistic,
+text is not. The preset dimensions come from the models' public config.json files.
 """
 
 from __future__ import annotations
@@ -11,63 +20,95 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-# Per-layer dimensions from the models' public config.json files.
+# Per-layer dimensions from the models' public config.json files. "architecture" decides
+# the tensor names (Mixtral: block_sparse_moe.experts.{e}.w1|w3|w2, no q/k norms).
 PRESETS = {
-    "qwen3-30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                          vocab_size=151936),
-    "mixtral-8x7b-like": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
-                              vocab_size=32000),
+    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, vocab_size=151936, rope_theta=1e6),
+    "mixtral-8x7b": dict(architecture="MixtralForCausalLM", hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=14336, vocab_size=32000, rope_theta=1e6),
 }
+# Earlier name of the Mixtral shape (then in Qwen3-MoE's layout); same dimensions.
+PRESETS["mixtral-8x7b-like"] = PRESETS["mixtral-8x7b"]
+FULL_DEPTH = {"qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "mixtral-8x7b-like": 32}
+SEED = 0
+WEIGHTS = ("device", "file")
 
 
-def resolve_random_model(name: str) -> Path:
-    """Path of the checkpoint named ``random:<preset>:<layers>``, written on first use."""
+def parse_random_name(name: str) -> tuple[str, int]:
+    """(preset, layers) of ``random:<preset>:<layers>``; ValueError listing the presets."""
     try:
-        _, preset, layers = name.split(":")
+        kind, preset, layers = name.split(":")
         num_layers = int(layers)
-        dims = PRESETS[preset]
-    except (ValueError, KeyError):
-        raise ValueError(f"model: expected random:<preset>:<layers> with preset in {sorted(PRESETS)}, "
-                         f"got {name!r}") from None
-    root = Path(os.environ.get("MEGASERVE_CACHE", Path.home() / ".cache" / "megaserve"))
-    path = root / "random" / f"{preset}-{num_layers}l"
-    if not (path / "model.safetensors").is_file():
-        _write(path, dims, num_layers)
+        if kind != "random" or preset not in PRESETS or num_layers <= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"model: expected random:<preset>:<layers> (layers > 0) with preset in "
+                         f"{sorted(PRESETS)}, got {name!r}") from None
+    return preset, num_layers
+
+
+def hf_config(preset: str, num_layers: int) -> dict:
+    """The ``config.json`` of ``random:<preset>:<num_layers>`` (bf16, every layer MoE)."""
+    dims = dict(PRESETS[preset])
+    arch = dims.pop("architecture")
+    num_experts, inter = dims.pop("num_experts"), dims.pop("moe_intermediate_size")
+    config = dict(architectures=[arch], num_hidden_layers=num_layers, max_position_embeddings=32768,
+                  rms_norm_eps=1e-5 if arch == "MixtralForCausalLM" else 1e-6, tie_word_embeddings=False,
+                  torch_dtype="bfloat16", **dims)
+    if arch == "MixtralForCausalLM":
+        return config | dict(model_type="mixtral", num_local_experts=num_experts, intermediate_size=inter)
+    return config | dict(model_type="qwen3_moe", num_experts=num_experts, moe_intermediate_size=inter,
+                         intermediate_size=4 * dims["hidden_size"], norm_topk_prob=True, mlp_only_layers=[],
+                         decoder_sparse_step=1)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGASERVE_CACHE", Path.home() / ".cache" / "megaserve")) / "random"
+
+
+def resolve_random_model(name: str, weights: str = "device") -> Path:
+    """Checkpoint directory of ``random:<preset>:<layers>``, created on first use.
+
+    ``weights``: "device" (drawn by the loader on the engine's device; no weight files) or
+    "file" (a safetensors checkpoint). ValueError for a bad name or ``weights``.
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"random weights: expected one of {WEIGHTS}, got {weights!r}")
+    preset, num_layers = parse_random_name(name)
+    suffix = "-ondevice" if weights == "device" else ""
+    path = cache_dir() / f"{preset}-{num_layers}l{suffix}"
+    config = hf_config(preset, num_layers)
+    if weights == "device":
+        from megaserve.models.random_weights import MARKER
+
+        _write_small(path, {"config.json": config, MARKER: {"seed": SEED, "init": "N(0, 1/fan_in), norms 1"}})
+    elif not (path / "model.safetensors").is_file():
+        _write_file(path, config)
     return path
 
 
-def _write(path: Path, dims: dict, num_layers: int) -> None:
+def _write_small(path: Path, files: dict[str, dict]) -> None:
+    """Write small JSON files (each atomically: concurrent callers write the same bytes)."""
     path.mkdir(parents=True, exist_ok=True)
-    d, e, inter = dims["hidden_size"], dims["num_experts"], dims["moe_intermediate_size"]
-    hq, hkv, dh = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
-    config = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=num_layers,
-                  intermediate_size=4 * d, max_position_embeddings=8192, rms_norm_eps=1e-6,
-                  rope_theta=1e6, norm_topk_prob=True, tie_word_embeddings=False, torch_dtype="bfloat16",
-                  mlp_only_layers=[], decoder_sparse_step=1, **dims)
-    g = torch.Generator().manual_seed(0)
+    for name, obj in files.items():
+        tmp = path / f".{name}.{os.getpid()}"
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path / name)
 
-    def rand(*shape):
-        return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).bfloat16()
 
-    tensors = {"model.embed_tokens.weight": rand(dims["vocab_size"], d), "model.norm.weight": torch.ones(d).bfloat16(),
-               "lm_head.weight": rand(dims["vocab_size"], d)}
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        tensors |= {p + "input_layernorm.weight": torch.ones(d).bfloat16(),
-                    p + "post_attention_layernorm.weight": torch.ones(d).bfloat16(),
-                    p + "self_attn.q_proj.weight": rand(hq * dh, d), p + "self_attn.k_proj.weight": rand(hkv * dh, d),
-                    p + "self_attn.v_proj.weight": rand(hkv * dh, d), p + "self_attn.o_proj.weight": rand(d, hq * dh),
-                    p + "self_attn.q_norm.weight": torch.ones(dh).bfloat16(),
-                    p + "self_attn.k_norm.weight": torch.ones(dh).bfloat16(),
-                    p + "mlp.gate.weight": rand(e, d)}
-        for x in range(e):
-            q = f"{p}mlp.experts.{x}."
-            tensors |= {q + "gate_proj.weight": rand(inter, d), q + "up_proj.weight": rand(inter, d),
-                        q + "down_proj.weight": rand(d, inter)}
+def _write_file(path: Path, config: dict) -> None:
+    """A safetensors checkpoint with the same tensors the device path draws (on CPU)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megaserve.models.random_weights import draw, tensor_shapes
+
+    path.mkdir(parents=True, exist_ok=True)
+    cpu = torch.device("cpu")
+    tensors = {name: draw(name, shape, SEED, torch.bfloat16, cpu)
+               for name, shape in tensor_shapes(config).items()}
     save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
+    _write_small(path, {"config.json": config})

@@ -4,7 +4,8 @@ Runs N random-token requests through ``LLM.generate`` (ignore_eos, fixed output 
 after a warm-up, and prints requests/s, generated tokens/s and, on GPUs, tokens/s per GPU
 (the ratio column compares that, or tokens/s on CPU). ``--baseline-layout R,E,m`` first
 measures another placement (transport inproc when R = E = 1) in the same run.
-``--model random:<preset>:<layers>`` benchmarks random weights of a real model's shape.
+``--model random:<preset>:<layers>`` benchmarks random weights of a real model's shape
+(drawn directly on the device unless ``--random-weights file``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile-batches", default="1,8,32,64,128,256",
                         help="batch sizes measured for --profile-out (default 1,8,32,64,128,256)")
     parser.add_argument("--profile-gpu", default=None, help="planner GPU name for --profile-out (default: guessed)")
+    parser.add_argument("--random-weights", default="device", choices=["device", "file"],
+                        help="random:<preset> weights drawn on the device (default) or written as a safetensors file")
     args = parser.parse_args(argv)
     args.argv = list(argv)
     try:
@@ -100,7 +103,7 @@ def main(argv: list[str]) -> int:
         from megaserve.bench.random_model import resolve_random_model
 
         try:
-            options["model"] = str(resolve_random_model(args.model))
+            options["model"] = str(resolve_random_model(args.model, args.random_weights))
         except ValueError as e:
             print(f"megaserve bench: {e}", file=sys.stderr)
             return 2

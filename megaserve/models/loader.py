@@ -15,6 +15,7 @@ from megaserve.models.attention_part import AttentionPart, LayerWeights
 from megaserve.models.checkpoint import CheckpointReader
 from megaserve.models.config import ModelConfig
 from megaserve.models.expert_part import ExpertPart
+from megaserve.models.random_weights import RandomWeights, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,7 +39,7 @@ class LoadedModel:
 class _Weights:
     """Typed access to checkpoint tensors: converted, placed and shape-checked."""
 
-    def __init__(self, reader: CheckpointReader, dtype: torch.dtype, device: torch.device):
+    def __init__(self, reader: CheckpointReader | RandomWeights, dtype: torch.dtype, device: torch.device):
         self.reader, self.dtype, self.device = reader, dtype, device
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -68,11 +69,13 @@ def load_model(
     ``attention``: build the AttentionPart. ``expert_ids``: the routed experts to hold
     (None = all, [] = none). ``max_positions``: rotary table length (default: the
     model's max_position_embeddings). ``config``: the checkpoint's config when the caller
-    has read it already. Raises ``ValueError`` naming the file or tensor for anything
+    has read it already. A random checkpoint (megaserve.models.random_weights) is drawn
+    on ``device`` instead of read. Raises ``ValueError`` naming the file or tensor for anything
     missing, corrupt or inconsistent.
     """
     config = config or ModelConfig.from_dir(path)
-    weights = _Weights(CheckpointReader(path), resolve_dtype(dtype, config), torch.device(device))
+    torch_dtype, torch_device = resolve_dtype(dtype, config), torch.device(device)
+    weights = _Weights(open_checkpoint(path, torch_dtype, torch_device), torch_dtype, torch_device)
     if expert_ids is None:
         expert_ids = list(range(config.num_experts))
     bad = [e for e in expert_ids if not 0 <= e < config.num_experts]
