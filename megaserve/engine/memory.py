@@ -23,6 +23,7 @@ Shape legend: T = tokens of the profiling batch, S = its sequences, D = hidden, 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,7 @@ def snapshot(device: torch.device | str) -> DeviceSnapshot | None:
     if device.type != "cuda":
         return None
     torch.cuda.set_device(device)
+    gc.collect()  # engines of this process that are gone but not yet collected hold memory
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)

@@ -43,12 +43,16 @@ STEPS = 24
 MIN_COMPARED = 16
 TIE_MARGIN = 1e-2  # bf16 engine vs fp32 reference: closer calls are not compared
 LOGPROB_TOL = 0.1
+# Several engines live in this process at once (the module fixture's two stay up): each
+# gets a fixed KV pool instead of gpu_memory_utilization's share of the whole GPU.
+KV_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="module")
 def cuda_engines():
     """A roomy and a cramped bf16 CUDA engine on the built-in model."""
-    common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=32,
+                  kv_cache_memory_bytes=KV_BYTES)
     roomy = LLMEngine(EngineConfig(**common))
     cramped = LLMEngine(EngineConfig(**common, max_num_batched_tokens=40, num_kv_blocks=24))
     return roomy, cramped
@@ -110,7 +114,7 @@ def test_cuda_bf16_greedy_matches_transformers_fp32(checkpoint) -> None:
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist()
                for n in (1, 7, 23, 70)]
     params = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(model=str(path), dtype="bfloat16", device="cuda") as llm:
+    with LLM(model=str(path), dtype="bfloat16", device="cuda", kv_cache_memory_bytes=KV_BYTES) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     compared = []
     for prompt, out in zip(prompts, outs):
@@ -140,7 +144,8 @@ def test_cuda_graphs_on_equals_off(scenario: int) -> None:
     generated: sequences cross 16-token KV blocks while decoding): every request's tokens
     and logprobs are bitwise equal with decode graphs on and off. Captured sizes are 1, 2,
     4, then multiples of 8, so most decode steps of 1-24 sequences run padded."""
-    common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=24)
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=24,
+                  kv_cache_memory_bytes=KV_BYTES)
     on = LLMEngine(EngineConfig(**common, cuda_graphs=True))
     off = LLMEngine(EngineConfig(**common, cuda_graphs=False))
     off.runner.cuda_graphs = False  # until LLMEngine passes EngineConfig.cuda_graphs on
