@@ -1,91 +1,55 @@
-"""CPU implementation of the kernel API (torch only), batch-invariant bitwise.
+"""CPU implementation of the kernel API, batch-invariant bitwise and machine-independent.
 
-Three techniques make every result independent of the batch:
+The heavy kernels (linear, expert FFN, attention, RMSNorm, log-softmax) are compiled C++
+(kernels/cpu_ext.cpp, built on first use by :mod:`megaserve.kernels.cpu_ext` and called
+through ctypes, which releases the GIL). Their arithmetic order is fixed in that source:
 
-* **Fixed-shape GEMM tiles.** ``torch.mm`` on CPU picks its blocking (and with it the
-  reduction order) from M: measured here, row 0 of a product changed for 16 of 19 batch
-  sizes. Every product runs as one ``torch.mm`` per `[ROW_TILE, K] @ [K, N]` tile (the last
-  one zero-padded), so each row takes the same code path whatever M is and whatever row of
-  the tile it lands in. Row sums (RMSNorm, log-softmax) are such products with a ones
-  column. Batched ``torch.bmm`` is used only where every call has at least two items of one
-  fixed shape (attention): a single item runs as a plain GEMM, another code path.
-* **Attention items.** Each (query token, key split of KV_SPLIT_SIZE keys) is one fixed-shape
-  ``bmm`` item; keys past a token's position get probability exactly 0 and sums over keys
-  and splits are zero-padded trees, so a token's bits depend only on its query and the keys
-  it sees (see :func:`paged_attention`).
-* **Tree reductions from elementwise ops** where a sum is short (softmax over experts, key
-  splits): a pairwise halving tree over the length padded to a power of two. Elementwise ops
-  are exact per element, and padding with zeros leaves the value unchanged (``x + 0 == x``).
+* **GEMMs** accumulate every output element over k in ascending order (the vector lanes
+  are output columns), so a row's bits depend only on the row and the weights, never on M,
+  its place in a micro-kernel, or the thread count. Weights are packed once into
+  `[ceil(N / 32), K, 32]` panels (:func:`packed`), cached per weight tensor.
+* **Row sums** (RMSNorm, log-softmax, attention denominators) use 16 partial sums folded by
+  a fixed halving tree; **attention** runs one query token at a time over exactly the keys
+  at or before its position (unowned cache slots are never read), so a token's result is
+  the same in a decode step, in any prefill chunk and next to any other tokens.
+* **exp / log** are polynomials in the source (libm's pick FMA or non-FMA code by CPU);
+  no FMA contraction, no ``-ffast-math``: the ISA flags only change the vector width.
 
-Tiles are independent, so :func:`set_num_lanes` spreads them over threads without changing
-a bit. Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py.
+The small elementwise kernels (routing softmax, combine, rotary, sampling) stay torch ops,
+which are exact per element; their short sums use :func:`tree_sum`.
+bfloat16 inputs are computed in float32 and rounded once at the end.
+Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py,
+tests/kernels/test_cpu_ext.py.
 """
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from megaserve.kernels.api import KV_SPLIT_SIZE
+from megaserve.kernels import cpu_ext
 from megaserve.kernels.filters import filter_row
 
-ROW_TILE = 16
-# Rows per expert GEMM tile (a fixed shape, like ROW_TILE). Measured on the issue-14
-# workload (CPU time per token, same run): 16 at least as fast as 32 or 64, and a lone
-# request pads fewer rows.
+# Rows per expert task of the compiled expert FFN: one thread's unit of work (the rows of
+# a task share one pass over the expert's weights). Never changes a bit.
 EXPERT_ROW_TILE = 16
-# (Query token, key split) items per batched attention call: bounds the temporaries
-# (`[items, Hq, KV_SPLIT_SIZE * Hkv]` float32 scores and probabilities).
-ATTN_CHUNK_ITEMS = 1024
+PANEL = 32  # output columns per packed weight panel (NR in cpu_ext.cpp)
 _M32 = 0xFFFFFFFF
 
-# Threads the tiles of one kernel call are spread over (set_num_lanes). Every tile is one
-# single-threaded torch call whichever thread runs it, so this never changes a result.
+# Threads the compiled kernels spread each call over (set_num_lanes). A row, expert task or
+# query token computes the same bits whichever thread runs it.
 _lanes = 1
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): not inherited by fork
 
 
 def set_num_lanes(num_lanes: int) -> None:
-    """Spread the GEMM tiles, expert tiles and attention chunks of each call over
-    ``num_lanes`` threads (this one and ``num_lanes - 1`` helpers). Call with torch's
-    intra-op threads at 1: each lane runs single-threaded torch ops. Raises ``ValueError``
-    for ``num_lanes < 1``."""
+    """Spread each compiled kernel call over ``num_lanes`` threads (this one and helpers
+    in the extension's pool). Raises ``ValueError`` for ``num_lanes < 1``."""
     global _lanes
     if isinstance(num_lanes, bool) or not isinstance(num_lanes, int) or num_lanes < 1:
         raise ValueError(f"num_lanes must be a positive integer, got {num_lanes!r}")
     _lanes = num_lanes
-
-
-def _single_threaded() -> None:
-    torch.set_num_threads(1)  # a new thread starts with the process default
-
-
-def _run_lanes(tasks: list[Callable[[], None]]) -> None:
-    """Run ``tasks`` (at most ``_lanes``): the first on this thread, the others on helper
-    threads; returns when all are done and re-raises the first error."""
-    global _pool
-    if len(tasks) == 1:
-        tasks[0]()
-        return
-    if _pool is None or _pool[0] != os.getpid() or _pool[1]._max_workers < len(tasks) - 1:
-        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=max(1, _lanes - 1),
-                                                 thread_name_prefix="kernels-cpu",
-                                                 initializer=_single_threaded))
-    futures = [_pool[1].submit(task) for task in tasks[1:]]
-    tasks[0]()
-    for future in futures:
-        future.result()
-
-
-def _split(count: int, parts: int) -> list[range]:
-    """``range(count)`` cut into at most ``parts`` contiguous, nearly equal ranges."""
-    parts = max(1, min(parts, count))
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -105,55 +69,42 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def tiled_matmul(x: torch.Tensor, w_t: torch.Tensor, tile: int) -> torch.Tensor:
-    """``x @ w_t`` as one ``torch.mm`` per `[tile, K]` row tile (the last one zero-padded),
-    so each row's bits depend only on the row, ``w_t`` and ``tile``.
-
-    x: `[M, K]`; w_t: `[K, N]` (the same weight view always: strides pick the code path).
-    Returns `[M, N]` in x.dtype.
-
-    NOTE: one ``torch.mm`` per tile, not one ``torch.bmm`` over the tiles: measured here,
-    a batched product took another code path than a single one for N = 1 (its rows'
-    bits differed), so the tile count would have changed the result.
-    """
-    num_rows, k = x.shape
-    num_tiles = -(-num_rows // tile)
-    if num_tiles * tile != num_rows or not x.is_contiguous():
-        padded = x.new_zeros(num_tiles * tile, k)
-        padded[:num_rows] = x
-        x = padded
-    out = x.new_empty(num_tiles * tile, w_t.shape[1])
-
-    def run(tiles: range) -> None:
-        for start in range(tiles.start * tile, tiles.stop * tile, tile):
-            torch.mm(x[start:start + tile], w_t, out=out[start:start + tile])
-
-    _run_lanes([lambda r=r: run(r) for r in _split(num_tiles, _lanes)])
-    return out[:num_rows]
+# id(weight) -> (weak reference, version, data_ptr, packed panels)
+_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
-def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum of each row of ``x`` `[M, K]` float32 → `[M]`, as a fixed-shape tiled GEMM with
-    a ones vector: the order is fixed by K and ROW_TILE, never by M."""
-    return tiled_matmul(x, _ones(x.shape[1], x.dtype), ROW_TILE).squeeze(1)
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / PANEL), K, PANEL]` (zero
+    past N), the layout the compiled GEMMs read. Cached per weight tensor and re-packed
+    when the tensor is modified in place (its version or storage changes)."""
+    key = id(weight)
+    hit = _PACKED.get(key)
+    if (hit is not None and hit[0]() is weight and hit[1] == weight._version
+            and hit[2] == weight.data_ptr()):
+        return hit[3]
+    *lead, n, k = weight.shape
+    panels = -(-n // PANEL)
+    w = F.pad(weight.float(), (0, 0, 0, panels * PANEL - n))
+    out = w.view(*lead, panels, PANEL, k).transpose(-1, -2).contiguous()
+    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)),
+                    weight._version, weight.data_ptr(), out)
+    return out
 
 
-_ONES: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-
-def _ones(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A cached `[n, 1]` ones column."""
-    key = (n, dtype)
-    if key not in _ONES:
-        _ONES[key] = torch.ones(n, 1, dtype=dtype)
-    return _ONES[key]
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = tiled_matmul(x, weight.t(), ROW_TILE)
-    if bias is not None:
-        out = out + bias
-    return out
+    num_rows, k = x.shape
+    n = weight.shape[0]
+    xf = _f32(x)
+    bf = _f32(bias) if bias is not None else None
+    out = torch.empty(num_rows, n, dtype=torch.float32)
+    if num_rows:
+        cpu_ext.load().ms_linear(xf.data_ptr(), num_rows, k, packed(weight).data_ptr(), n,
+                                 bf.data_ptr() if bf is not None else None, out.data_ptr(), _lanes)
+    return out.to(x.dtype)
 
 
 def rms_norm(
@@ -164,9 +115,17 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
-    h = x.float()
-    variance = row_sum((h * h).reshape(-1, h.shape[-1])).view(*h.shape[:-1], 1) / h.shape[-1]
-    y = weight * (h * torch.rsqrt(variance + eps)).to(x.dtype)
+    shape = x.shape
+    h = _f32(x.reshape(-1, shape[-1]))
+    num_rows, d = h.shape
+    y = torch.empty(num_rows, d, dtype=torch.float32)
+    # float32 applies the weight in the kernel; other dtypes round the normalised value to
+    # x.dtype first, then multiply by the weight in that dtype (as HF does).
+    wf = _f32(weight) if x.dtype == torch.float32 else None
+    if num_rows:
+        cpu_ext.load().ms_rms_norm(h.data_ptr(), None, wf.data_ptr() if wf is not None else None,
+                                   num_rows, d, eps, y.data_ptr(), None, _lanes)
+    y = y.view(shape) if wf is not None else weight * y.view(shape).to(x.dtype)
     return (y, x) if residual is not None else y
 
 
@@ -196,112 +155,31 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Batched over every query token with fixed-shape GEMM items (module docstring).
-
-    NOTE: the unit of work is one **(query token, key split)** item: the token's `[Hq, Dh]`
-    query heads against the `[KV_SPLIT_SIZE * Hkv, Dh]` keys of one split, one item of a
-    ``torch.bmm`` whose shape never changes, so its bits do not depend on how many items
-    run together. All KV heads are multiplied at once and the GQA-matching blocks kept
-    (``diagonal``); the value product multiplies a block-diagonal probability matrix, whose
-    zero blocks add exact zeros. Keys past a token's position get probability exactly 0, a
-    split past it adds exact zeros, and sums over keys and splits are zero-padded trees,
-    so a token's result depends only on its own query and the keys it can see: not on
-    the other tokens, the chunking below, or the splits other tokens need.
-    """
-    num_tokens = q.shape[0]
-    out = torch.empty_like(q)
-    if num_tokens == 0:
-        return out
-    starts = query_start_loc.tolist()
-    lengths = context_lens.tolist()
-    seq_of: list[int] = []
-    pos_of: list[int] = []
-    for s, length in enumerate(lengths):
-        num_new = starts[s + 1] - starts[s]
-        seq_of += [s] * num_new
-        pos_of += range(length - num_new, length)
-    seq = torch.tensor(seq_of, dtype=torch.int64)  # [T]
-    positions = torch.tensor(pos_of, dtype=torch.int64)  # [T]
-    # Splits each token needs; tokens sorted by need, chunked to bound the temporaries.
-    need = [p // KV_SPLIT_SIZE + 1 for p in pos_of]
-    order = sorted(range(num_tokens), key=need.__getitem__)
-    tables = block_tables.long()
-    chunks: list[tuple[list[int], int]] = []  # (token indices, splits)
-    begin = 0
-    while begin < num_tokens:
-        count = 1  # tokens in this chunk: as many as fit ATTN_CHUNK_ITEMS (at least one)
-        while (begin + count < num_tokens
-               and need[order[begin + count]] * (count + 1) <= ATTN_CHUNK_ITEMS):
-            count += 1
-        if _lanes > 1 and begin == 0 and count == num_tokens:
-            count = -(-num_tokens // _lanes)  # one chunk per lane
-        chunks.append((order[begin:begin + count], need[order[begin + count - 1]]))
-        begin += count
-
-    def run(part: range) -> None:
-        for tokens, num_splits in (chunks[i] for i in part):
-            idx = torch.tensor(tokens, dtype=torch.int64)
-            rows = _attend_tokens(
-                q.index_select(0, idx), positions.index_select(0, idx),
-                tables.index_select(0, seq.index_select(0, idx)), k_cache, v_cache,
-                num_splits, scale,
-            )
-            out.index_copy_(0, idx, rows.to(q.dtype))
-
-    _run_lanes([lambda r=r: run(r) for r in _split(len(chunks), _lanes)])
-    return out
-
-
-def _attend_tokens(
-    q: torch.Tensor,
-    positions: torch.Tensor,
-    tables: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_splits: int,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of N query tokens over their first ``num_splits`` key splits.
-
-    q: `[N, Hq, Dh]`; positions: `[N]` int64; tables: `[N, max_blocks]` int64 (each
-    token's sequence's block table); caches: `[num_blocks, block_size, Hkv, Dh]`.
-    Returns `[N, Hq, Dh]` float32.
-    """
-    num_tok, num_q_heads, head_dim = q.shape
-    if num_tok * num_splits == 1:
-        # A one-item torch.bmm runs as a plain GEMM, another code path than the batched
-        # one: run the token twice so every item takes the batched path.
-        return _attend_tokens(q.expand(2, -1, -1), positions.expand(2), tables.expand(2, -1),
-                              k_cache, v_cache, num_splits, scale)[:1]
+    """One query token at a time over the keys at or before its position (module docstring):
+    a token's bits depend only on its query and those keys. float32 or bfloat16 caches."""
+    num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    split, width = KV_SPLIT_SIZE, num_splits * KV_SPLIT_SIZE  # C, L
-    items = num_tok * num_splits
-    key_pos = torch.arange(width)
-    block = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
-    slots = tables[:, block] * block_size + key_pos % block_size  # [N, L]
-    hidden = key_pos[None, :] > positions[:, None]  # [N, L]: past the token's position
-    slots = slots.masked_fill(hidden, 0).view(-1)
-    row = num_kv_heads * head_dim
-    k = k_cache.view(-1, row).index_select(0, slots).float()  # [N*L, Hkv*Dh]
-    v = v_cache.view(-1, row).index_select(0, slots).float()
-    # Hidden keys get probability 0; zero their values so 0 * v is 0 even for stale slots.
-    v.index_fill_(0, hidden.view(-1).nonzero().squeeze(1), 0)
-    a = q.float()[:, None].expand(-1, num_splits, -1, -1).reshape(items, num_q_heads, head_dim)
-    b = k.view(items, split * num_kv_heads, head_dim).transpose(1, 2)  # [I, Dh, C*Hkv]
-    scores = torch.bmm(a, b).view(num_tok, num_splits, num_kv_heads, group, split, num_kv_heads)
-    scores = scores.diagonal(dim1=2, dim2=5)  # [N, n, G, C, Hkv]: query head h vs kv head h
-    scores = scores.permute(0, 4, 2, 1, 3) * scale  # [N, Hkv, G, n, C]
-    scores = scores.masked_fill(hidden.view(num_tok, 1, 1, num_splits, split), float("-inf"))
-    m = scores.amax(dim=(3, 4), keepdim=True)  # key 0 is visible to every token: finite
-    p = torch.exp(scores - m)  # exactly 0 where hidden
-    denom = tree_sum(tree_sum(p, dim=-1), dim=-1)  # [N, Hkv, G]
-    blocks = p.new_zeros(num_tok, num_splits, num_kv_heads, group, split, num_kv_heads)
-    blocks.diagonal(dim1=2, dim2=5).copy_(p.permute(0, 3, 2, 4, 1))
-    o = torch.bmm(blocks.view(items, num_q_heads, split * num_kv_heads),
-                  v.view(items, split * num_kv_heads, head_dim))  # [I, Hq, Dh]
-    o = tree_sum(o.view(num_tok, num_splits, num_q_heads, head_dim), dim=1)  # [N, Hq, Dh]
-    return o / denom.reshape(num_tok, num_q_heads, 1)
+    if num_tokens == 0:
+        return torch.empty_like(q)
+    if k_cache.dtype == torch.float32:
+        fn = cpu_ext.load().ms_paged_attention_f32
+    elif k_cache.dtype == torch.bfloat16:
+        fn = cpu_ext.load().ms_paged_attention_bf16
+    else:
+        raise ValueError(f"CPU attention supports float32 and bfloat16 caches, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("CPU attention needs contiguous KV caches")
+    qf = _f32(q)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    if int(starts[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc ends at {int(starts[-1])}, q has {num_tokens} tokens")
+    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+       lens.data_ptr(), starts.data_ptr(), lens.shape[0], num_tokens, num_q_heads, num_kv_heads,
+       head_dim, block_size, scale, out.data_ptr(), _lanes)
+    return out.to(q.dtype)
 
 
 def _softmax(x: torch.Tensor) -> torch.Tensor:
@@ -328,48 +206,19 @@ def expert_ffn(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
 ) -> torch.Tensor:
-    """Rows sorted by expert, then each expert's rows in `[EXPERT_ROW_TILE, D]` tiles
-    (the last one zero-padded): every product has one fixed shape per weight."""
-    num_experts, two_inter, _ = w_gate_up.shape
-    inter, hidden = two_inter // 2, w_down.shape[1]
-    order = torch.argsort(expert_ids, stable=True)
-    # Ids == num_experts (rows routed nowhere) sort last and get no tile: never computed.
-    counts = torch.bincount(expert_ids, minlength=num_experts).tolist()[:num_experts]
-    xs = x.index_select(0, order)  # [R, D], grouped by expert
-    out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
-    tile = EXPERT_ROW_TILE
-    tiles: list[tuple[int, int, int]] = []  # (expert, first sorted row, rows)
-    begin = 0
-    for expert, count in enumerate(counts):
-        tiles += [(expert, start, min(tile, begin + count - start))
-                  for start in range(begin, begin + count, tile)]
-        begin += count
-
-    gate_up_t = {e: w_gate_up[e].t() for e, c in enumerate(counts) if c}  # [D, 2I] views
-    down_t = {e: w_down[e].t() for e, c in enumerate(counts) if c}  # [I, D] views
-
-    def run(part: range) -> None:
-        gate_up = torch.empty(tile, two_inter, dtype=x.dtype)
-        act = torch.empty(tile, inter, dtype=x.dtype)
-        down = torch.empty(tile, hidden, dtype=x.dtype)
-        padded = torch.zeros(tile, x.shape[1], dtype=x.dtype)
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        for expert, start, n in (tiles[i] for i in part):
-            rows = xs[start:start + n]
-            if n < tile:
-                padded[:n] = rows
-                padded[n:] = 0
-                rows = padded
-            torch.mm(rows, gate_up_t[expert], out=gate_up)
-            torch.mul(F.silu(gate, inplace=True), up, out=act)
-            if n == tile:  # straight into the output rows
-                torch.mm(act, down_t[expert], out=out[start:start + tile])
-            else:
-                torch.mm(act, down_t[expert], out=down)
-                out[start:start + n] = down[:n]
-
-    _run_lanes([lambda r=r: run(r) for r in _split(len(tiles), _lanes)])
-    return torch.empty_like(out).index_copy_(0, order, out)
+    """Rows grouped by expert (stable), EXPERT_ROW_TILE rows per task; each row's GEMMs
+    accumulate in a fixed order, so its bits never depend on the other rows."""
+    num_experts, two_inter, hidden = w_gate_up.shape
+    num_rows = x.shape[0]
+    xf = _f32(x)
+    ids = expert_ids.to(torch.int64).contiguous()
+    out = torch.empty(num_rows, hidden, dtype=torch.float32)
+    if num_rows:
+        cpu_ext.load().ms_expert_ffn(
+            xf.data_ptr(), ids.data_ptr(), num_rows, hidden, two_inter // 2, num_experts,
+            packed(w_gate_up).data_ptr(), packed(w_down).data_ptr(), out.data_ptr(),
+            EXPERT_ROW_TILE, _lanes)
+    return out.to(x.dtype)
 
 
 def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -380,9 +229,11 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    x = logits.float()
-    shifted = x - x.amax(dim=-1, keepdim=True)
-    return shifted - torch.log(row_sum(torch.exp(shifted))).unsqueeze(-1)
+    x = _f32(logits)
+    out = torch.empty_like(x)
+    if x.numel():
+        cpu_ext.load().ms_log_softmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _lanes)
+    return out
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _attend(q, k_cache, v_cache, tables, lengths, num_new, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (8, 1)])
-def test_attention_token_alone_equals_token_in_any_batch(dtype, heads, monkeypatch):
+def test_attention_token_alone_equals_token_in_any_batch(dtype, heads):
     hq, hkv = heads
     dh = 32
     lengths = [1, 17, KV_SPLIT_SIZE, KV_SPLIT_SIZE + 1, 3 * KV_SPLIT_SIZE + 5]
@@ -79,10 +79,9 @@ def test_attention_token_alone_equals_token_in_any_batch(dtype, heads, monkeypat
         for p in sorted({0, n // 2, n - 1}):
             alone = _attend(qs[s][p:p + 1], k_cache, v_cache, tables[s:s + 1], [p + 1], [1], scale)
             assert torch.equal(alone[0], full[offsets[s] + p]), (s, p)
-    # A mixed batch, chunked to a few items per bmm: a chunk of one sequence, decodes of
-    # others, a chunk across a split boundary, a decode deep in the longest sequence.
-    monkeypatch.setattr(cpu, "ATTN_CHUNK_ITEMS", 3)
-    runs = [(4, 10, 13), (0, 0, 0), (2, 63, 63), (3, 60, 64), (4, 200, 200)]  # (seq, first, last)
+    # A mixed batch: a chunk of one sequence, decodes of others, a chunk across a split
+    # boundary, a decode deep in the longest sequence.
+    runs = [(4, 10, 13), (0, 0, 0), (2, 63, 63), (3, 60, 64), (4, 196, 196)]  # (seq, first, last)
     got = _attend(torch.cat([qs[s][a:b + 1] for s, a, b in runs]), k_cache, v_cache,
                   torch.stack([tables[s] for s, _, _ in runs]), [b + 1 for _, _, b in runs],
                   [b + 1 - a for _, a, b in runs], scale)
@@ -113,7 +112,7 @@ def test_expert_ffn_row_invariant_across_tile_boundaries(dtype):
 
 
 def test_lanes_change_no_bits():
-    """Spreading tiles and attention chunks over helper threads gives the same bits."""
+    """Spreading rows, expert tasks and query tokens over helper threads gives the same bits."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(96, 64, generator=g)
     x = torch.randn(70, 64, generator=g)

@@ -1,0 +1,455 @@
+// Compiled CPU kernels of megaserve.kernels.cpu (loaded by kernels/cpu_ext.py through ctypes).
+//
+// Batch invariance and machine independence come from the arithmetic order, fixed in this
+// source and nowhere else:
+//   * compiled with -ffp-contract=off and without -ffast-math: every `a * b + c` is a
+//     rounded multiply then a rounded add, never a fused multiply-add, and the compiler may
+//     not reassociate. The vector width the ISA flags pick (SSE2, AVX2, AVX-512) only
+//     changes how many independent lanes run at once, never an element's sequence of
+//     operations, so every build gives the same bits.
+//   * GEMMs (linear, experts) accumulate each output element over k sequentially,
+//     k = 0, 1, ..., K-1 (outer-product micro-kernels: the vector lanes are output
+//     columns, never parts of one sum), so an element's bits depend only on its row, the
+//     weights and K: not on M, on the micro-kernel height a row lands in, or on threads.
+//   * Row sums (RMSNorm, log-softmax, attention denominators) use SUM_LANES partial sums
+//     (element j goes to lane j % SUM_LANES, in order) folded by the halving tree
+//     lane[i] += lane[i + w] for w = 8, 4, 2, 1.
+//   * exp and log are polynomials in this file (libm picks FMA / non-FMA code paths by
+//     CPU), evaluated with + * / only.
+//   * Threads split work by rows / (expert, row block) / tokens; a unit's arithmetic is
+//     the same whichever thread runs it.
+//
+// Shape legend: M = rows, K = reduction, N = output features, D = hidden, I = expert
+// intermediate, E = experts, T = query tokens, S = sequences, Hq / Hkv = heads, Dh = head dim.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+#include <unistd.h>
+
+namespace {
+
+constexpr int NR = 32;         // output columns per packed weight panel (two 16-lane vectors)
+constexpr int MR = 8;          // rows per GEMM micro-kernel call (fewer for the last rows)
+constexpr int SUM_LANES = 16;  // partial sums of every row sum
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// ---------------------------------------------------------------------------------------
+// A fixed thread pool: run(num_tasks, fn) calls fn(task) for every task, spread over up
+// to `threads` threads (this one included). Rebuilt after fork (threads do not survive).
+
+class Pool {
+ public:
+  void run(int threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+    if (threads <= 1 || num_tasks <= 1) {
+      for (int64_t t = 0; t < num_tasks; ++t) fn(t);
+      return;
+    }
+    std::lock_guard<std::mutex> call(call_mutex_);
+    ensure(threads - 1);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fn_ = &fn;
+      num_tasks_ = num_tasks;
+      next_.store(0);
+      active_ = std::min<int64_t>(threads - 1, num_tasks - 1);
+      pending_ = active_;
+      ++generation_;
+    }
+    wake_.notify_all();
+    work();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void ensure(int helpers) {
+    if (owner_ != getpid()) {  // after fork: the old threads do not exist here
+      for (auto& t : threads_) t.detach();
+      threads_.clear();
+      owner_ = getpid();
+    }
+    while (static_cast<int>(threads_.size()) < helpers) {
+      int index = static_cast<int>(threads_.size());
+      threads_.emplace_back([this, index] { loop(index); });
+    }
+  }
+
+  void work() {
+    for (int64_t t = next_.fetch_add(1); t < num_tasks_; t = next_.fetch_add(1)) (*fn_)(t);
+  }
+
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index >= active_) continue;
+      }
+      work();
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex call_mutex_, mutex_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  pid_t owner_ = -1;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t num_tasks_ = 0;
+  std::atomic<int64_t> next_{0};
+  int64_t active_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: helper threads may outlive main's exit
+  return *p;
+}
+
+// ---------------------------------------------------------------------------------------
+// exp / log with a fixed evaluation order (+ * / only), ~1-2 ulp.
+
+inline float exp_fixed(float x) {
+  if (x != x) return x;
+  if (x > 88.72283f) return __builtin_inff();
+  if (x < -103.97208f) return 0.0f;
+  const float n = __builtin_rintf(x * 1.44269504f);
+  // Cody-Waite: ln2 = C1 + C2, C1 with few mantissa bits so n * C1 is exact.
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // Scale by 2^n in two steps so that n down to -150 stays representable.
+  int e = static_cast<int>(n);
+  int e1 = e / 2, e2 = e - e1;
+  uint32_t b1 = static_cast<uint32_t>(e1 + 127) << 23, b2 = static_cast<uint32_t>(e2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, 4);
+  std::memcpy(&s2, &b2, 4);
+  return p * s1 * s2;
+}
+
+inline float log_fixed(float x) {
+  if (!(x > 0.0f)) return x == 0.0f ? -__builtin_inff() : __builtin_nanf("");
+  if (x == __builtin_inff()) return x;
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  int e = 0;
+  if (bits < 0x00800000u) {  // subnormal: scale into the normal range
+    x = x * 8388608.0f;
+    std::memcpy(&bits, &x, 4);
+    e = -23;
+  }
+  e += static_cast<int>(bits >> 23) - 127;
+  uint32_t mbits = (bits & 0x007FFFFFu) | 0x3F800000u;
+  float m;
+  std::memcpy(&m, &mbits, 4);  // [1, 2)
+  if (m > 1.41421356f) {
+    m = m * 0.5f;
+    e += 1;
+  }
+  // log(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172
+  const float s = (m - 1.0f) / (m + 1.0f);
+  const float s2 = s * s;
+  float p = 0.1111111111f;
+  p = p * s2 + 0.1428571429f;
+  p = p * s2 + 0.2f;
+  p = p * s2 + 0.3333333333f;
+  const float log_m = 2.0f * s + 2.0f * s * s2 * p;
+  const float ef = static_cast<float>(e);
+  return ef * 0.693145751953125f + (ef * 1.428606765330187e-06f + log_m);
+}
+
+// Sum of n floats: element j into lane j % SUM_LANES, in order; then the halving tree.
+inline float lane_sum(const float* x, int64_t n) {
+  float lane[SUM_LANES] = {0};
+  int64_t j = 0;
+  for (; j + SUM_LANES <= n; j += SUM_LANES)
+    for (int l = 0; l < SUM_LANES; ++l) lane[l] = lane[l] + x[j + l];
+  for (int l = 0; j + l < n; ++l) lane[l] = lane[l] + x[j + l];
+  for (int w = SUM_LANES / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+  return lane[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM: c[m, n] = sum_k a[m, k] * w[n, k], k ascending, for one packed panel of NR columns.
+// Panel layout: [K][NR] (column n of the panel at offset n), zero-padded past N.
+
+template <int ROWS>
+inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_t k_len,
+                         float* c, int64_t ldc, int cols) {
+  v16 acc0[ROWS], acc1[ROWS];
+  for (int m = 0; m < ROWS; ++m) acc0[m] = acc1[m] = v16{} ;
+  for (int64_t k = 0; k < k_len; ++k) {
+    const v16 b0 = load16(panel + k * NR), b1 = load16(panel + k * NR + 16);
+    for (int m = 0; m < ROWS; ++m) {
+      const float av = a[m * lda + k];
+      acc0[m] = acc0[m] + av * b0;
+      acc1[m] = acc1[m] + av * b1;
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    if (cols == NR) {
+      store16(c + m * ldc, acc0[m]);
+      store16(c + m * ldc + 16, acc1[m]);
+    } else {
+      float tmp[NR];
+      store16(tmp, acc0[m]);
+      store16(tmp + 16, acc1[m]);
+      std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
+    }
+  }
+}
+
+// rows x [n_begin, n_end) of a @ W^T for panels n_begin / NR .. (n_end - 1) / NR.
+void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, int64_t k_len,
+               int64_t n_len, int64_t panel_begin, int64_t panel_end, float* c, int64_t ldc) {
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const float* panel = packed + p * k_len * NR;
+    const int cols = static_cast<int>(std::min<int64_t>(NR, n_len - p * NR));
+    float* cp = c + p * NR;
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+      micro_kernel<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols);
+    const float* am = a + m * lda;
+    float* cm = cp + m * ldc;
+    switch (rows - m) {
+      case 7: micro_kernel<7>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 6: micro_kernel<6>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 1: micro_kernel<1>(am, lda, panel, k_len, cm, ldc, cols); break;
+      default: break;
+    }
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + exp_fixed(-g)); }
+
+}  // namespace
+
+extern "C" {
+
+// out[M, N] = x[M, K] @ W^T (+ bias[N]); W packed as [ceil(N / NR), K, NR].
+void ms_linear(const float* x, int64_t m_len, int64_t k_len, const float* packed, int64_t n_len,
+               const float* bias, float* out, int threads) {
+  const int64_t panels = (n_len + NR - 1) / NR;
+  const int64_t row_blocks = (m_len + 4 * MR - 1) / (4 * MR);
+  // Tasks: (row block of 4 * MR rows, group of 4 panels); grid order is irrelevant to bits.
+  const int64_t panel_groups = (panels + 3) / 4;
+  pool().run(threads, row_blocks * panel_groups, [&](int64_t task) {
+    const int64_t rb = task / panel_groups, pg = task % panel_groups;
+    const int64_t r0 = rb * 4 * MR, rows = std::min<int64_t>(4 * MR, m_len - r0);
+    const int64_t p0 = pg * 4, p1 = std::min<int64_t>(panels, p0 + 4);
+    gemm_rows(x + r0 * k_len, k_len, rows, packed, k_len, n_len, p0, p1, out + r0 * n_len, n_len);
+    if (bias != nullptr)
+      for (int64_t r = r0; r < r0 + rows; ++r)
+        for (int64_t n = p0 * NR; n < std::min<int64_t>(n_len, p1 * NR); ++n)
+          out[r * n_len + n] = out[r * n_len + n] + bias[n];
+  });
+}
+
+// SwiGLU experts. x: [R, D]; ids: [R] in [0, E] (E = routed nowhere: row not computed);
+// gate_up packed [E][ceil(2I / NR)][D][NR] (rows 0..I-1 gate, I..2I-1 up); down packed
+// [E][ceil(D / NR)][I][NR]. out[r] = down_e(silu(gate_e x_r) * up_e x_r). Each task (one
+// thread's unit of work) takes up to rows_per_task rows of one expert.
+void ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, int64_t inter,
+                   int64_t num_experts, const float* gate_up, const float* down, float* out,
+                   int64_t rows_per_task, int threads) {
+  std::vector<int64_t> count(num_experts + 1, 0), order(r_len);
+  for (int64_t r = 0; r < r_len; ++r) ++count[ids[r]];
+  std::vector<int64_t> start(num_experts + 2, 0);
+  for (int64_t e = 0; e <= num_experts; ++e) start[e + 1] = start[e] + count[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < r_len; ++r) order[fill[ids[r]]++] = r;
+  struct Task { int64_t expert, first, rows; };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t s = start[e]; s < start[e + 1]; s += rows_per_task)
+      tasks.push_back({e, s, std::min<int64_t>(rows_per_task, start[e + 1] - s)});
+  const int64_t two_i = 2 * inter;
+  const int64_t gu_panels = (two_i + NR - 1) / NR, d_panels = (d + NR - 1) / NR;
+  pool().run(threads, static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Task task = tasks[t];
+    thread_local std::vector<float> xs, gu, act, ys;
+    xs.resize(rows_per_task * d);
+    gu.resize(rows_per_task * two_i);
+    act.resize(rows_per_task * inter);
+    ys.resize(rows_per_task * d);
+    for (int64_t i = 0; i < task.rows; ++i)
+      std::memcpy(&xs[i * d], x + order[task.first + i] * d, sizeof(float) * d);
+    const float* gu_w = gate_up + task.expert * gu_panels * d * NR;
+    const float* d_w = down + task.expert * d_panels * inter * NR;
+    gemm_rows(xs.data(), d, task.rows, gu_w, d, two_i, 0, gu_panels, gu.data(), two_i);
+    for (int64_t i = 0; i < task.rows; ++i)
+      for (int64_t j = 0; j < inter; ++j)
+        act[i * inter + j] = silu(gu[i * two_i + j]) * gu[i * two_i + inter + j];
+    gemm_rows(act.data(), inter, task.rows, d_w, inter, d, 0, d_panels, ys.data(), d);
+    for (int64_t i = 0; i < task.rows; ++i)
+      std::memcpy(out + order[task.first + i] * d, &ys[i * d], sizeof(float) * d);
+  });
+}
+
+// h = x (+ residual); y = h / sqrt(mean(h^2) + eps) (* weight when weight != null).
+// x, residual, h_out, y: [M, D]; h_out may be null when residual is null.
+void ms_rms_norm(const float* x, const float* residual, const float* weight, int64_t m_len,
+                 int64_t d, float eps, float* y, float* h_out, int threads) {
+  const int64_t block = 64;
+  pool().run(threads, (m_len + block - 1) / block, [&](int64_t task) {
+    thread_local std::vector<float> h, sq;
+    h.resize(d);
+    sq.resize(d);
+    for (int64_t r = task * block; r < std::min(m_len, (task + 1) * block); ++r) {
+      const float* xr = x + r * d;
+      for (int64_t j = 0; j < d; ++j) h[j] = residual ? xr[j] + residual[r * d + j] : xr[j];
+      if (h_out) std::memcpy(h_out + r * d, h.data(), sizeof(float) * d);
+      for (int64_t j = 0; j < d; ++j) sq[j] = h[j] * h[j];
+      const float inv = 1.0f / __builtin_sqrtf(lane_sum(sq.data(), d) / static_cast<float>(d) + eps);
+      float* yr = y + r * d;
+      if (weight)
+        for (int64_t j = 0; j < d; ++j) yr[j] = weight[j] * (h[j] * inv);
+      else
+        for (int64_t j = 0; j < d; ++j) yr[j] = h[j] * inv;
+    }
+  });
+}
+
+// out[b, :] = x[b, :] - max - log(sum(exp(x[b, :] - max))). x, out: [B, V].
+void ms_log_softmax(const float* x, int64_t b_len, int64_t v, float* out, int threads) {
+  pool().run(threads, b_len, [&](int64_t b) {
+    thread_local std::vector<float> e;
+    e.resize(v);
+    const float* xr = x + b * v;
+    float mx = -__builtin_inff();
+    for (int64_t j = 0; j < v; ++j) mx = xr[j] > mx ? xr[j] : mx;
+    for (int64_t j = 0; j < v; ++j) e[j] = exp_fixed(xr[j] - mx);
+    const float log_sum = log_fixed(lane_sum(e.data(), v));
+    for (int64_t j = 0; j < v; ++j) out[b * v + j] = (xr[j] - mx) - log_sum;
+  });
+}
+
+}  // extern "C"
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float (exact)
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Causal paged attention, one query token per task.
+// q, out: [T, Hq, Dh]; caches: [num_blocks, block_size, Hkv, Dh] float32;
+// block_tables: [S, max_blocks] int32; context_lens: [S] int32; query_start_loc: [S + 1].
+// Token t of sequence s sits at position context_lens[s] - (its row's distance from the
+// end of s's rows); it sees keys 0..position and nothing else (unowned slots never read).
+//   score_j = (sum_d q[d] * k_j[d], d ascending) * scale
+//   p_j = exp(score_j - max_j score_j); denom = lane_sum(p)
+//   out[d] = (sum_j p_j * v_j[d], j ascending) / denom
+template <typename C>
+void paged_attention(const float* q, const C* k_cache, const C* v_cache,
+                        const int32_t* block_tables, int64_t max_blocks,
+                        const int32_t* context_lens, const int32_t* query_start_loc,
+                        int64_t num_seqs, int64_t num_tokens, int64_t hq, int64_t hkv,
+                        int64_t dh, int64_t block_size, float scale, float* out, int threads) {
+  std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
+    for (int64_t t = begin; t < end; ++t) {
+      seq_of[t] = s;
+      pos_of[t] = context_lens[s] - (end - t);
+    }
+  }
+  const int64_t group = hq / hkv, row = hkv * dh;
+  pool().run(threads, num_tokens, [&](int64_t t) {
+    const int64_t len = pos_of[t] + 1;
+    const int32_t* table = block_tables + seq_of[t] * max_blocks;
+    thread_local std::vector<float> kt, scores, acc;
+    thread_local std::vector<const C*> vrows;
+    const int64_t padded = (len + 15) / 16 * 16;
+    kt.assign(dh * padded, 0.0f);
+    scores.resize(group * padded);
+    acc.resize(dh);
+    vrows.resize(len);
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      // Keys of this kv head transposed: kt[d][j].
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+        const C* krow = k_cache + slot * row + kv * dh;
+        for (int64_t dd = 0; dd < dh; ++dd) kt[dd * padded + j] = to_float(krow[dd]);
+        vrows[j] = v_cache + slot * row + kv * dh;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = kv * group + g;
+        const float* qh = q + (t * hq + h) * dh;
+        float* s = &scores[g * padded];
+        for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+          v16 dot = v16{};
+          for (int64_t dd = 0; dd < dh; ++dd) dot = dot + qh[dd] * load16(&kt[dd * padded + j0]);
+          store16(s + j0, dot * scale);
+        }
+        float mx = s[0];
+        for (int64_t j = 1; j < len; ++j) mx = s[j] > mx ? s[j] : mx;
+        for (int64_t j = 0; j < len; ++j) s[j] = exp_fixed(s[j] - mx);
+        const float denom = lane_sum(s, len);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < len; ++j) {
+          const float pj = s[j];
+          const C* vr = vrows[j];
+          for (int64_t dd = 0; dd < dh; ++dd) acc[dd] = acc[dd] + pj * to_float(vr[dd]);
+        }
+        float* o = out + (t * hq + h) * dh;
+        for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[dd] / denom;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+#define MS_ATTENTION(NAME, C)                                                                  \
+  void NAME(const float* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,   \
+            int64_t max_blocks, const int32_t* context_lens, const int32_t* query_start_loc,   \
+            int64_t num_seqs, int64_t num_tokens, int64_t hq, int64_t hkv, int64_t dh,         \
+            int64_t block_size, float scale, float* out, int threads) {                        \
+    paged_attention<C>(q, k_cache, v_cache, block_tables, max_blocks, context_lens,            \
+                       query_start_loc, num_seqs, num_tokens, hq, hkv, dh, block_size, scale,  \
+                       out, threads);                                                          \
+  }
+
+MS_ATTENTION(ms_paged_attention_f32, float)
+MS_ATTENTION(ms_paged_attention_bf16, uint16_t)
+
+}  // extern "C"
