@@ -238,6 +238,8 @@ def main(argv: list[str]) -> int:
     name = _device_name(device)
     copy_bw = measure_copy_bandwidth(device, args.copy_mib << 20)
     matmul = measure_matmul_flops(device, args.matmul_n)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the baselines' buffers must not look like used memory
     try:
         options["model"], fitted = _resolve_model(args, options, device)
     except ValueError as e:
@@ -285,6 +287,7 @@ def main(argv: list[str]) -> int:
         if spec:
             r["achieved_vs_datasheet"] = need.total / (spec.hbm_tbps * 1e12) / step_s
         report["decode"].append(r)
+        _save(args.json_out, report)  # after every batch: a crash or timeout later keeps these
         prof = r.get("profile", {})
         busy = f"{prof['gpu_busy_fraction']:.0%}" if "gpu_busy_fraction" in prof else "-"
         gaps = f"{prof['host_gaps']['total_us_per_step'] / 1e3:.2f}" if "host_gaps" in prof else "-"
@@ -302,11 +305,17 @@ def main(argv: list[str]) -> int:
         if spec:
             p["of_datasheet_peak"] = flops / (spec.bf16_tflops * 1e12)
         report["prefill"] = p
+        _save(args.json_out, report)
         print(f"prefill: {p['prompts']} x {p['prompt_len']} tokens in {p['seconds']:.3f} s: {p['tok_s']:,.0f} tok/s, "
               f"{p['tflops']:.0f} TFLOP/s = {p['of_matmul_measured']:.0%} of the measured matmul"
               + (f", {p['of_datasheet_peak']:.0%} of the datasheet peak" if spec else ""))
     llm.shutdown()
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+        _save(args.json_out, report)
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _save(path: str | None, report: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")

@@ -51,9 +51,15 @@ def _run(options: dict, num_prompts: int, input_len: int, output_len: int, seed:
         if str(options.get("device", "cpu")).startswith("cuda"):
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
     # Disaggregated layouts: how large expert GEMMs got (warm-up and timed run together).
     expert_stats = list(getattr(llm.engine, "expert_stats", {}).values())
+    del llm
+    if str(options.get("device", "cpu")).startswith("cuda"):
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the next engine (--profile-out) sizes its KV pool from free memory
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
     gemms = sum(s.gemms for s in expert_stats)
     rows_per_gemm = sum(s.rows for s in expert_stats) / gemms if gemms else None
     return {"seconds": elapsed, "requests_per_s": num_prompts / elapsed,
