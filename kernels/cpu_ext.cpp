@@ -129,29 +129,44 @@ Pool& pool() {
 // ---------------------------------------------------------------------------------------
 // exp / log with a fixed evaluation order (+ * / only), ~1-2 ulp.
 
-inline float exp_fixed(float x) {
-  if (x != x) return x;
-  if (x > 88.72283f) return __builtin_inff();
-  if (x < -103.97208f) return 0.0f;
-  const float n = __builtin_rintf(x * 1.44269504f);
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// exp of 16 lanes; the one exp of this file (scalars go through exp_array's padded tail).
+inline v16 exp16(v16 x) {
+  const v16 zero = v16{}, hi = zero + 88.72283f, lo = zero + -103.97208f;
+  v16 xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;  // NaN stays NaN (comparisons with NaN are false)
+  const v16 round = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 n = (xc * 1.44269504f + round) - round;
   // Cody-Waite: ln2 = C1 + C2, C1 with few mantissa bits so n * C1 is exact.
-  float r = x - n * 0.693145751953125f;
+  v16 r = xc - n * 0.693145751953125f;
   r = r - n * 1.428606765330187e-06f;
-  float p = 1.9875691500e-4f;
+  v16 p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  // Scale by 2^n in two steps so that n down to -150 stays representable.
-  int e = static_cast<int>(n);
-  int e1 = e / 2, e2 = e - e1;
-  uint32_t b1 = static_cast<uint32_t>(e1 + 127) << 23, b2 = static_cast<uint32_t>(e2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, 4);
-  std::memcpy(&s2, &b2, 4);
-  return p * s1 * s2;
+  // Scale by 2^n in two steps (n >= -150 stays representable): halves of n are normal.
+  const v16i ni = __builtin_convertvector(n, v16i);
+  const v16i e1 = ni >> 1, e2 = ni - e1;
+  const v16 s1 = (v16)((e1 + 127) << 23), s2 = (v16)((e2 + 127) << 23);
+  v16 out = p * s1 * s2;
+  out = x > hi ? zero + __builtin_inff() : out;
+  return x < lo ? zero : out;
+}
+
+// out[j] = exp(in[j]) for j < n (in place allowed).
+inline void exp_array(const float* in, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) store16(out + j, exp16(load16(in + j)));
+  if (j < n) {
+    float tmp[16] = {0};
+    std::memcpy(tmp, in + j, sizeof(float) * (n - j));
+    store16(tmp, exp16(load16(tmp)));
+    std::memcpy(out + j, tmp, sizeof(float) * (n - j));
+  }
 }
 
 inline float log_fixed(float x) {
@@ -252,7 +267,22 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
   }
 }
 
-inline float silu(float g) { return g / (1.0f + exp_fixed(-g)); }
+// out[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j], j < n.
+inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  const v16 one = v16{} + 1.0f;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16 g = load16(gate + j);
+    store16(out + j, g / (one + exp16(-g)) * load16(up + j));
+  }
+  if (j < n) {
+    float g[16] = {0}, u[16] = {0};
+    std::memcpy(g, gate + j, sizeof(float) * (n - j));
+    std::memcpy(u, up + j, sizeof(float) * (n - j));
+    silu_mul(g, u, g, 16);
+    std::memcpy(out + j, g, sizeof(float) * (n - j));
+  }
+}
 
 }  // namespace
 
@@ -310,8 +340,7 @@ void ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d,
     const float* d_w = down + task.expert * d_panels * inter * NR;
     gemm_rows(xs.data(), d, task.rows, gu_w, d, two_i, 0, gu_panels, gu.data(), two_i);
     for (int64_t i = 0; i < task.rows; ++i)
-      for (int64_t j = 0; j < inter; ++j)
-        act[i * inter + j] = silu(gu[i * two_i + j]) * gu[i * two_i + inter + j];
+      silu_mul(&gu[i * two_i], &gu[i * two_i + inter], &act[i * inter], inter);
     gemm_rows(act.data(), inter, task.rows, d_w, inter, d, 0, d_panels, ys.data(), d);
     for (int64_t i = 0; i < task.rows; ++i)
       std::memcpy(out + order[task.first + i] * d, &ys[i * d], sizeof(float) * d);
@@ -350,7 +379,8 @@ void ms_log_softmax(const float* x, int64_t b_len, int64_t v, float* out, int th
     const float* xr = x + b * v;
     float mx = -__builtin_inff();
     for (int64_t j = 0; j < v; ++j) mx = xr[j] > mx ? xr[j] : mx;
-    for (int64_t j = 0; j < v; ++j) e[j] = exp_fixed(xr[j] - mx);
+    for (int64_t j = 0; j < v; ++j) e[j] = xr[j] - mx;
+    exp_array(e.data(), e.data(), v);
     const float log_sum = log_fixed(lane_sum(e.data(), v));
     for (int64_t j = 0; j < v; ++j) out[b * v + j] = (xr[j] - mx) - log_sum;
   });
@@ -393,43 +423,65 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
   const int64_t group = hq / hkv, row = hkv * dh;
   pool().run(threads, num_tokens, [&](int64_t t) {
     const int64_t len = pos_of[t] + 1;
+    const int64_t padded = (len + 15) / 16 * 16;  // keys past len: score -inf, p exactly 0
     const int32_t* table = block_tables + seq_of[t] * max_blocks;
-    thread_local std::vector<float> kt, scores, acc;
-    thread_local std::vector<const C*> vrows;
-    const int64_t padded = (len + 15) / 16 * 16;
-    kt.assign(dh * padded, 0.0f);
-    scores.resize(group * padded);
-    acc.resize(dh);
-    vrows.resize(len);
+    thread_local std::vector<float> kt_buf, scores_buf, vt_buf, acc_buf;
+    kt_buf.assign(dh * padded, 0.0f);
+    scores_buf.resize(group * padded);
+    vt_buf.resize(len * dh);
+    acc_buf.resize(group * dh);
+    // Raw pointers: a thread_local in a loop may cost a TLS lookup per access.
+    float* __restrict kt = kt_buf.data();
+    float* __restrict scores = scores_buf.data();
+    float* __restrict vt = vt_buf.data();
+    float* __restrict acc = acc_buf.data();
     for (int64_t kv = 0; kv < hkv; ++kv) {
-      // Keys of this kv head transposed: kt[d][j].
+      // This kv head's keys transposed (kt[d][j]) and values as float rows (vt[j][d]).
       for (int64_t j = 0; j < len; ++j) {
         const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
         const C* krow = k_cache + slot * row + kv * dh;
+        const C* vrow = v_cache + slot * row + kv * dh;
         for (int64_t dd = 0; dd < dh; ++dd) kt[dd * padded + j] = to_float(krow[dd]);
-        vrows[j] = v_cache + slot * row + kv * dh;
+        for (int64_t dd = 0; dd < dh; ++dd) vt[j * dh + dd] = to_float(vrow[dd]);
       }
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kv * group + g;
-        const float* qh = q + (t * hq + h) * dh;
+        const float* qh = q + (t * hq + kv * group + g) * dh;
         float* s = &scores[g * padded];
         for (int64_t j0 = 0; j0 < padded; j0 += 16) {
           v16 dot = v16{};
           for (int64_t dd = 0; dd < dh; ++dd) dot = dot + qh[dd] * load16(&kt[dd * padded + j0]);
           store16(s + j0, dot * scale);
         }
-        float mx = s[0];
-        for (int64_t j = 1; j < len; ++j) mx = s[j] > mx ? s[j] : mx;
-        for (int64_t j = 0; j < len; ++j) s[j] = exp_fixed(s[j] - mx);
-        const float denom = lane_sum(s, len);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < len; ++j) {
-          const float pj = s[j];
-          const C* vr = vrows[j];
-          for (int64_t dd = 0; dd < dh; ++dd) acc[dd] = acc[dd] + pj * to_float(vr[dd]);
+        for (int64_t j = len; j < padded; ++j) s[j] = -__builtin_inff();
+        v16 mx16 = load16(s);
+        for (int64_t j0 = 16; j0 < padded; j0 += 16) {
+          const v16 v = load16(s + j0);
+          mx16 = v > mx16 ? v : mx16;
         }
-        float* o = out + (t * hq + h) * dh;
-        for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[dd] / denom;
+        float mx = mx16[0];  // key 0 is always visible: finite unless q or k is not
+        for (int l = 1; l < 16; ++l) mx = mx16[l] > mx ? mx16[l] : mx;
+        for (int64_t j0 = 0; j0 < padded; j0 += 16) store16(s + j0, exp16(load16(s + j0) - mx));
+      }
+      // out_g[d] = sum_j p_g[j] * v[j][d], j ascending, for the group's heads at once.
+      std::fill(acc, acc + group * dh, 0.0f);
+      if (dh % 16 == 0) {
+        for (int64_t j = 0; j < len; ++j)
+          for (int64_t g = 0; g < group; ++g) {
+            const float pj = scores[g * padded + j];
+            float* ag = &acc[g * dh];
+            for (int64_t d0 = 0; d0 < dh; d0 += 16)
+              store16(ag + d0, load16(ag + d0) + pj * load16(&vt[j * dh + d0]));
+          }
+      } else {
+        for (int64_t j = 0; j < len; ++j)
+          for (int64_t g = 0; g < group; ++g)
+            for (int64_t dd = 0; dd < dh; ++dd)
+              acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vt[j * dh + dd];
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float denom = lane_sum(&scores[g * padded], len);
+        float* o = out + (t * hq + kv * group + g) * dh;
+        for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[g * dh + dd] / denom;
       }
     }
   });
