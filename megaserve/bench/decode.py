@@ -98,13 +98,13 @@ def _add(engine, rng: random.Random, num: int, prompt_len: int, max_tokens: int,
 
 
 def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, steps: int,
-               profile_steps: int, rng: random.Random, trace_path: str | None) -> dict:
-    """Prefill ``batch`` requests, then time decode steps of all of them together."""
-    import torch
+               extra_steps: int, rng: random.Random) -> tuple[dict, list[str]]:
+    """Prefill ``batch`` requests, then time decode steps of all of them together.
 
-    from megaserve.bench.gpu_profile import STEP_LABEL, summarize_trace
-
-    ids = _add(engine, rng, batch, input_len, 2 + warmup + steps + profile_steps, f"b{batch}")
+    Returns the timings and the request ids, which stay running for ``extra_steps`` more
+    steps (profile_decode) until the caller aborts them.
+    """
+    ids = _add(engine, rng, batch, input_len, 2 + warmup + steps + extra_steps, f"b{batch}")
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked by the scheduler) until every request has a token
         started.update(out.request_id for out in engine.step())
@@ -118,38 +118,39 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
         _sync(device)
         times.append(time.perf_counter() - t0)
         short += len(outs) != batch
-    result = {"batch": batch, "steps": steps, "step_ms_median": statistics.median(times) * 1e3,
-              "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-              "steps_not_full_batch": short,
-              # KV tokens each sequence attends to, averaged over the timed steps
-              "mean_context": input_len + 1 + warmup + (steps - 1) / 2}
     graphs = getattr(getattr(engine, "runner", None), "decode_graphs", None)
-    result["cuda_graph_sizes"] = graphs.captured_sizes() if graphs is not None else []
-    if profile_steps:
-        from torch.profiler import ProfilerActivity, profile, record_function
+    return {"batch": batch, "steps": steps, "step_ms_median": statistics.median(times) * 1e3,
+            "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+            "steps_not_full_batch": short,
+            # KV tokens each sequence attends to, averaged over the timed steps
+            "mean_context": input_len + 1 + warmup + (steps - 1) / 2,
+            "cuda_graph_sizes": list(graphs.captured_sizes) if graphs is not None else []}, ids
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-        with profile(activities=activities) as prof:
-            for _ in range(profile_steps):
-                with record_function(STEP_LABEL):
-                    engine.step()
-                    _sync(device)
-        path = trace_path or tempfile.mktemp(suffix=".json")
-        prof.export_chrome_trace(path)
-        try:
-            result["profile"] = summarize_trace(path)
-        except ValueError as e:
-            result["profile"] = {"error": str(e)}
-        result["profile"]["cpu_self_top"] = [
-            {"name": e.key, "us_per_step": e.self_cpu_time_total / profile_steps, "calls_per_step": e.count / profile_steps}
-            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]]
-        if trace_path is None:
-            Path(path).unlink(missing_ok=True)
-    for rid in ids:
-        engine.abort_request(rid)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return result
+
+def profile_decode(engine, device: str, num_steps: int, trace_path: str | None) -> dict:
+    """``num_steps`` decode steps under torch.profiler, summarised (gpu_profile)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from megaserve.bench.gpu_profile import STEP_LABEL, summarize_trace
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            with record_function(STEP_LABEL):
+                engine.step()
+                _sync(device)
+    path = trace_path or tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    try:
+        summary = summarize_trace(path)
+    except ValueError as e:
+        summary = {"error": str(e)}
+    summary["cpu_self_top"] = [
+        {"name": e.key, "us_per_step": e.self_cpu_time_total / num_steps, "calls_per_step": e.count / num_steps}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]]
+    if trace_path is None:
+        Path(path).unlink(missing_ok=True)
+    return summary
 
 
 def prefill_run(engine, device: str, num: int, prompt_len: int, rng: random.Random) -> dict:
@@ -278,8 +279,8 @@ def main(argv: list[str]) -> int:
         trace = str(Path(args.trace_dir) / f"decode-b{batch}.json") if args.trace_dir else None
         if trace:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
-        r = decode_run(engine, device, batch, args.input_len, args.warmup_steps, args.steps,
-                       args.profile_steps, rng, trace)
+        r, ids = decode_run(engine, device, batch, args.input_len, args.warmup_steps, args.steps,
+                            args.profile_steps, rng)
         need = roofline.decode_bytes(cfg, batch, r["mean_context"], elt)
         step_s = r["step_ms_median"] / 1e3
         r |= {"bytes": {**need.__dict__, "total": need.total}, "roofline_ms": need.total / copy_bw * 1e3,
@@ -287,7 +288,15 @@ def main(argv: list[str]) -> int:
         if spec:
             r["achieved_vs_datasheet"] = need.total / (spec.hbm_tbps * 1e12) / step_s
         report["decode"].append(r)
-        _save(args.json_out, report)  # after every batch: a crash or timeout later keeps these
+        _save(args.json_out, report)  # before the profile: a crash or timeout later keeps these
+        if args.profile_steps:
+            try:
+                r["profile"] = profile_decode(engine, device, args.profile_steps, trace)
+            except RuntimeError as e:  # the profiler, not the engine, failed: keep the timings
+                r["profile"] = {"error": f"torch.profiler failed: {e}"}
+            _save(args.json_out, report)
+        for rid in ids:
+            engine.abort_request(rid)
         prof = r.get("profile", {})
         busy = f"{prof['gpu_busy_fraction']:.0%}" if "gpu_busy_fraction" in prof else "-"
         gaps = f"{prof['host_gaps']['total_us_per_step'] / 1e3:.2f}" if "host_gaps" in prof else "-"
