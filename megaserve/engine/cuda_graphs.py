@@ -132,6 +132,18 @@ class DecodeGraphs:
         self.num_steps += 1
         return out[:n]
 
+    def capture_all(self) -> None:
+        """Capture every size now, over padding rows only (slot -1: no K/V is written)."""
+        if not self.capture:
+            return
+        self._host[:] = 0
+        self._host[:, _SLOT] = -1
+        self._host[:, _CONTEXT] = 1
+        for b in self.sizes:
+            if b not in self._graphs:
+                self._static[:b].copy_(self._staging[:b])
+                self._capture(b)
+
     def _fill(self, scheduled: list[ScheduledSeq], b: int) -> None:
         """Rows of the static layout (module NOTE) into the host staging buffer."""
         if self._copied is not None:

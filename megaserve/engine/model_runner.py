@@ -13,7 +13,7 @@ import torch
 
 from megaserve import kernels
 from megaserve.comm import CommError
-from megaserve.engine import spec_decode
+from megaserve.engine import spec_decode, spec_graphs
 from megaserve.engine.cuda_graphs import DecodeGraphs
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
@@ -69,6 +69,7 @@ class ModelRunner:
         microbatches: int = 1,
         cuda_graphs: bool = True,
         max_num_seqs: int = 64,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.attention = attention
         self.experts = experts
@@ -80,6 +81,10 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         # Built on the first eager-capable decode step; tests may set one (capture=False).
         self.decode_graphs: DecodeGraphs | None = None
+        # Speculative verification steps (k + 1 rows per sequence) replay graphs of their
+        # own (megaserve.engine.spec_graphs), built on the first one; 0 runs them eagerly.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.verify_graphs: spec_graphs.MultiTokenGraphs | None = None
         self._graphs_failed = False
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
@@ -109,8 +114,13 @@ class ModelRunner:
         self, scheduled: list[ScheduledSeq], rows: list[int]
     ) -> torch.Tensor | None:
         """Log-probs `[S, V]` from the decode graphs when the step is a decode step whose
-        logit rows are exactly its S tokens; None where the eager path must run."""
-        if not self.cuda_graphs or self._graphs_failed or rows != list(range(len(scheduled))):
+        logit rows are exactly its S tokens, or `[B, V]` from the verify graphs for a
+        verification step; None where the eager path must run."""
+        if not self.cuda_graphs or self._graphs_failed:
+            return None
+        if any(s.num_draft_tokens for s in scheduled):
+            return self._verify_logprobs(scheduled, rows)
+        if rows != list(range(len(scheduled))):
             return None
         if self.decode_graphs is None and not self._build_decode_graphs():
             return None
@@ -127,12 +137,41 @@ class ModelRunner:
             self._graphs_failed = True
             return None
 
+    def _verify_logprobs(
+        self, scheduled: list[ScheduledSeq], rows: list[int]
+    ) -> torch.Tensor | None:
+        """Log-probs `[B, V]` of a verification step from the verify graphs (CUDA,
+        in-process experts); None where the eager path must run."""
+        if self.verify_graphs is None:
+            if (not self.num_speculative_tokens or self.device.type != "cuda"
+                    or not isinstance(self.experts, LocalExperts)):
+                return None
+            self.verify_graphs = spec_graphs.MultiTokenGraphs(
+                self.attention, self.experts.experts, self.kv_caches, self.block_size,
+                self.max_num_seqs, int(self.attention.cos.shape[0]),
+                query_len=self.num_speculative_tokens + 1)
+        try:
+            return spec_graphs.verify_logprobs(self.verify_graphs, scheduled, rows)
+        except RuntimeError as e:  # capture failed; falling back is safe (see above)
+            logger.warning("verification CUDA graph capture failed, running eagerly: %s", e)
+            self._graphs_failed = True
+            return None
+
     def _wait_experts(self) -> None:
         """On the device data plane, wait (bounded by the client's timeout) until the
         experts' rows of this eager step are in: a dead expert worker raises, never hangs."""
         finish_step = getattr(self.experts, "finish_step", None)
         if finish_step is not None:
             finish_step()
+
+    def capture_decode_graphs(self) -> None:
+        """Capture every decode graph size now instead of on first use (replicas that
+        share expert workers: megaserve.runtime.device_engine says why)."""
+        if not self.cuda_graphs or self._graphs_failed:
+            return
+        if self.decode_graphs is None and not self._build_decode_graphs():
+            return
+        self.decode_graphs.capture_all()
 
     def _build_decode_graphs(self) -> bool:
         """Create the decode graphs (CUDA; in-process experts, or the device data plane,

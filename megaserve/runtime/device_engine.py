@@ -1,37 +1,49 @@
-"""DevicePlaneEngine: one attention replica and E expert workers over the device data plane.
+"""DevicePlaneEngine: R attention replicas and E expert workers over the device data plane.
 
-The attention replica is an :class:`~megaserve.engine.engine.LLMEngine` in this process,
-stepped by the caller on a CUDA stream of its own, whose experts are a
+Each attention replica is an :class:`~megaserve.engine.engine.LLMEngine` in this process,
+on a CUDA stream of its own, whose experts are a
 :class:`~megaserve.runtime.device_plane.DeviceExperts`. Expert workers are threads of this
 process (``transport="inproc"`` with ``disaggregate=True``: each with its own stream; only
-the byte mover is local) or processes of this host (``transport="cuda_ipc"``: the
-buffers are CUDA IPC mappings). Either way, decode steps are one CUDA graph per role and one
-host message per expert worker (megaserve.runtime.device_plane).
+the byte mover is local; one replica) or processes of this host (``transport="cuda_ipc"``:
+the buffers are CUDA IPC mappings). Either way, decode steps are one CUDA graph per role and
+one host message per expert worker (megaserve.runtime.device_plane).
+
+Several replicas step in lockstep: each global step, every replica with requests runs its
+step on a thread of its own, and a :class:`~megaserve.runtime.device_plane.StepBarrier`
+starts the expert workers' graph step over all of their rows. A new request goes to the
+replica with the least outstanding work (prompt + max_tokens); its seed is derived here
+from the arrival order, as the single engine derives it, so outputs never depend on the
+replica. With R > 1 the replicas capture every decode graph size at start-up: a capture
+synchronises the device, which must never happen while another replica's stream waits for
+the expert workers.
 
 It has the synchronous engine's interface, so ``LLM`` and ``AsyncLLMEngine`` use it
-unchanged. Raises ``ValueError`` for a layout it does not run (CPU, several replicas).
+unchanged. Raises ``ValueError`` for a layout it does not run (CPU, tcp/nccl/rdma, several
+replicas with in-process expert workers).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import LLMEngine
+from megaserve.engine.engine import EngineStats, LLMEngine, derive_seed
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
 from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, ExpertInbox,
                                             ExpertLink, ExpertServer, PlaneShape, ReplicaInbox,
-                                            Stop, WorkerFailed, WorkerReady)
+                                            StepBarrier, Stop, WorkerFailed, WorkerReady)
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 
@@ -52,7 +64,7 @@ class ExpertWorkerSpec:
     expert_ids: tuple[int, ...]
     shape: PlaneShape
     moe_layers: tuple[int, ...]
-    replica_handle: bytes  # the replica's ReplicaInbox storage (comm.cuda_ipc.share_tensor)
+    replica_handles: tuple[bytes, ...]  # each replica's ReplicaInbox (cuda_ipc.share_tensor)
     parent_pid: int
 
 
@@ -81,8 +93,9 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
         torch.cuda.set_device(device)
         part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids)
         inbox = ExpertInbox(spec.shape, device)
-        replica = ReplicaInbox(spec.shape, storage=open_tensor(spec.replica_handle))
-        server = ExpertServer(part, spec.index, spec.shape, inbox, replica,
+        replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle))
+                    for handle in spec.replica_handles]
+        server = ExpertServer(part, spec.index, spec.shape, inbox, replicas,
                               list(spec.moe_layers), device)
         torch.cuda.synchronize()
         replies.put(WorkerReady(spec.index, share_tensor(inbox.storage)))
@@ -121,40 +134,67 @@ class DevicePlaneEngine:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
+        num_replicas = config.attention_replicas
         self.shape = PlaneShape(
             num_workers=placement.num_workers, microbatches=config.microbatches,
             capacity=max(config.max_num_batched_tokens, config.max_num_seqs),
             hidden=model_config.hidden_size, top_k=model_config.top_k,
             num_experts=model_config.num_experts,
-            dtype=resolve_dtype(config.dtype, model_config))
+            dtype=resolve_dtype(config.dtype, model_config), num_replicas=num_replicas)
         self.moe_layers = [i for i, moe in enumerate(model_config.moe_layers) if moe]
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._processes: list = []
         self._queues: list = []
         self._stop = threading.Event()
-        self.replica_inbox = ReplicaInbox(self.shape, self.device)
+        self.replica_inboxes = [ReplicaInbox(self.shape, self.device) for _ in range(num_replicas)]
+        self.replica_inbox = self.replica_inboxes[0]
         self.servers: list[ExpertServer] = []  # in-process workers (for stats and tests)
         self.profile = profile
+        self.config = config
+        self.model_name = config.model
+        self._owner: dict[str, int] = {}  # request id → replica
+        self._work: dict[str, int] = {}  # request id → prompt + max_tokens
+        self._load = [0] * num_replicas
+        self._arrivals = itertools.count()
+        self._pool: ThreadPoolExecutor | None = None
         try:
             if config.transport == "inproc":
                 links = self._start_threads(config, str(path))
             else:
                 links = self._start_processes(config, str(path))
-            self.experts = DeviceExperts(self.shape, links, self.replica_inbox,
-                                         placement.owner_table(), timeout_s=timeout_s,
-                                         profile=profile)
+            self.barrier = StepBarrier(links) if num_replicas > 1 else None
             engine_config = replace(config, model=str(path), attention_replicas=1,
                                     expert_workers=1, transport="inproc", expert_placement=None,
                                     disaggregate=False)
-            self.stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self.stream):
-                self.engine = LLMEngine(engine_config, experts=self.experts)
+            if num_replicas > 1 and config.kv_cache_memory_bytes is None \
+                    and config.num_kv_blocks is None:  # the replicas share the GPU's share
+                engine_config = replace(engine_config, gpu_memory_utilization=(
+                    config.gpu_memory_utilization / num_replicas))
+            self.experts_by_replica: list[DeviceExperts] = []
+            self.engines: list[LLMEngine] = []
+            self.streams: list[torch.cuda.Stream] = []
+            for r in range(num_replicas):
+                experts = DeviceExperts(self.shape, links, self.replica_inboxes[r],
+                                        placement.owner_table(), timeout_s=timeout_s,
+                                        profile=profile, replica=r, barrier=self.barrier)
+                stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(stream):
+                    engine = LLMEngine(engine_config, experts=experts)
+                    if num_replicas > 1:  # module docstring: no capture while others step
+                        engine.runner.capture_decode_graphs()
+                self.experts_by_replica.append(experts)
+                self.engines.append(engine)
+                self.streams.append(stream)
+            self.experts, self.engine, self.stream = (self.experts_by_replica[0],
+                                                      self.engines[0], self.streams[0])
+            if num_replicas > 1:
+                self._pool = ThreadPoolExecutor(num_replicas, thread_name_prefix="megaserve-replica",
+                                                initializer=torch.cuda.set_device,
+                                                initargs=(self.device,))
         except BaseException:
             self.shutdown()
             raise
-        self.config = config
-        self.model_name = config.model
 
     # -- workers ----------------------------------------------------------------------
 
@@ -163,7 +203,7 @@ class DevicePlaneEngine:
         for index, expert_ids in enumerate(self.placement.workers):
             part = _load_experts(path, config.dtype, config.device, expert_ids)
             inbox = ExpertInbox(self.shape, self.device)
-            server = ExpertServer(part, index, self.shape, inbox, self.replica_inbox,
+            server = ExpertServer(part, index, self.shape, inbox, self.replica_inboxes,
                                   self.moe_layers, self.device, profile=self.profile)
             messages: queue.Queue = queue.Queue()
             done = EagerCompletions()
@@ -190,13 +230,13 @@ class DevicePlaneEngine:
 
         ctx = multiprocessing.get_context("spawn")
         self._replies = ctx.Queue()
-        torch.cuda.synchronize()  # the replica's buffers are zeroed before they are shared
-        handle = share_tensor(self.replica_inbox.storage)
+        torch.cuda.synchronize()  # the replicas' buffers are zeroed before they are shared
+        handles = tuple(share_tensor(inbox.storage) for inbox in self.replica_inboxes)
         for index, expert_ids in enumerate(self.placement.workers):
             device = expert_device(config.device, self.device, index)
             spec = ExpertWorkerSpec(index, path, config.dtype, device,
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
-                                    handle, os.getpid())
+                                    handles, os.getpid())
             messages = ctx.Queue()
             process = ctx.Process(target=run_expert_process, args=(spec, messages, self._replies),
                                   name=f"megaserve-expert-{index}", daemon=True)
@@ -242,6 +282,8 @@ class DevicePlaneEngine:
                 logger.warning("killing %s after %.0fs", process.name, STOP_GRACE_S)
                 process.kill()
                 process.join(5)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def __del__(self) -> None:
         try:
@@ -252,21 +294,77 @@ class DevicePlaneEngine:
     # -- the engine interface -----------------------------------------------------------
 
     def step(self):
-        """One step of the replica (its stream); raises WorkerError for a dead worker."""
+        """One global step of every replica with requests (each on its stream); raises
+        WorkerError for a dead worker, CommTimeoutError for one that stopped answering."""
         self._check_processes()
-        with torch.cuda.stream(self.stream):
-            return self.engine.step()
+        participants = [r for r, engine in enumerate(self.engines)
+                        if engine.has_unfinished_requests()]
+        if len(self.engines) == 1 or not participants:
+            outputs = self._replica_step(0) if participants else []
+        else:
+            self.barrier.begin(participants)
+            futures = [self._pool.submit(self._replica_step, r) for r in participants]
+            outputs, error = [], None
+            for future in futures:  # every replica's step ends before this one does
+                try:
+                    outputs += future.result()
+                except BaseException as e:  # noqa: BLE001 - the first one is raised below
+                    error = error or e
+            if error is not None:
+                raise error
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
 
-    def add_request(self, *args, **kwargs):
-        with torch.cuda.stream(self.stream):
-            return self.engine.add_request(*args, **kwargs)
+    def _replica_step(self, replica: int):
+        try:
+            with torch.cuda.stream(self.streams[replica]):
+                return self.engines[replica].step()
+        finally:
+            if self.barrier is not None:  # a step that ran no MoE layer holds nobody up
+                self.barrier.report(replica, None)
+
+    def add_request(self, request_id: str, prompt, params, seed: int | None = None) -> None:
+        """Queue a request on the replica with the least outstanding work."""
+        if request_id in self._owner:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        work = len(self.engine.validate(prompt, params)) + params.max_tokens
+        arrival = next(self._arrivals)
+        if seed is None:
+            seed = derive_seed(self.config.seed, arrival)
+        replica = min(range(len(self.engines)), key=lambda r: (self._load[r], r))
+        with torch.cuda.stream(self.streams[replica]):
+            self.engines[replica].add_request(request_id, prompt, params, seed)
+        self._owner[request_id] = replica
+        self._work[request_id] = work
+        self._load[replica] += work
 
     def abort_request(self, request_id: str):
-        with torch.cuda.stream(self.stream):
-            return self.engine.abort_request(request_id)
+        replica = self._owner.get(request_id)
+        if replica is None:
+            return None
+        with torch.cuda.stream(self.streams[replica]):
+            out = self.engines[replica].abort_request(request_id)
+        self._forget(request_id)
+        return out
+
+    def _forget(self, request_id: str) -> None:
+        replica = self._owner.pop(request_id, None)
+        if replica is not None:
+            self._load[replica] -= self._work.pop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(engine.has_unfinished_requests() for engine in self.engines)
+
+    def stats(self) -> EngineStats:
+        """The replicas' stats, summed."""
+        every = [engine.stats() for engine in self.engines]
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in every)
+                              for f in fields(EngineStats)})
 
     def __getattr__(self, name: str):
-        # validate, has_unfinished_requests, stats, tokenizer, vocab_size, max_model_len...
-        if name in ("engine", "__setstate__"):
+        # validate, tokenizer, vocab_size, max_model_len...: the same on every replica
+        if name in ("engine", "engines", "__setstate__"):
             raise AttributeError(name)
         return getattr(self.engine, name)

@@ -1,7 +1,8 @@
 """The device-driven data plane: dispatch and combine with no host round trip per frame.
 
-Shape legend: m = micro-batches, E = expert workers, C = rows a micro-batch slot holds,
-c = rows a tick uses (<= C), T = tokens of a micro-batch, D = hidden, k = top-k.
+Shape legend: R = attention replicas, m = micro-batches, E = expert workers, C = rows a
+micro-batch slot holds, c = rows a tick uses (<= C), T = tokens of a micro-batch,
+D = hidden, k = top-k, P = the replicas taking part in a step.
 
 Every buffer is allocated once, at start-up, in the memory of the worker that *receives*
 it; the sender writes into it directly (same process: the same tensor; another process on
@@ -9,11 +10,11 @@ the host: a CUDA IPC mapping). One slot per micro-batch is enough: dispatch (l +
 is issued only after combine (l, i), which the expert side writes only after it has read
 its rows of (l, i)::
 
-    ExpertInbox (expert worker e's GPU)         ReplicaInbox (the attention replica's GPU)
-      rows   [m, C + 1, D]  (row C: dump row)     out   [m, E, C, k, D]
-      ids    [m, C + 1, k]  int32, -1: elsewhere  flags [m, E] int32   combine (i, e) done
-      counts [m] int32       rows packed
-      flags  [m] int32       dispatch (i) done
+    ExpertInbox (expert worker e's GPU)            ReplicaInbox (replica r's GPU, one each)
+      rows   [R, m, C + 1, D]  (row C: dump row)     out   [m, E, C, k, D]
+      ids    [R, m, C + 1, k]  int32, -1: elsewhere  flags [m, E] int32  combine (i, e) done
+      counts [R, m] int32       rows packed
+      flags  [R, m] int32       dispatch (r, i) done
 
 Routing, packing rows per destination (stable: token order), counts, the expert-side
 masking of rows beyond the count, the grouped GEMM and the combine's gather are kernels;
@@ -28,7 +29,14 @@ Steps run in one of two ways:
   ``c`` rows. The host never waits inside a step. In one process the "message" is the
   launch itself: the replica's thread launches the worker's graph on the worker's stream
   (waking a Python thread cost ~1.5 ms a step on an H100, more than the data plane).
-* **eager steps** (prefill, mixed): one host message per tick. In one process the message
+  With several replicas (R > 1) the replicas step in lockstep: at each global step the
+  front-end names the participants (the replicas with requests); each says how it runs
+  (its decode graph's rows, or eager) and the last of them sends one
+  ``GraphStep(rows, replicas)`` per expert worker, rows being the largest. The expert graph
+  of (c, P) serves the ticks of every replica in P with *one* grouped GEMM per tick over
+  all their rows (counts mask each replica's part). A replica without requests takes no
+  part: it sends nothing and the expert graph never waits for it (:class:`StepBarrier`).
+* **eager steps** (prefill, mixed): one host message per tick, for one replica. In one process the message
   carries a CUDA event instead of using a flag (NOTE: a stream blocked on a flag while the
   *same process* loads a kernel module deadlocks: the load waits for every stream of the
   context; events are dependencies the driver knows about). Across processes the flags are
@@ -71,9 +79,11 @@ class PlaneShape:
     top_k: int
     num_experts: int
     dtype: torch.dtype
+    num_replicas: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "microbatches", "capacity", "hidden", "top_k", "num_experts"):
+        for name in ("num_workers", "microbatches", "capacity", "hidden", "top_k", "num_experts",
+                     "num_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PlaneShape.{name} must be a positive integer, got {value!r}")
@@ -113,16 +123,33 @@ class _Buffers:
 
 
 class ExpertInbox(_Buffers):
-    """What the replica writes into expert worker ``e`` (see the module NOTE)."""
+    """What the replicas write into expert worker ``e`` (see the module NOTE)."""
 
     def __init__(self, shape: PlaneShape, device=None, storage=None) -> None:
-        m, c, d, k = shape.microbatches, shape.capacity, shape.hidden, shape.top_k
-        super().__init__([("rows", (m, c + 1, d), shape.dtype), ("ids", (m, c + 1, k), torch.int32),
-                          ("counts", (m,), torch.int32), ("flags", (m,), torch.int32)],
+        r, m, c, d, k = (shape.num_replicas, shape.microbatches, shape.capacity, shape.hidden,
+                         shape.top_k)
+        super().__init__([("rows", (r, m, c + 1, d), shape.dtype),
+                          ("ids", (r, m, c + 1, k), torch.int32),
+                          ("counts", (r, m), torch.int32), ("flags", (r, m), torch.int32)],
                          device, storage)
         if storage is None:
             self.flags.zero_()
             self.counts.zero_()
+
+    def slot(self, replica: int) -> InboxSlot:
+        """Replica ``replica``'s part: rows `[m, C + 1, D]`, ids, counts `[m]`, flags `[m]`."""
+        return InboxSlot(self.rows[replica], self.ids[replica], self.counts[replica],
+                         self.flags[replica])
+
+
+@dataclass(frozen=True)
+class InboxSlot:
+    """One replica's views of an :class:`ExpertInbox` (what :func:`pack` writes)."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    counts: torch.Tensor
+    flags: torch.Tensor
 
 
 class ReplicaInbox(_Buffers):
@@ -145,14 +172,17 @@ class ReplicaInbox(_Buffers):
 
 @dataclass(frozen=True)
 class GraphStep:
-    """Replay the step graph for ``rows`` rows per micro-batch slot (decode steps)."""
+    """Replay the step graph for ``rows`` rows per micro-batch slot of each replica in
+    ``replicas`` (decode steps)."""
 
     rows: int
+    replicas: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
 class Tick:
-    """Serve one (layer, micro-batch) tick eagerly over ``rows`` rows (prefill, mixed)."""
+    """Serve one (layer, micro-batch) tick of replica ``replica`` eagerly over ``rows``
+    rows (prefill, mixed)."""
 
     layer: int
     microbatch: int
@@ -160,6 +190,7 @@ class Tick:
     # Same process: the dispatch's CUDA event (never a flag: module NOTE); across
     # processes None, and the dispatch flag says when the rows are in.
     event: torch.cuda.Event | None
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,14 +210,15 @@ class WorkerFailed:
 
 
 class EagerCompletions:
-    """Completions of eager ticks, (layer, micro-batch) → event, handed across threads."""
+    """Completions of eager ticks, (replica, layer, micro-batch) → event, handed across
+    threads."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._events: dict[tuple[int, int], torch.cuda.Event] = {}
         self.failed: str | None = None
 
-    def put(self, key: tuple[int, int], event: torch.cuda.Event) -> None:
+    def put(self, key: tuple[int, int, int], event: torch.cuda.Event) -> None:
         with self._cond:
             self._events[key] = event
             self._cond.notify_all()
@@ -196,7 +228,7 @@ class EagerCompletions:
             self.failed = why
             self._cond.notify_all()
 
-    def take(self, key: tuple[int, int], timeout_s: float) -> torch.cuda.Event:
+    def take(self, key: tuple[int, int, int], timeout_s: float) -> torch.cuda.Event:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while key not in self._events:
@@ -255,10 +287,10 @@ class _Handle:
     positions: torch.Tensor | None  # [E, T] row of token t in worker e's slot (E > 1)
 
 
-def pack(inbox: ExpertInbox, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
+def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
          owners: torch.Tensor, worker: int, only_worker: bool) -> torch.Tensor | None:
     """Write the rows of micro-batch ``microbatch`` that expert worker ``worker`` needs into
-    its inbox slot, in token order, with their expert ids (-1 where another worker serves
+    the replica's slot of its inbox (``ExpertInbox.slot``), in token order, with their expert ids (-1 where another worker serves
     that rank) and their count; kernels only, no host synchronisation.
 
     x: `[T, D]`; topk_ids, owners: `[T, k]` int64. Returns pos `[T]`, each token's row in
@@ -314,19 +346,76 @@ class ExpertLink:
     server: ExpertServer | None = None
 
 
-class DeviceExperts:
-    """The attention side's ExpertClient over the device data plane (one replica).
+def send_graph_step(links: list[ExpertLink], rows: int, replicas: tuple[int, ...]) -> None:
+    """Start every expert worker's graph step: one message each (same process: the
+    launch itself, on the worker's stream)."""
+    for link in links:
+        if link.server is not None:
+            if link.server.serving:  # a stopped worker's steps never start: the
+                link.server.graph_step(rows, replicas)  # replicas' waits then time out
+        else:
+            link.messages.put(GraphStep(rows, replicas))
 
-    ``owner``: `[num_experts]` int64, the expert worker of each expert id. Raises
-    ``ValueError`` when a micro-batch has more tokens than the slots hold.
+
+class StepBarrier:
+    """Lockstep of several replicas (module docstring): the expert workers' graph step of a
+    global step starts once every participant has said how it runs.
+
+    The front-end calls :meth:`begin` with the participants, each replica's DeviceExperts
+    :meth:`report` (its decode graph's rows, or None for an eager step), and the front-end
+    :meth:`report` (None) for each participant whose step ended, so that a replica that
+    scheduled nothing or failed never leaves the others waiting. Nobody blocks here: a
+    replica's stream waits on the expert workers' flags, not on this object.
+    """
+
+    def __init__(self, links: list[ExpertLink]) -> None:
+        self.links = links
+        self._lock = threading.Lock()
+        self._waiting: set[int] = set()
+        self._rows: dict[int, int] = {}
+        self.host_messages = 0
+        self.graph_steps = 0
+
+    def begin(self, participants: list[int]) -> None:
+        with self._lock:
+            self._waiting, self._rows = set(participants), {}
+
+    def report(self, replica: int, rows: int | None) -> None:
+        with self._lock:
+            if replica not in self._waiting:
+                return
+            self._waiting.discard(replica)
+            if rows is not None:
+                self._rows[replica] = rows
+            if self._waiting or not self._rows:
+                return
+            rows, replicas = max(self._rows.values()), tuple(sorted(self._rows))
+            self._rows = {}
+            self.host_messages += len(self.links)
+            self.graph_steps += 1
+        send_graph_step(self.links, rows, replicas)
+
+
+class DeviceExperts:
+    """The attention side's ExpertClient over the device data plane (replica ``replica``).
+
+    ``owner``: `[num_experts]` int64, the expert worker of each expert id. ``barrier``:
+    the lockstep of several replicas (None: this is the only one). Raises ``ValueError``
+    when a micro-batch has more tokens than the slots hold.
     """
 
     def __init__(self, shape: PlaneShape, links: list[ExpertLink], inbox: ReplicaInbox,
-                 owner: torch.Tensor, timeout_s: float = 60.0, profile: bool = False) -> None:
+                 owner: torch.Tensor, timeout_s: float = 60.0, profile: bool = False,
+                 replica: int = 0, barrier: StepBarrier | None = None) -> None:
         if len(links) != shape.num_workers:
             raise ValueError(f"{len(links)} expert links for {shape.num_workers} workers")
+        if (barrier is None) != (shape.num_replicas == 1):
+            raise ValueError("several replicas step through a StepBarrier, one without")
         self.shape = shape
         self.links = links
+        self.replica = replica
+        self.barrier = barrier
+        self._slots = [link.inbox.slot(replica) for link in links]
         self.inbox = inbox
         self.device = inbox.storage.device
         self._owner = owner.to(self.device)
@@ -343,23 +432,24 @@ class DeviceExperts:
     # -- ExpertClient -----------------------------------------------------------------
 
     def begin_step(self, num_microbatches: int) -> None:
-        pass
+        """An eager step starts (its ticks are messages of their own)."""
+        if self.barrier is not None:
+            self.barrier.report(self.replica, None)
 
     def graph_step(self, batch_size: int, num_microbatches: int) -> None:
         """A captured step of ``batch_size`` rows in ``num_microbatches`` equal parts is
-        about to be replayed: one message per expert worker, nothing else."""
+        about to be replayed: one message per expert worker (R > 1: the barrier's, once
+        per global step), nothing else."""
         rows = batch_size // num_microbatches
         if self._captured_waits:  # the graph of this size was captured just now
             self.waits_by_batch[batch_size] = self._captured_waits
             self._captured_waits = []
-        for link in self.links:
-            if link.server is not None:
-                if link.server.serving:  # a stopped worker's steps never start: the
-                    link.server.graph_step(rows)  # replica's wait then times out
-            else:
-                link.messages.put(GraphStep(rows))
-        self.stats.host_messages += len(self.links)
         self.stats.graph_steps += 1
+        if self.barrier is not None:
+            self.barrier.report(self.replica, rows)
+            return
+        send_graph_step(self.links, rows, (self.replica,))
+        self.stats.host_messages += len(self.links)
 
     def dispatch(self, layer: int, microbatch: int, x: torch.Tensor,
                  topk_ids: torch.Tensor) -> _Handle:
@@ -372,7 +462,7 @@ class DeviceExperts:
         capturing = torch.cuda.is_current_stream_capturing()
         positions = []
         for e, link in enumerate(self.links):
-            pos = pack(link.inbox, microbatch, x, topk_ids, owners, e, len(self.links) == 1)
+            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, len(self.links) == 1)
             if pos is not None:
                 positions.append(pos)
             self._signal(link, e, layer, microbatch, num_tokens, capturing)
@@ -386,7 +476,7 @@ class DeviceExperts:
         timed = _timed_wait(self.profile and capturing, self._captured_waits)
         for e, link in enumerate(self.links):
             if link.done is not None and not capturing:
-                event = link.done.take((handle.layer, i), self.timeout_s)
+                event = link.done.take((self.replica, handle.layer, i), self.timeout_s)
                 torch.cuda.current_stream().wait_event(event)
             else:
                 sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
@@ -395,16 +485,17 @@ class DeviceExperts:
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:
+        flag = self._slots[e].flags[microbatch: microbatch + 1]
         if capturing:
-            sf.write(link.inbox.flags[microbatch: microbatch + 1], sf.SET)
+            sf.write(flag, sf.SET)
             return
         if link.done is not None:  # same process: an event, never a flag (module NOTE)
             event = torch.cuda.Event()
             event.record()
-            link.messages.put(Tick(layer, microbatch, num_tokens, event))
+            link.messages.put(Tick(layer, microbatch, num_tokens, event, self.replica))
         else:
-            sf.write(link.inbox.flags[microbatch: microbatch + 1], sf.SET)
-            link.messages.put(Tick(layer, microbatch, num_tokens, None))
+            sf.write(flag, sf.SET)
+            link.messages.put(Tick(layer, microbatch, num_tokens, None, self.replica))
         self.stats.host_messages += 1
         self.stats.eager_ticks += 1
 
@@ -474,22 +565,25 @@ class _Watchdog:
 
 
 class ExpertServer:
-    """The expert worker's side: serves one replica from its :class:`ExpertInbox`.
+    """The expert worker's side: serves the replicas from its :class:`ExpertInbox`.
 
-    ``replica``: the replica's inbox (this process's tensor, or an IPC mapping).
-    Runs on its own CUDA stream; graphs per tick size ``c`` are captured on first use
+    ``replicas``: each replica's inbox (this process's tensor, or an IPC mapping).
+    Runs on its own CUDA stream; graphs per (tick size ``c``, participants) are captured
+    on first use
     (without ``torch.cuda.graph``'s device synchronisation, which would wait for the
     replica's stream, itself waiting for this worker).
     """
 
     def __init__(self, part: ExpertPart, index: int, shape: PlaneShape, inbox: ExpertInbox,
-                 replica: ReplicaInbox, moe_layers: list[int], device: torch.device,
+                 replicas: list[ReplicaInbox], moe_layers: list[int], device: torch.device,
                  profile: bool = False) -> None:
+        if len(replicas) != shape.num_replicas:
+            raise ValueError(f"{len(replicas)} replica inboxes for {shape.num_replicas} replicas")
         self.part = part
         self.index = index
         self.shape = shape
         self.inbox = inbox
-        self.replica = replica
+        self.replicas = list(replicas)
         self.moe_layers = list(moe_layers)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -499,7 +593,8 @@ class ExpertServer:
         lookup[torch.tensor(part.expert_ids, dtype=torch.int64)] = torch.arange(len(part.expert_ids))
         self._lookup = lookup.to(self.device)
         self._rows = torch.arange(shape.capacity, device=self.device, dtype=torch.int32)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._selectors: dict[tuple[int, ...], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.ticks = 0
         self.serving = False  # True while serve() runs
@@ -509,71 +604,94 @@ class ExpertServer:
         self.waits_by_rows: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
         self._captured_waits: list = []
 
-    def _tick(self, layer: int, i: int, c: int, use_flags: bool) -> None:
-        """Tick (layer, micro-batch i) over the first ``c`` rows of the slot."""
+    def _select(self, replicas: tuple[int, ...]) -> torch.Tensor | slice:
+        """Index of the replicas ``replicas`` in the inbox's first dimension."""
+        if replicas == tuple(range(self.shape.num_replicas)):
+            return slice(None)  # all of them: views, no copy
+        if replicas not in self._selectors:
+            self._selectors[replicas] = torch.tensor(replicas, device=self.device)
+        return self._selectors[replicas]
+
+    def _tick(self, layer: int, i: int, c: int, use_flags: bool,
+              replicas: tuple[int, ...] = (0,)) -> None:
+        """Tick (layer, micro-batch i) over the first ``c`` rows of the slots of
+        ``replicas``: one grouped GEMM over all their rows."""
         k, d = self.shape.top_k, self.shape.hidden
         if use_flags:
             timed = _timed_wait(self.profile and torch.cuda.is_current_stream_capturing(),
                                 self._captured_waits)
-            sf.wait_and_clear(self.inbox.flags[i: i + 1])
+            for r in replicas:
+                sf.wait_and_clear(self.inbox.flags[r, i: i + 1])
             timed.end()
-        valid = self._rows[:c] < self.inbox.counts[i]  # [c] rows this tick really holds
-        ids = torch.where(valid[:, None], self.inbox.ids[i, :c], -1)  # [c, k]
-        local = self._lookup[ids.long()].reshape(-1)  # [c*k]; sentinel → never computed
-        rows = self.inbox.rows[i, :c].repeat_interleave(k, dim=0)  # [c*k, D]
+        p = len(replicas)
+        select = self._select(replicas)
+        counts = self.inbox.counts[select, i]  # [P]
+        valid = self._rows[None, :c] < counts[:, None]  # [P, c] rows this tick really holds
+        ids = torch.where(valid[..., None], self.inbox.ids[select, i, :c], -1)  # [P, c, k]
+        local = self._lookup[ids.long()].reshape(-1)  # [P*c*k]; sentinel → never computed
+        rows = self.inbox.rows[select, i, :c].reshape(p * c, d).repeat_interleave(k, dim=0)
         out = kernels.expert_ffn(rows, local, self.part.w_gate_up[layer],
-                                 self.part.w_down[layer])  # [c*k, D]
-        self.replica.out[i, self.index, :c].copy_(out.view(c, k, d))
-        if use_flags:
-            sf.write(self.replica.flags[i, self.index: self.index + 1], sf.SET)
+                                 self.part.w_down[layer]).view(p, c, k, d)  # [P, c, k, D]
+        for j, r in enumerate(replicas):
+            replica = self.replicas[r]
+            replica.out[i, self.index, :c].copy_(out[j])
+            if use_flags:
+                sf.write(replica.flags[i, self.index: self.index + 1], sf.SET)
 
     def rows_per_gemm(self) -> float:
         """(token, expert) rows per expert GEMM of the ticks now in the slots (the last
         layer's; reads the slots: call between steps, for reports)."""
         rows = gemms = 0
         for i in range(self.shape.microbatches):
-            count = int(self.inbox.counts[i])
-            ids = self.inbox.ids[i, :count].long().reshape(-1)
-            local = self._lookup[ids]
+            local = []
+            for r in range(self.shape.num_replicas):  # one GEMM per expert over all replicas
+                count = int(self.inbox.counts[r, i])
+                ids = self.inbox.ids[r, i, :count].long().reshape(-1)
+                local.append(self._lookup[ids])
+            local = torch.cat(local)
             local = local[local < len(self.part.expert_ids)]
             rows += local.numel()
             gemms += int(torch.unique(local).numel())
         return rows / gemms if gemms else 0.0
 
-    def tick(self, layer: int, i: int, c: int, event: torch.cuda.Event | None) -> torch.cuda.Event:
-        """An eager tick: after ``event`` (same process) or the dispatch flag (another
-        process). Returns the event recorded after it."""
+    def tick(self, layer: int, i: int, c: int, event: torch.cuda.Event | None,
+             replica: int = 0) -> torch.cuda.Event:
+        """An eager tick of one replica: after ``event`` (same process) or the dispatch
+        flag (another process). Returns the event recorded after it."""
         with torch.cuda.stream(self.stream):
             if event is not None:
                 self.stream.wait_event(event)
-            self._tick(layer, i, c, use_flags=event is None)
+            self._tick(layer, i, c, use_flags=event is None, replicas=(replica,))
             done = torch.cuda.Event()
             done.record(self.stream)
         self.ticks += 1
         return done
 
-    def graph_step(self, c: int) -> None:
-        """Replay the all-layers, all-ticks graph for ``c`` rows (captured on first use)."""
-        graph = self._graphs.get(c)
+    def graph_step(self, c: int, replicas: tuple[int, ...] = (0,)) -> None:
+        """Replay the all-layers, all-ticks graph for ``c`` rows of each replica in
+        ``replicas`` (captured on first use)."""
+        key = (c, tuple(replicas))
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(c)
+            graph = self._capture(*key)
         with torch.cuda.stream(self.stream):
             graph.replay()
         self.ticks += len(self.moe_layers) * self.shape.microbatches
 
-    def _capture(self, c: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, c: int, replicas: tuple[int, ...]) -> torch.cuda.CUDAGraph:
+        self._select(replicas)  # its index tensor exists before the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 for layer in self.moe_layers:
                     for i in range(self.shape.microbatches):
-                        self._tick(layer, i, c, use_flags=True)
+                        self._tick(layer, i, c, use_flags=True, replicas=replicas)
             finally:
                 graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
-        self._graphs[c] = graph
+        self._graphs[(c, replicas)] = graph
         if self._captured_waits:
             self.waits_by_rows[c] = self._captured_waits
             self._captured_waits = []
@@ -595,12 +713,13 @@ class ExpertServer:
                 if isinstance(message, Stop):
                     return
                 if isinstance(message, GraphStep):
-                    self.graph_step(message.rows)
+                    self.graph_step(message.rows, message.replicas)
                 elif isinstance(message, Tick):
                     finished = self.tick(message.layer, message.microbatch, message.rows,
-                                         message.event)
+                                         message.event, message.replica)
                     if done is not None:
-                        done.put((message.layer, message.microbatch), finished)
+                        done.put((message.replica, message.layer, message.microbatch),
+                                 finished)
                 else:
                     raise ValueError(f"expert worker: unknown message {message!r}")
         except BaseException as e:

@@ -1,9 +1,12 @@
 """The device data plane's arithmetic on the CPU (megaserve.runtime.device_plane): packing
 rows per expert worker, the expert tick with rows beyond the count masked, and the
-combine's gather give bitwise what in-process experts give; buffers, capture sizes and the
+combine's gather give bitwise what in-process experts give, for one replica and for
+several sharing a grouped tick; the replicas' step barrier; buffers, capture sizes and the
 engine choice. The CUDA side (flags, graphs, processes) is in test_device_plane_gpu.py."""
 
 from __future__ import annotations
+
+import queue
 
 import pytest
 import torch
@@ -12,9 +15,9 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import capture_sizes
 from megaserve.models.expert_part import ExpertPart
 from megaserve.models.forward import LocalExperts
+from megaserve.runtime.device_plane import (ExpertInbox, ExpertLink, ExpertServer, GraphStep,
+                                            PlaneShape, ReplicaInbox, StepBarrier, gather, pack)
 from megaserve.runtime.factory import device_plane_reason, uses_device_plane
-from megaserve.runtime.device_plane import (ExpertInbox, ExpertServer, PlaneShape, ReplicaInbox,
-                                            gather, pack)
 
 E, D, INTER, K = 8, 32, 16, 2
 
@@ -42,7 +45,7 @@ def test_pack_tick_gather_is_bitwise_local_experts(placement) -> None:
         inbox.rows.fill_(float("nan"))  # stale rows beyond the count must never be computed
         inbox.ids.fill_(ids[0])
         part = ExpertPart(ids, E, {3: w_gate_up[ids]}, {3: w_down[ids]})
-        servers.append(ExpertServer(part, index, shape, inbox, replica, [3], "cpu"))
+        servers.append(ExpertServer(part, index, shape, inbox, [replica], [3], "cpu"))
     owner = torch.empty(E, dtype=torch.int64)
     for index, ids in enumerate(placement):
         owner[ids] = index
@@ -51,7 +54,7 @@ def test_pack_tick_gather_is_bitwise_local_experts(placement) -> None:
         x = torch.randn(num_tokens, D, generator=g)
         topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]  # distinct
         owners = owner[topk_ids]
-        positions = [pack(s.inbox, 1, x, topk_ids, owners, s.index, workers == 1)
+        positions = [pack(s.inbox.slot(0), 1, x, topk_ids, owners, s.index, workers == 1)
                      for s in servers]
         for server in servers:
             server._tick(3, 1, shape.capacity, use_flags=False)  # the whole slot: counts mask
@@ -60,12 +63,50 @@ def test_pack_tick_gather_is_bitwise_local_experts(placement) -> None:
         assert torch.equal(got, want), f"{workers} workers, {num_tokens} tokens"
 
 
+def test_replicas_share_one_grouped_tick_bitwise() -> None:
+    """Two replicas' rows of one tick go through one grouped GEMM on each expert worker
+    (different token counts, a replica that sits the step out); every replica gets exactly
+    what its own LocalExperts give, and the idle replica's outputs are never written."""
+    full, w_gate_up, w_down = _parts(2)
+    placement = [[0, 5, 6], [1, 2, 3, 4, 7]]
+    shape = PlaneShape(num_workers=2, microbatches=2, capacity=16, hidden=D, top_k=K,
+                       num_experts=E, dtype=torch.float32, num_replicas=3)
+    replicas = [ReplicaInbox(shape, "cpu") for _ in range(3)]
+    for replica in replicas:
+        replica.out.fill_(float("nan"))
+    owner = torch.empty(E, dtype=torch.int64)
+    servers = []
+    for index, ids in enumerate(placement):
+        owner[ids] = index
+        inbox = ExpertInbox(shape, "cpu")
+        inbox.rows.fill_(float("nan"))
+        part = ExpertPart(ids, E, {3: w_gate_up[ids]}, {3: w_down[ids]})
+        servers.append(ExpertServer(part, index, shape, inbox, replicas, [3], "cpu"))
+    g = torch.Generator().manual_seed(3)
+    want, packed = {}, {}
+    for r, num_tokens in ((0, 13), (2, 4)):  # replica 1 takes no part
+        x = torch.randn(num_tokens, D, generator=g)
+        topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]
+        owners = owner[topk_ids]
+        positions = [pack(s.inbox.slot(r), 0, x, topk_ids, owners, s.index, False)
+                     for s in servers]
+        packed[r] = (owners, torch.stack(positions))
+        want[r] = LocalExperts(full).dispatch(3, 0, x, topk_ids)
+    for server in servers:
+        server._tick(3, 0, shape.capacity, use_flags=False, replicas=(0, 2))
+    for r, (owners, positions) in packed.items():
+        assert torch.equal(gather(replicas[r], 0, owners, positions), want[r]), r
+    assert replicas[1].out.isnan().all()
+
+
 def test_buffers_are_aligned_disjoint_views_of_one_allocation() -> None:
     shape = PlaneShape(num_workers=3, microbatches=2, capacity=10, hidden=24, top_k=4,
-                       num_experts=16, dtype=torch.bfloat16)
+                       num_experts=16, dtype=torch.bfloat16, num_replicas=2)
     inbox = ExpertInbox(shape, "cpu")
-    assert inbox.rows.shape == (2, 11, 24) and inbox.ids.shape == (2, 11, 4)
-    assert inbox.counts.shape == (2,) and inbox.flags.shape == (2,)
+    assert inbox.rows.shape == (2, 2, 11, 24) and inbox.ids.shape == (2, 2, 11, 4)
+    assert inbox.counts.shape == (2, 2) and inbox.flags.shape == (2, 2)
+    slot = inbox.slot(1)
+    assert slot.rows.data_ptr() == inbox.rows[1].data_ptr() and slot.flags.shape == (2,)
     views = [inbox.rows, inbox.ids, inbox.counts, inbox.flags]
     base = inbox.storage.data_ptr()
     spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size())
@@ -75,8 +116,8 @@ def test_buffers_are_aligned_disjoint_views_of_one_allocation() -> None:
     assert spans[-1][1] <= inbox.storage.numel()
     # A peer maps the same bytes: the same views over the shared storage.
     peer = ExpertInbox(shape, storage=inbox.storage)
-    inbox.flags[1] = 7
-    assert int(peer.flags[1]) == 7
+    inbox.flags[1, 0] = 7
+    assert int(peer.flags[1, 0]) == 7
     replica = ReplicaInbox(shape, "cpu")
     assert replica.out.shape == (2, 3, 10, 4, 24) and replica.flags.shape == (2, 3)
 
@@ -100,8 +141,10 @@ def test_which_layouts_run_on_the_device_plane() -> None:
     assert device_plane_reason(EngineConfig(**cuda, disaggregate=True)) is None
     assert device_plane_reason(EngineConfig(**cuda, transport="cuda_ipc", expert_workers=2)) is None
     assert "CUDA" in device_plane_reason(EngineConfig(device="cpu", disaggregate=True))
-    assert "one attention replica" in device_plane_reason(
-        EngineConfig(**cuda, attention_replicas=2, transport="cuda_ipc"))
+    assert device_plane_reason(EngineConfig(**cuda, attention_replicas=2,
+                                            transport="cuda_ipc")) is None
+    assert "cuda_ipc" in device_plane_reason(
+        EngineConfig(**cuda, attention_replicas=2, disaggregate=True))
     assert "tcp" in device_plane_reason(EngineConfig(**cuda, transport="tcp", expert_workers=2))
     assert not uses_device_plane(EngineConfig(**cuda))  # co-located stays co-located
     assert uses_device_plane(EngineConfig(**cuda, disaggregate=True))
@@ -111,3 +154,28 @@ def test_which_layouts_run_on_the_device_plane() -> None:
         uses_device_plane(EngineConfig(device="cpu", disaggregate=True, data_plane="device"))
     with pytest.raises(ValueError, match="data_plane"):
         EngineConfig(data_plane="gpu")
+
+
+def test_step_barrier_starts_the_expert_step_once_every_participant_has_reported() -> None:
+    """Lockstep of replicas: the graph step goes out once per global step, after the last
+    participant, over the graph participants' largest row count; eager-only and idle
+    replicas hold nobody up and are not part of it."""
+    links = [ExpertLink(inbox=None, messages=queue.Queue()) for _ in range(2)]
+    barrier = StepBarrier(links)
+
+    def sent():
+        return [[link.messages.get_nowait() for _ in range(link.messages.qsize())]
+                for link in links]
+
+    barrier.begin([0, 2, 3])
+    barrier.report(0, 8)
+    barrier.report(1, 64)  # not a participant of this step: ignored
+    barrier.report(3, None)  # eager
+    assert sent() == [[], []]
+    barrier.report(2, 16)
+    assert sent() == [[GraphStep(16, (0, 2))]] * 2
+    barrier.report(2, 16)  # the front-end's end-of-step report after the graph's: no-op
+    assert sent() == [[], []] and barrier.graph_steps == 1 and barrier.host_messages == 2
+    barrier.begin([1])
+    barrier.report(1, None)  # an eager step: its ticks are messages of their own
+    assert sent() == [[], []] and barrier.graph_steps == 1

@@ -19,12 +19,19 @@ PROMPTS = ["Hello", "The capital of", "a b c d e f g", "Once upon a time there w
 def _run(**options):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    # Uneven lengths: with several replicas, one goes on alone once the other is done.
+    uneven = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (3, 30, 9, 17)]
     with LLM(model="builtin:tiny-moe", device="cuda", dtype="bfloat16", max_num_seqs=8,
              kv_cache_memory_bytes=1 << 28,
              **options) as llm:
-        outs = [llm.generate(PROMPTS, p) for p in (greedy, seeded)]
+        outs = [llm.generate(PROMPTS, p) for p in (greedy, seeded, uneven)]
         stats = getattr(llm.engine, "experts", None)
         kind = type(llm.engine).__name__
+        barrier = getattr(llm.engine, "barrier", None)
+    if barrier is not None:  # lockstep: one message per expert worker per global step
+        assert barrier.graph_steps > 0, "the replicas' decode steps did not run as graphs"
+        assert barrier.host_messages == barrier.graph_steps * options["expert_workers"]
     seqs = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for batch in outs for o in batch]
     return seqs, kind, stats
 
@@ -36,13 +43,13 @@ def colocated():
     return seqs
 
 
-@pytest.mark.parametrize("transport,workers,m", [
-    ("inproc", 1, 1), ("inproc", 1, 2), ("inproc", 2, 2), ("inproc", 1, 4),
-    ("cuda_ipc", 1, 1), ("cuda_ipc", 1, 2), ("cuda_ipc", 2, 2), ("cuda_ipc", 2, 4),
+@pytest.mark.parametrize("transport,replicas,workers,m", [
+    ("inproc", 1, 1, 1), ("inproc", 1, 1, 2), ("inproc", 1, 2, 2), ("inproc", 1, 1, 4),
+    *(("cuda_ipc", r, e, m) for r in (1, 2) for e in (1, 2) for m in (1, 2, 4)),
 ])
-def test_device_plane_is_bitwise_colocated(colocated, transport, workers, m) -> None:
-    seqs, kind, experts = _run(expert_workers=workers, microbatches=m, transport=transport,
-                               disaggregate=True)
+def test_device_plane_is_bitwise_colocated(colocated, transport, replicas, workers, m) -> None:
+    seqs, kind, experts = _run(attention_replicas=replicas, expert_workers=workers,
+                               microbatches=m, transport=transport, disaggregate=True)
     assert kind == "DevicePlaneEngine"
     assert experts.stats.graph_steps > 0, "decode steps did not run as graphs"
     assert seqs == colocated
