@@ -7,7 +7,7 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
 * **GEMMs** accumulate every output element over k in ascending order (the vector lanes
   are output columns), so a row's bits depend only on the row and the weights, never on M,
   its place in a micro-kernel, or the thread count. Weights are packed once into
-  `[ceil(N / 32), K, 32]` panels (:func:`packed`), cached per weight tensor.
+  `[ceil(N / 64), K, 64]` panels (:func:`packed`), cached per weight tensor.
 * **Row sums** (RMSNorm, log-softmax, attention denominators) use 16 partial sums folded by
   a fixed halving tree; **attention** runs one query token at a time over exactly the keys
   at or before its position (unowned cache slots are never read), so a token's result is
@@ -35,7 +35,6 @@ from megaserve.kernels.filters import filter_row
 # Rows per expert task of the compiled expert FFN: one thread's unit of work (the rows of
 # a task share one pass over the expert's weights). Never changes a bit.
 EXPERT_ROW_TILE = 16
-PANEL = 32  # output columns per packed weight panel (NR in cpu_ext.cpp)
 _M32 = 0xFFFFFFFF
 
 # Threads the compiled kernels spread each call over (set_num_lanes). A row, expert task or
@@ -74,8 +73,8 @@ _PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / PANEL), K, PANEL]` (zero
-    past N), the layout the compiled GEMMs read. Cached per weight tensor and re-packed
+    """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / P), K, P]` (zero past N;
+    P = the extension's ``ms_panel_width()``, 64), the layout the compiled GEMMs read. Cached per weight tensor and re-packed
     when the tensor is modified in place (its version or storage changes)."""
     key = id(weight)
     hit = _PACKED.get(key)
@@ -83,9 +82,10 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
             and hit[2] == weight.data_ptr()):
         return hit[3]
     *lead, n, k = weight.shape
-    panels = -(-n // PANEL)
-    w = F.pad(weight.float(), (0, 0, 0, panels * PANEL - n))
-    out = w.view(*lead, panels, PANEL, k).transpose(-1, -2).contiguous()
+    width = cpu_ext.load().ms_panel_width()
+    panels = -(-n // width)
+    w = F.pad(weight.float(), (0, 0, 0, panels * width - n))
+    out = w.view(*lead, panels, width, k).transpose(-1, -2).contiguous()
     _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)),
                     weight._version, weight.data_ptr(), out)
     return out

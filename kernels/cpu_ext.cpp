@@ -36,8 +36,8 @@
 
 namespace {
 
-constexpr int NR = 32;         // output columns per packed weight panel (two 16-lane vectors)
-constexpr int MR = 8;          // rows per GEMM micro-kernel call (fewer for the last rows)
+constexpr int NR = 64;         // output columns per packed weight panel (four 16-lane vectors)
+constexpr int MR = 6;          // rows per GEMM micro-kernel call (fewer for the last rows)
 constexpr int SUM_LANES = 16;  // partial sums of every row sum
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -220,26 +220,23 @@ inline float lane_sum(const float* x, int64_t n) {
 template <int ROWS>
 inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_t k_len,
                          float* c, int64_t ldc, int cols) {
-  v16 acc0[ROWS], acc1[ROWS];
-  for (int m = 0; m < ROWS; ++m) acc0[m] = acc1[m] = v16{} ;
+  v16 acc[ROWS][4];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = v16{};
   for (int64_t k = 0; k < k_len; ++k) {
     const v16 b0 = load16(panel + k * NR), b1 = load16(panel + k * NR + 16);
+    const v16 b2 = load16(panel + k * NR + 32), b3 = load16(panel + k * NR + 48);
     for (int m = 0; m < ROWS; ++m) {
       const float av = a[m * lda + k];
-      acc0[m] = acc0[m] + av * b0;
-      acc1[m] = acc1[m] + av * b1;
+      acc[m][0] = acc[m][0] + av * b0;
+      acc[m][1] = acc[m][1] + av * b1;
+      acc[m][2] = acc[m][2] + av * b2;
+      acc[m][3] = acc[m][3] + av * b3;
     }
   }
   for (int m = 0; m < ROWS; ++m) {
-    if (cols == NR) {
-      store16(c + m * ldc, acc0[m]);
-      store16(c + m * ldc + 16, acc1[m]);
-    } else {
-      float tmp[NR];
-      store16(tmp, acc0[m]);
-      store16(tmp + 16, acc1[m]);
-      std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
-    }
+    float tmp[NR];
+    for (int v = 0; v < 4; ++v) store16(tmp + 16 * v, acc[m][v]);
+    std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
   }
 }
 
@@ -256,9 +253,7 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
     const float* am = a + m * lda;
     float* cm = cp + m * ldc;
     switch (rows - m) {
-      case 7: micro_kernel<7>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 6: micro_kernel<6>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols); break;
+                  case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols); break;
       case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols); break;
       case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols); break;
       case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols); break;
@@ -288,6 +283,9 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
 }  // namespace
 
 extern "C" {
+
+// Output columns per packed weight panel: the layout cpu.packed() writes.
+int ms_panel_width() { return NR; }
 
 // out[M, N] = x[M, K] @ W^T (+ bias[N]); W packed as [ceil(N / NR), K, NR].
 void ms_linear(const float* x, int64_t m_len, int64_t k_len, const float* packed, int64_t n_len,

@@ -122,6 +122,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.ms_panel_width.argtypes, lib.ms_panel_width.restype = [], ctypes.c_int
     if isa is None:
         _lib = lib
     return lib
