@@ -1,6 +1,6 @@
 """CPU implementation of the kernel API, batch-invariant bitwise and machine-independent.
 
-The heavy kernels (linear, expert FFN, attention, RMSNorm, log-softmax) are compiled C++
+The kernels (linear, expert FFN, attention, RMSNorm, routing, combine, log-softmax) are C++
 (kernels/cpu_ext.cpp, built on first use by :mod:`megaserve.kernels.cpu_ext` and called
 through ctypes, which releases the GIL). Their arithmetic order is fixed in that source:
 
@@ -8,15 +8,16 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
   are output columns), so a row's bits depend only on the row and the weights, never on M,
   its place in a micro-kernel, or the thread count. Weights are packed once into
   `[ceil(N / 64), K, 64]` panels (:func:`packed`), cached per weight tensor.
-* **Row sums** (RMSNorm, log-softmax, attention denominators) use 16 partial sums folded by
-  a fixed halving tree; **attention** runs one query token at a time over exactly the keys
-  at or before its position (unowned cache slots are never read), so a token's result is
-  the same in a decode step, in any prefill chunk and next to any other tokens.
+* **Row sums** (RMSNorm, log-softmax, routing softmax, attention denominators) use 16
+  partial sums folded by a fixed halving tree.
+* **Attention** runs one query token at a time over exactly the keys at or before its
+  position (unowned cache slots are never read), so a token's result is the same in a
+  decode step, in any prefill chunk and next to any other tokens.
 * **exp / log** are polynomials in the source (libm's pick FMA or non-FMA code by CPU);
   no FMA contraction, no ``-ffast-math``: the ISA flags only change the vector width.
 
-The small elementwise kernels (routing softmax, combine, rotary, sampling) stay torch ops,
-which are exact per element; their short sums use :func:`tree_sum`.
+The rest (KV-cache writes, SwiGLU of dense MLPs, sampling) are torch ops, exact per element
+or run one row at a time.
 bfloat16 inputs are computed in float32 and rounded once at the end.
 Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py,
 tests/kernels/test_cpu_ext.py.
@@ -49,23 +50,6 @@ def set_num_lanes(num_lanes: int) -> None:
     if isinstance(num_lanes, bool) or not isinstance(num_lanes, int) or num_lanes < 1:
         raise ValueError(f"num_lanes must be a positive integer, got {num_lanes!r}")
     _lanes = num_lanes
-
-
-def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over ``dim`` by pairwise halving; the order depends only on ``x.shape[dim]``."""
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    if n == 0:
-        return x.sum(dim)
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        pad_shape = list(x.shape)
-        pad_shape[dim] = width - n
-        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    while width > 1:
-        width //= 2
-        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
-    return x.squeeze(dim)
 
 
 # id(weight) -> (weak reference, version, data_ptr, packed panels)
@@ -182,22 +166,17 @@ def paged_attention(
     return out.to(q.dtype)
 
 
-def _softmax(x: torch.Tensor) -> torch.Tensor:
-    x = x.float()
-    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
-    return e / tree_sum(e, dim=-1).unsqueeze(-1)
-
-
 def topk_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = _softmax(router_logits)  # [T, E]
-    # A stable descending sort keeps equal probabilities in ascending expert-id order.
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        weights = weights / tree_sum(weights, dim=-1).unsqueeze(-1)
-    return ids, weights.contiguous()
+    logits = _f32(router_logits)
+    num_tokens, num_experts = logits.shape
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    if num_tokens:
+        cpu_ext.load().ms_topk_route(logits.data_ptr(), num_tokens, num_experts, top_k,
+                                     int(renormalize), ids.data_ptr(), weights.data_ptr(), _lanes)
+    return ids, weights
 
 
 def expert_ffn(
@@ -222,9 +201,13 @@ def expert_ffn(
 
 
 def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    out = topk_weights[:, 0:1] * expert_out[:, 0].float()
-    for rank in range(1, expert_out.shape[1]):
-        out = out + topk_weights[:, rank : rank + 1] * expert_out[:, rank].float()
+    x = _f32(expert_out)
+    w = _f32(topk_weights)
+    num_tokens, top_k, hidden = x.shape
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    if num_tokens:
+        cpu_ext.load().ms_combine(x.data_ptr(), w.data_ptr(), num_tokens, top_k, hidden,
+                                  out.data_ptr(), _lanes)
     return out
 
 

@@ -49,6 +49,8 @@ _SIGNATURES = {
     "ms_expert_ffn": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
     "ms_rms_norm": [_P, _P, _P, _I64, _I64, _F32, _P, _P, _INT],
     "ms_log_softmax": [_P, _I64, _I64, _P, _INT],
+    "ms_topk_route": [_P, _I64, _I64, _I64, _INT, _P, _P, _INT],
+    "ms_combine": [_P, _P, _I64, _I64, _I64, _P, _INT],
     "ms_paged_attention_f32": [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                _I64, _F32, _P, _INT],
     "ms_paged_attention_bf16": [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,

@@ -51,13 +51,6 @@ def test_rms_norm_accuracy_invariance_and_residual(dtype):
         assert torch.equal(cpu.rms_norm(x[:m], w, 1e-6, residual=res[:m])[0][m - 1], y[m - 1])
 
 
-def test_tree_sum_ignores_zero_padding():
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(37, generator=g)
-    padded = torch.cat([v, torch.zeros(91)])
-    assert torch.equal(cpu.tree_sum(v), cpu.tree_sum(padded))
-
-
 def _paged_setup(lengths, dtype, block_size=16, heads=(8, 2), head_dim=32, seed=0):
     """A KV cache holding `lengths` tokens per sequence in shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
