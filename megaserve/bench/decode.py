@@ -104,7 +104,11 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
     Returns the timings and the request ids, which stay running for ``extra_steps`` more
     steps (profile_decode) until the caller aborts them.
     """
-    ids = _add(engine, rng, batch, input_len, 2 + warmup + steps + extra_steps, f"b{batch}")
+    # Requests prefilled early decode during the later prefill steps: the margin keeps every
+    # one running through the timed and profiled steps (a finishing one would shrink the
+    # batch and capture new graph sizes inside the window); they are aborted afterwards.
+    margin = 8 + -(-batch * input_len // engine.config.max_num_batched_tokens)
+    ids = _add(engine, rng, batch, input_len, margin + warmup + steps + extra_steps, f"b{batch}")
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked by the scheduler) until every request has a token
         started.update(out.request_id for out in engine.step())
@@ -292,6 +296,10 @@ def main(argv: list[str]) -> int:
         if args.profile_steps:
             try:
                 r["profile"] = profile_decode(engine, device, args.profile_steps, trace)
+                # profiled kernel time over the unprofiled step: the profiler slows the host,
+                # so its busy fraction understates how busy an unprofiled step keeps the GPU
+                if "gpu_busy_us_per_step" in r["profile"]:
+                    r["gpu_kernel_share_of_step"] = r["profile"]["gpu_busy_us_per_step"] / 1e3 / r["step_ms_median"]
             except RuntimeError as e:  # the profiler, not the engine, failed: keep the timings
                 r["profile"] = {"error": f"torch.profiler failed: {e}"}
             _save(args.json_out, report)

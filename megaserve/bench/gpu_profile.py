@@ -51,8 +51,9 @@ def idle_gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> lis
     return [g for g in gaps if g > 0]
 
 
-def summarize_trace(trace: dict | str | Path, num_top: int = 12) -> dict:
-    """Summary of a Chrome trace (dict or path) of steps labelled :data:`STEP_LABEL`.
+def summarize_trace(trace: dict | str | Path, num_top: int = 12, max_steps: int | None = None) -> dict:
+    """Summary of a Chrome trace (dict or path) of steps labelled :data:`STEP_LABEL`;
+    ``max_steps``: only the first that many steps (the window ends where the next begins).
 
     Raises ValueError when the trace has no labelled step or no GPU activity inside one.
     """
@@ -63,8 +64,11 @@ def summarize_trace(trace: dict | str | Path, num_top: int = 12) -> dict:
                    if e.get("name") == STEP_LABEL and e.get("cat") == "user_annotation")
     if not steps:
         raise ValueError(f"profile: no '{STEP_LABEL}' annotations in the trace")
+    end = float("inf")
+    if max_steps is not None and max_steps < len(steps):
+        end, steps = steps[max_steps][0], steps[:max_steps]
     gpu = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
-           if e.get("cat") in GPU_CATEGORIES and float(e["ts"]) >= steps[0][0]]
+           if e.get("cat") in GPU_CATEGORIES and steps[0][0] <= float(e["ts"]) < end]
     if not gpu:
         raise ValueError("profile: no GPU activity after the first step started")
     lo, hi = steps[0][0], max(steps[-1][1], max(stop for _, stop, _ in gpu))

@@ -173,3 +173,10 @@ def test_bench_decode_runs_on_cpu(tmp_path):
         assert r["bytes"]["total"] > r["bytes"]["expert_weights"] > 0
         assert r["profile"]["cpu_self_top"]
     assert report["prefill"]["tok_s"] > 0 and report["copy_bandwidth_gbs"] > 0
+
+
+def test_summarize_trace_first_steps_only():
+    t = trace(steps=[(0, 100), (100, 200)], gpu=[("gemm", 10, 60), ("other", 110, 190)])
+    s = summarize_trace(t, max_steps=1)
+    assert s["steps"] == 1 and [k["name"] for k in s["top_kernels"]] == ["gemm"]
+    assert s["gpu_busy_fraction"] == pytest.approx(50 / 100)
