@@ -126,8 +126,9 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
+    slots = slot_mapping.to(torch.int64)
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def paged_attention(

@@ -101,15 +101,17 @@ class AttentionPart:
         x = kernels.rms_norm(h, w.input_norm, cfg.rms_norm_eps)
         qkv = kernels.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2Hkv) * Dh]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is not None:
             q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
             k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self._rotate(q, meta.positions), self._rotate(k, meta.positions)
+            qk = torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1)], dim=-1)
+        else:
+            qk = qkv[:, : cfg.q_size + cfg.kv_size]
+        # q and k heads rotated in one pass (elementwise: the same bits as one at a time).
+        qk = self._rotate(qk.reshape(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                          meta.positions)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = kernels.paged_attention(
