@@ -10,6 +10,9 @@ Per layout: generated tokens/s and the ratio to co-located, host CPU time per st
 process), decode steps run as graphs, and for in-process workers (``profile``) the
 attention GPU's wait per combine, the expert GPU's wait per dispatch (CUDA events inside
 the graphs, steady state at the full batch) and (token, expert) rows per expert GEMM.
+``--layouts cuda_ipc:1:2`` runs 2 attention replicas (transport:m:R). ``--flag-rtt`` and
+``--tick-latency`` add a stream flag's round trip and one tick's dispatch+combine
+(p50/p99) between streams of this process and between two processes.
 """
 
 from __future__ import annotations
@@ -208,6 +211,144 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
     return results
 
 
+TICKS = 50  # dispatch+combine round trips per captured graph
+
+
+def _tick_shape(workers: int, tokens: int, hidden: int, top_k: int, experts: int):
+    import torch
+
+    from megaserve.runtime.device_plane import PlaneShape
+
+    return PlaneShape(num_workers=workers, microbatches=1, capacity=tokens, hidden=hidden,
+                      top_k=top_k, num_experts=experts, dtype=torch.bfloat16)
+
+
+def _echo_graph(shape, index: int, inbox, replica, stream):
+    """The expert side of :data:`TICKS` ticks without the GEMM: wait for the dispatch,
+    write each packed row back k times into the replica's inbox (the combine's bytes),
+    raise the combine flag."""
+    import torch
+
+    from megaserve.comm import stream_flags as sf
+
+    c, k, d = shape.capacity, shape.top_k, shape.hidden
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        for _ in range(TICKS):
+            sf.wait_and_clear(inbox.flags[0, 0:1])
+            replica.out[0, index, :c].copy_(inbox.rows[0, 0, :c, None, :].expand(c, k, d))
+            sf.write(replica.flags[0, index: index + 1], sf.SET)
+        graph.capture_end()
+    return graph
+
+
+def _echo_process(spec: tuple, index: int, replica_handle: bytes, replies, go) -> None:
+    """An expert worker process that echoes ticks (cuda_ipc)."""
+    import torch
+
+    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
+    from megaserve.runtime.device_plane import ExpertInbox, ReplicaInbox
+
+    shape = _tick_shape(*spec)
+    inbox = ExpertInbox(shape, "cuda")
+    replica = ReplicaInbox(shape, storage=open_tensor(replica_handle))
+    stream = torch.cuda.Stream()
+    graph = _echo_graph(shape, index, inbox, replica, stream)
+    torch.cuda.synchronize()
+    replies.put((index, share_tensor(inbox.storage)))
+    while go.get() == "go":
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        replies.put((index, None))
+
+
+def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int = 2048,
+                 top_k: int = 8, experts: int = 128, repeats: int = 10) -> list[float]:
+    """Dispatch+combine times (us) of one tick, the replica's side as the data plane runs
+    it in a graph: route-owner lookup, pack per expert worker, dispatch flags, wait for the
+    combine flags, gather; ``workers`` expert workers that echo the rows instead of
+    computing (threads' streams, or processes over CUDA IPC when ``processes``)."""
+    import multiprocessing
+
+    import torch
+
+    from megaserve.comm import stream_flags as sf
+    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
+    from megaserve.runtime.device_plane import (ExpertInbox, ReplicaInbox, gather, pack,
+                                                timing_event)
+
+    spec = (workers, tokens, hidden, top_k, experts)
+    shape = _tick_shape(*spec)
+    replica = ReplicaInbox(shape, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    topk_ids = torch.rand(tokens, experts, generator=g, device="cuda").argsort(1)[:, :top_k]
+    owner = torch.arange(experts, device="cuda") % workers
+    torch.cuda.synchronize()
+    echo_streams, echo_graphs, peers, go = [], [], [], None
+    if processes:
+        ctx = multiprocessing.get_context("spawn")
+        replies, go = ctx.Queue(), [ctx.Queue() for _ in range(workers)]
+        handle = share_tensor(replica.storage)
+        for e in range(workers):
+            peers.append(ctx.Process(target=_echo_process,
+                                     args=(spec, e, handle, replies, go[e]), daemon=True))
+            peers[-1].start()
+        handles = dict(replies.get(timeout=120) for _ in range(workers))
+        inboxes = [ExpertInbox(shape, storage=open_tensor(handles[e])) for e in range(workers)]
+    else:
+        inboxes = [ExpertInbox(shape, "cuda") for _ in range(workers)]
+        for e in range(workers):
+            echo_streams.append(torch.cuda.Stream())
+            echo_graphs.append(_echo_graph(shape, e, inboxes[e], replica, echo_streams[e]))
+    stream, events = torch.cuda.Stream(), []
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        for _ in range(TICKS):
+            pair = (timing_event(), timing_event())
+            pair[0].record()
+            owners = owner[topk_ids]
+            positions = []
+            for e, inbox in enumerate(inboxes):
+                pos = pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1)
+                if pos is not None:
+                    positions.append(pos)
+                sf.write(inbox.flags[0, 0:1], sf.SET)
+            for e in range(workers):
+                sf.wait_and_clear(replica.flags[0, e: e + 1])
+            gather(replica, 0, owners, torch.stack(positions) if positions else None)
+            pair[1].record()
+            events.append(pair)
+        graph.capture_end()
+    times = []
+    try:
+        for _ in range(repeats):
+            for e in range(workers):
+                if processes:
+                    go[e].put("go")
+                else:
+                    with torch.cuda.stream(echo_streams[e]):
+                        echo_graphs[e].replay()
+            with torch.cuda.stream(stream):
+                graph.replay()
+            torch.cuda.synchronize()
+            if processes:
+                for _ in range(workers):
+                    replies.get(timeout=60)
+            times += [a.elapsed_time(b) * 1e3 for a, b in events]
+    finally:
+        for e, peer in enumerate(peers):
+            go[e].put("stop")
+            peer.join(10)
+            if peer.is_alive():
+                peer.kill()
+    return times
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench device-plane", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,8 +361,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=16 << 30)
     parser.add_argument("--microbatches", default="1,2")
     parser.add_argument("--layouts", default=None,
-                        help="transport:m pairs instead of transports x microbatches, "
-                             "e.g. inproc:2,cuda_ipc:1")
+                        help="transport:m[:R] instead of transports x microbatches, "
+                             "e.g. inproc:2,cuda_ipc:1,cuda_ipc:1:2 (R attention replicas)")
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--transports", default="inproc,cuda_ipc")
     parser.add_argument("--seed", type=int, default=0)
@@ -231,6 +372,9 @@ def main(argv: list[str]) -> int:
                         help="in-process workers record wait times inside their graphs")
     parser.add_argument("--flag-rtt", action="store_true",
                         help="also time a stream flag's round trip (p50/p99)")
+    parser.add_argument("--tick-latency", action="store_true",
+                        help="also time one tick's dispatch+combine (256 tokens x hidden "
+                             "2048 x top-8, echoing expert workers; p50/p99)")
     args = parser.parse_args(argv)
     import torch
 
@@ -250,23 +394,34 @@ def main(argv: list[str]) -> int:
     base = dict(model=model, dtype=args.dtype, device="cuda",
                 max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    layouts = [("co-located", None, 1)]
-    pairs = ([tuple(p.split(":")) for p in args.layouts.split(",")] if args.layouts else
+    layouts = [("co-located", None, 1, 1)]
+    specs = ([p.split(":") for p in args.layouts.split(",")] if args.layouts else
              [(t, m) for t in args.transports.split(",") for m in args.microbatches.split(",")])
-    for transport, m in pairs:
-        layouts.append((f"split {transport}", transport, int(m)))
+    for transport, m, *replicas in specs:
+        r = int(replicas[0]) if replicas else 1
+        layouts.append((f"split {transport}" + (f" R={r}" if r > 1 else ""), transport, int(m), r))
     rtt = flag_round_trips() if args.flag_rtt else {}
     for name, times in rtt.items():
         q = statistics.quantiles(times, n=100)
         print(f"flag round trip, {name}: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us "
               f"({len(times)} round trips, graphs of {ROUND_TRIPS})", flush=True)
+    ticks = {}
+    if args.tick_latency:
+        for workers in (1, 2):
+            for processes in (False, True):
+                name = f"E={workers}, {'2 processes (cuda_ipc)' if processes else 'in-process'}"
+                ticks[name] = tick_latency(workers, processes)
+                q = statistics.quantiles(ticks[name], n=100)
+                print(f"tick dispatch+combine, {name}: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us",
+                      flush=True)
     rows = []
-    for name, transport, m in layouts:
+    for name, transport, m, replicas in layouts:
         if transport is None:
             engine = LLMEngine(EngineConfig(**base))
         else:
             config = EngineConfig(**base, disaggregate=True, transport=transport, microbatches=m,
-                                  expert_workers=args.expert_workers)
+                                  expert_workers=args.expert_workers,
+                                  attention_replicas=replicas)
             engine = DevicePlaneEngine(config, profile=args.profile and transport == "inproc")
         prompts = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed)
         _timed(engine, prompts, params)  # warm-up: compilation, graph capture, allocator
@@ -302,4 +457,8 @@ def main(argv: list[str]) -> int:
         q = statistics.quantiles(times, n=100)
         print(f"flag round trip, {name}: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us "
               f"({len(times)} round trips, graphs of {ROUND_TRIPS})")
+    for name, times in ticks.items():
+        q = statistics.quantiles(times, n=100)
+        print(f"tick dispatch+combine (256 x 2048 x top-8, bf16), {name}: p50 {q[49]:.1f} us, "
+              f"p99 {q[98]:.1f} us ({len(times)} ticks, graphs of {TICKS})")
     return 0
