@@ -94,6 +94,8 @@ class LLMEngine:
             model.attention, experts, kv, config.block_size,
             config.microbatches, cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
+            num_speculative_tokens=(config.speculative_config.num_speculative_tokens
+                                    if config.speculative_config is not None else 0),
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.outputs = OutputProcessor(

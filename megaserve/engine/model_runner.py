@@ -262,9 +262,9 @@ class ModelRunner:
         for i, rows in per_seq.items():
             item, seq = scheduled[i], scheduled[i].seq
             if item.num_draft_tokens:
-                ids, accepted = spec_decode.verify(
-                    item, logprobs[torch.tensor([r for r, _ in rows], device=self.device)],
-                    [t for _, t in rows])
+                draft_rows = None if seq.params.greedy else logprobs[
+                    torch.tensor([r for r, _ in rows], device=self.device)]
+                ids, accepted = spec_decode.verify(item, draft_rows, [t for _, t in rows])
             else:
                 ids, accepted = [rows[0][1]], 0
             results[i].token_ids, results[i].num_accepted = ids, accepted

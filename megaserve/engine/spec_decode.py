@@ -78,11 +78,13 @@ def draw(probs: torch.Tensor, seed: int, stream: int, position: int) -> int:
     return int(torch.argmax(torch.log(probs) - torch.log(-torch.log(u))))
 
 
-def verify(item: "ScheduledSeq", logprobs: torch.Tensor, target_tokens: list[int]) -> tuple[list[int], int]:
+def verify(item: "ScheduledSeq", logprobs: torch.Tensor | None,
+           target_tokens: list[int]) -> tuple[list[int], int]:
     """The tokens a step produces for a sequence with drafts, and how many drafts it kept.
 
-    logprobs: `[j + 1, V]` float32, the target's rows ``p_0 .. p_j`` (module docstring);
-    target_tokens: ``megaserve.kernels.sample`` of each row at its position (the ordinary draw).
+    logprobs: `[j + 1, V]` float32, the target's rows ``p_0 .. p_j`` (module docstring;
+    unused, and may be None, for a greedy request); target_tokens:
+    ``megaserve.kernels.sample`` of each row at its position (the ordinary draw).
     Returns (accepted drafts + one target token, number accepted).
     """
     seq, drafts = item.seq, list(item.draft_token_ids)
@@ -141,10 +143,32 @@ class Proposer:
 
 class NgramProposer(Proposer):
     """Prompt lookup: for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, find
-    the latest earlier occurrence of the last n tokens and propose the tokens after it."""
+    the latest earlier occurrence of the last n tokens and propose the tokens after it.
+
+    Where those run out before :meth:`limit` (the occurrence is less than ``limit``
+    tokens back), the proposal continues periodically: a match ``p`` tokens back says
+    the text repeats with period ``p``, so draft ``i`` is the token ``p`` before it.
+    A verification step costs the same with fewer drafts (the graphs pad to k), so
+    proposing all ``limit`` is free and accepts more in a loop."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        # Lookups of this step (the scheduler's num_proposals, then propose): id(seq) ->
+        # (seq, num_tokens, proposal); cleared by propose.
+        self._looked_up: dict[int, tuple[Sequence, int, tuple[int, ...]]] = {}
 
     def num_proposals(self, seq: Sequence) -> int:
-        return len(self.lookup(seq))
+        drafts = self.lookup(seq)
+        if drafts:  # a step with drafts calls propose, which clears the entries
+            self._looked_up[id(seq)] = (seq, seq.num_tokens, drafts)
+        return len(drafts)
+
+    def _proposal(self, seq: Sequence) -> tuple[int, ...]:
+        """:meth:`lookup`, reusing the scheduler's lookup of this step."""
+        entry = self._looked_up.get(id(seq))
+        if entry is not None and entry[0] is seq and entry[1] == seq.num_tokens:
+            return entry[2]
+        return self.lookup(seq)
 
     def lookup(self, seq: Sequence) -> tuple[int, ...]:
         """The proposal for ``seq`` (at most :meth:`limit` tokens, possibly none)."""
@@ -161,15 +185,17 @@ class NgramProposer(Proposer):
             hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return tuple(tokens[start:start + limit].tolist())
+                period = total - start  # >= 1: a window is followed by a token
+                return tuple(tokens[start + np.arange(limit) % period].tolist())
         return ()
 
     def propose(self, items):
         out = []
         for item in items:
-            drafts = self.lookup(item.seq)
+            drafts = self._proposal(item.seq)
             assert len(drafts) == item.num_draft_tokens
             out.append((drafts, None))
+        self._looked_up.clear()
         return out
 
 
@@ -217,22 +243,45 @@ class DraftModelProposer(Proposer):
                                   self.attention.dtype)
 
     def attach(self, engine) -> None:
+        """Allocate the draft's K/V; on CUDA with ``cuda_graphs``, set up its graphs: the
+        catch-up (1 or 2 tokens per sequence after a step) and the one-token rounds."""
         from megaserve.engine.kv_cache import allocate_kv_tensors
+        from megaserve.engine.spec_graphs import MultiTokenGraphs
 
         self.block_size = engine.config.block_size
         cfg = self.draft_config
         self.kv_caches = allocate_kv_tensors(
             cfg.num_layers, engine.pool.num_blocks, self.block_size, cfg.num_kv_heads,
             cfg.head_dim, self.attention.dtype, self.device)
+        self.graphs = []  # tried in order: the first that fits a forward runs it
+        if engine.config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = [
+                MultiTokenGraphs(self.attention, self.experts.experts, self.kv_caches,
+                                 self.block_size, engine.config.max_num_seqs,
+                                 int(self.attention.cos.shape[0]), query_len=q)
+                for q in (1, 2)]
 
     def num_proposals(self, seq: Sequence) -> int:
         return self.limit(seq)
 
     def _forward(self, inputs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """Log-probs `[S, V]` fp32 of each input's last row (writes the inputs' draft K/V)."""
+        """Log-probs `[S, V]` fp32 of each input's last row (writes the inputs' draft K/V):
+        from a CUDA graph where one fits (bitwise the same rows), else eagerly."""
         from megaserve.engine.model_runner import build_micro_batch
         from megaserve.models.forward import run_layers
 
+        for graphs in self.graphs:
+            if not graphs.can_run(inputs):
+                continue
+            try:
+                out = graphs.run(inputs)  # [S * Q, V]
+            except RuntimeError as e:  # capture failed; the eager forward rewrites the K/V
+                logger.warning("draft CUDA graph capture failed, running eagerly: %s", e)
+                self.graphs = []
+                break
+            q = graphs.query_len
+            last = [i * q + len(ids) - 1 for i, (ids, _, _) in enumerate(inputs)]
+            return out[torch.tensor(last, device=out.device)]  # [S, V] (a copy)
         batch = build_micro_batch(inputs, self.block_size, self.device)
         self.experts.begin_step(1)
         h = run_layers(self.attention, self.experts, [batch], self.kv_caches)[0]  # [T, D]

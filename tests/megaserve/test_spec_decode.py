@@ -303,3 +303,72 @@ def test_speculative_sampling_gives_the_target_distribution(tiny_vocab, method, 
     assert _chi_square_p(counts, _joint(target, target_params)) > SIGNIFICANCE
     # The test has power: the same samples reject the draft's own distribution.
     assert _chi_square_p(counts, _joint(draft, target_params)) < SIGNIFICANCE
+
+
+# -- the padded forwards that the CUDA graphs capture ---------------------------------
+
+
+def _padded_engine(drafts, method: str, k: int, max_batch: int) -> LLMEngine:
+    """A speculative engine whose verification steps (and, for a draft model, its draft
+    forwards) run the padded static-buffer forward that the CUDA graphs capture
+    (``MultiTokenGraphs(capture=False)``): on CPU, the exact captured function."""
+    from megaserve.engine.spec_graphs import MultiTokenGraphs
+
+    spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+            if method == "ngram" else {"model": drafts[method], "num_speculative_tokens": k})
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                    max_num_seqs=32, speculative_config=spec))
+    runner = engine.runner
+    runner.verify_graphs = MultiTokenGraphs(
+        runner.attention, runner.experts.experts, runner.kv_caches, runner.block_size,
+        max_batch, int(runner.attention.cos.shape[0]), query_len=k + 1, capture=False)
+    proposer = engine.proposer
+    if method != "ngram":
+        proposer.graphs = [
+            MultiTokenGraphs(proposer.attention, proposer.experts.experts, proposer.kv_caches,
+                             proposer.block_size, max_batch, int(proposer.attention.cos.shape[0]),
+                             query_len=q, capture=False)
+            for q in (1, 2)]
+    return engine
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 4), ("ngram", 1), ("same", 3), ("other", 2)])
+def test_padded_verification_forward_is_bitwise_invisible(engines, drafts, method, k):
+    """Crowds of greedy and seeded requests with mixed draft counts: verification steps
+    of up to 8 sequences padded to k + 1 rows each and to the batch sizes 1, 2, 4, 8
+    (and the draft's padded one- and two-token forwards) give greedy outputs equal to
+    decoding without speculation and seeded outputs equal to the eager speculative
+    engine's."""
+    padded = _padded_engine(drafts, method, k, max_batch=8)
+    eager = engines.get(method, k, "roomy")
+    for seed in range(2):
+        arrivals = repetitive_arrivals(random.Random(100 + seed), 9, greedy_only=False)
+        got = run(padded, arrivals)
+        for _, request_id, prompt, params in arrivals:
+            alone_engine = engines.reference if params.greedy else eager
+            alone = run(alone_engine, [(0, request_id, prompt, params)])[request_id]
+            assert signature(got[request_id]) == signature(alone), (request_id, seed)
+    assert padded.runner.verify_graphs.num_steps > 5
+    if method != "ngram":
+        assert all(g.num_steps > 0 for g in padded.proposer.graphs)
+    assert padded.stats().spec_num_accepted_tokens > 0 or method == "other"
+
+
+def test_ngram_proposal_continues_the_period():
+    """A match p tokens back proposes the tokens after it, then repeats with period p."""
+    from megaserve.engine.sequence import Sequence
+    from megaserve.engine.spec_decode import NgramProposer
+
+    config = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=2)
+    proposer = NgramProposer(config, max_model_len=100)
+    params = SamplingParams(max_tokens=50, temperature=0)
+    seq = Sequence(request_id="p", prompt=None, prompt_token_ids=[9, 1, 2, 3, 1, 2],
+                   params=params, seed=0, arrival=0)
+    assert proposer.lookup(seq) == (3, 1, 2, 3, 1)  # "1 2" was 3 tokens back
+    seq = Sequence(request_id="q", prompt=None, prompt_token_ids=[4, 5, 6, 7, 8, 6, 7],
+                   params=params, seed=0, arrival=0)
+    assert proposer.lookup(seq) == (8, 6, 7, 8, 6)
+    short = SamplingParams(max_tokens=3, temperature=0)
+    seq = Sequence(request_id="s", prompt=None, prompt_token_ids=[1, 2, 1, 2], params=short,
+                   seed=0, arrival=0)
+    assert proposer.lookup(seq) == (1, 2)  # limit: max_tokens - 1
