@@ -102,9 +102,10 @@ ROUND_TRIPS = 100  # per captured graph (thousands of stream memory operations i
                   # graph stalled its launch on an H100: keep graphs of hundreds)
 
 
-def _ping_graph(flags, stream, rounds: int, timed: bool):
-    """A graph of ``rounds`` round trips: SET flags[0], wait for flags[1] (and clear it);
-    with ``timed``, events around each round trip."""
+def _ping_graph(flags, stream, rounds: int, timed: bool, peer=None):
+    """A graph of ``rounds`` round trips: SET flags[0] (``peer[0]`` when given: the other
+    process's memory), wait for flags[1] (and clear it); with ``timed``, events around each
+    round trip."""
     import torch
 
     from megaserve.comm import stream_flags as sf
@@ -118,7 +119,7 @@ def _ping_graph(flags, stream, rounds: int, timed: bool):
             if timed:
                 pair = (timing_event(), timing_event())
                 pair[0].record()
-            sf.write(flags[0:1], sf.SET)
+            sf.write((flags if peer is None else peer)[0:1], sf.SET)
             sf.wait_and_clear(flags[1:2])
             if timed:
                 pair[1].record()
@@ -127,8 +128,9 @@ def _ping_graph(flags, stream, rounds: int, timed: bool):
     return graph, events
 
 
-def _pong_graph(flags, stream):
-    """A graph of round trips' other half: wait for flags[0] (and clear it), SET flags[1]."""
+def _pong_graph(flags, stream, peer=None):
+    """A graph of round trips' other half: wait for flags[0] (and clear it), SET flags[1]
+    (``peer[1]`` when given: the other process's memory)."""
     import torch
 
     from megaserve.comm import stream_flags as sf
@@ -138,25 +140,45 @@ def _pong_graph(flags, stream):
         graph.capture_begin(capture_error_mode="thread_local")
         for _ in range(ROUND_TRIPS):
             sf.wait_and_clear(flags[0:1])
-            sf.write(flags[1:2], sf.SET)
+            sf.write((flags if peer is None else peer)[1:2], sf.SET)
         graph.capture_end()
     return graph
 
 
 def _pong_process(handle: bytes, go, done) -> None:
-    """The other process: answers every SET of flags[0] by SET of flags[1]."""
+    """The other process: answers every SET of its own flags[0] by a SET of the parent's
+    flags[1]. Like the data plane, each side waits on its own memory and writes the
+    peer's (a wait on IPC-mapped memory failed with 'invalid argument' on an H100)."""
     import torch
 
-    from megaserve.comm.cuda_ipc import open_tensor
+    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
     stream = torch.cuda.Stream()
-    graph = _pong_graph(open_tensor(handle), stream)
-    done.put("ready")
+    mine = torch.zeros(4 << 20, dtype=torch.int32, device="cuda")  # own segment (IPC)
+    graph = _pong_graph(mine, stream, peer=open_tensor(handle))
+    torch.cuda.synchronize()
+    done.put(share_tensor(mine))
     while go.get() == "go":
         with torch.cuda.stream(stream):
             graph.replay()
         stream.synchronize()
         done.put("done")
+
+
+def _bounded_sync(stream, flags: list, peer_alive, timeout_s: float = 60.0) -> None:
+    """Wait for ``stream``; if a peer dies or ``timeout_s`` passes, raise ``flags`` (what
+    the stream waits on) to ABORT until it drains, then raise RuntimeError."""
+    from megaserve.comm import stream_flags as sf
+
+    deadline = time.monotonic() + timeout_s
+    while not stream.query():
+        if time.monotonic() > deadline or not peer_alive():
+            releaser = sf.Releaser(flags[0].device)
+            while not stream.query():
+                releaser.release(flags)
+                time.sleep(0.001)
+            raise RuntimeError("a peer process stopped answering")
+        time.sleep(0.0005)
 
 
 def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
@@ -166,7 +188,7 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
 
     import torch
 
-    from megaserve.comm.cuda_ipc import share_tensor
+    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
     results: dict[str, list[float]] = {}
     # Same process: two streams.
@@ -192,14 +214,15 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
     peer = ctx.Process(target=_pong_process, args=(share_tensor(flags), go, done), daemon=True)
     peer.start()
     try:
-        if done.get(timeout=120) != "ready":
-            raise RuntimeError("flag peer did not start")
+        ping, events = _ping_graph(flags, a, ROUND_TRIPS, timed=True,
+                                   peer=open_tensor(done.get(timeout=120)))
+        torch.cuda.synchronize()
         times = []
         for _ in range(repeats):
             go.put("go")
             with torch.cuda.stream(a):
                 ping.replay()
-            a.synchronize()
+            _bounded_sync(a, [flags[1:2]], peer.is_alive)
             done.get(timeout=60)
             times += [s.elapsed_time(e) * 1e3 for s, e in events]
         results["2 processes (cuda_ipc)"] = times
@@ -335,10 +358,12 @@ def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int =
                         echo_graphs[e].replay()
             with torch.cuda.stream(stream):
                 graph.replay()
-            torch.cuda.synchronize()
             if processes:
+                _bounded_sync(stream, [replica.flags[0, e: e + 1] for e in range(workers)],
+                              lambda: all(peer.is_alive() for peer in peers))
                 for _ in range(workers):
                     replies.get(timeout=60)
+            torch.cuda.synchronize()
             times += [a.elapsed_time(b) * 1e3 for a, b in events]
     finally:
         for e, peer in enumerate(peers):
