@@ -79,12 +79,17 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
 
 
+def _output(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised buffer a compiled kernel fills completely (the tests poison it)."""
+    return torch.empty(*shape, dtype=dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     num_rows, k = x.shape
     n = weight.shape[0]
     xf = _f32(x)
     bf = _f32(bias) if bias is not None else None
-    out = torch.empty(num_rows, n, dtype=torch.float32)
+    out = _output(num_rows, n)
     if num_rows:
         cpu_ext.load().ms_linear(xf.data_ptr(), num_rows, k, packed(weight).data_ptr(), n,
                                  bf.data_ptr() if bf is not None else None, out.data_ptr(), _lanes)
@@ -102,7 +107,7 @@ def rms_norm(
     shape = x.shape
     h = _f32(x.reshape(-1, shape[-1]))
     num_rows, d = h.shape
-    y = torch.empty(num_rows, d, dtype=torch.float32)
+    y = _output(num_rows, d)
     # float32 applies the weight in the kernel; other dtypes round the normalised value to
     # x.dtype first, then multiply by the weight in that dtype (as HF does).
     wf = _f32(weight) if x.dtype == torch.float32 else None
@@ -160,7 +165,7 @@ def paged_attention(
     starts = query_start_loc.to(torch.int32).contiguous()
     if int(starts[-1]) != num_tokens:
         raise ValueError(f"query_start_loc ends at {int(starts[-1])}, q has {num_tokens} tokens")
-    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=torch.float32)
+    out = _output(num_tokens, num_q_heads, head_dim)
     fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
        lens.data_ptr(), starts.data_ptr(), lens.shape[0], num_tokens, num_q_heads, num_kv_heads,
        head_dim, block_size, scale, out.data_ptr(), _lanes)
@@ -172,8 +177,8 @@ def topk_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = _f32(router_logits)
     num_tokens, num_experts = logits.shape
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32)
+    ids = _output(num_tokens, top_k, dtype=torch.int64)
+    weights = _output(num_tokens, top_k)
     if num_tokens:
         cpu_ext.load().ms_topk_route(logits.data_ptr(), num_tokens, num_experts, top_k,
                                      int(renormalize), ids.data_ptr(), weights.data_ptr(), _lanes)
@@ -192,7 +197,7 @@ def expert_ffn(
     num_rows = x.shape[0]
     xf = _f32(x)
     ids = expert_ids.to(torch.int64).contiguous()
-    out = torch.empty(num_rows, hidden, dtype=torch.float32)
+    out = _output(num_rows, hidden)
     if num_rows:
         cpu_ext.load().ms_expert_ffn(
             xf.data_ptr(), ids.data_ptr(), num_rows, hidden, two_inter // 2, num_experts,
@@ -205,7 +210,7 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
     x = _f32(expert_out)
     w = _f32(topk_weights)
     num_tokens, top_k, hidden = x.shape
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32)
+    out = _output(num_tokens, hidden)
     if num_tokens:
         cpu_ext.load().ms_combine(x.data_ptr(), w.data_ptr(), num_tokens, top_k, hidden,
                                   out.data_ptr(), _lanes)
@@ -214,7 +219,7 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     x = _f32(logits)
-    out = torch.empty_like(x)
+    out = _output(*x.shape)
     if x.numel():
         cpu_ext.load().ms_log_softmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _lanes)
     return out

@@ -52,7 +52,8 @@ inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // ---------------------------------------------------------------------------------------
 // A fixed thread pool: run(num_tasks, fn) calls fn(task) for every task, spread over up
-// to `threads` threads (this one included). Rebuilt after fork (threads do not survive).
+// to `threads` threads (this one included), each task once; which thread runs a task never
+// changes its bits. One pool per process (see pool()).
 
 class Pool {
  public:
@@ -61,8 +62,11 @@ class Pool {
       for (int64_t t = 0; t < num_tasks; ++t) fn(t);
       return;
     }
-    std::lock_guard<std::mutex> call(call_mutex_);
-    ensure(threads - 1);
+    std::lock_guard<std::mutex> call(call_mutex_);  // one parallel call at a time
+    while (static_cast<int>(threads_.size()) < threads - 1) {
+      const int index = static_cast<int>(threads_.size());
+      threads_.emplace_back([this, index] { loop(index); });
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       fn_ = &fn;
@@ -80,18 +84,6 @@ class Pool {
   }
 
  private:
-  void ensure(int helpers) {
-    if (owner_ != getpid()) {  // after fork: the old threads do not exist here
-      for (auto& t : threads_) t.detach();
-      threads_.clear();
-      owner_ = getpid();
-    }
-    while (static_cast<int>(threads_.size()) < helpers) {
-      int index = static_cast<int>(threads_.size());
-      threads_.emplace_back([this, index] { loop(index); });
-    }
-  }
-
   void work() {
     for (int64_t t = next_.fetch_add(1); t < num_tasks_; t = next_.fetch_add(1)) (*fn_)(t);
   }
@@ -114,7 +106,6 @@ class Pool {
   std::mutex call_mutex_, mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
-  pid_t owner_ = -1;
   const std::function<void(int64_t)>* fn_ = nullptr;
   int64_t num_tasks_ = 0;
   std::atomic<int64_t> next_{0};
@@ -122,9 +113,18 @@ class Pool {
   uint64_t generation_ = 0;
 };
 
+// This process's pool. HAZARD: a forked child inherits the parent's pool object but not
+// its threads, and its mutexes and condition variables may record waiters that do not
+// exist there; the child gets a fresh pool and the inherited one is leaked, never touched.
+// Pools are never destroyed: helper threads block in them until the process exits.
 Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: helper threads may outlive main's exit
-  return *p;
+  static Pool* current = nullptr;
+  static pid_t owner = -1;
+  if (owner != getpid()) {
+    current = new Pool();
+    owner = getpid();
+  }
+  return *current;
 }
 
 // ---------------------------------------------------------------------------------------

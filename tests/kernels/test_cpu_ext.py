@@ -1,0 +1,162 @@
+"""The compiled CPU kernels (kernels/cpu_ext.cpp): every output element written, bits
+independent of the ISA build and of threads, no fused multiply-add in the library, a
+concurrent first build done once, a clear error without a compiler."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaserve.kernels import cpu, cpu_ext
+from megaserve.kernels.api import set_cpu_threads
+
+from .test_cpu_batched_kernels import _attend, _cache
+
+ISA_RANK = {"baseline": 0, "avx2": 1, "avx512": 2}
+
+
+def _inputs(dtype: torch.dtype = torch.float32) -> dict:
+    g = torch.Generator().manual_seed(5)
+    e, d, inter, v = 8, 256, 512, 512
+    lengths = [1, 17, 64, 65, 130]
+    k_cache, v_cache, tables = _cache(lengths, (8, 2), 32, dtype)
+    return dict(
+        x=torch.randn(37, d, generator=g).to(dtype),
+        res=torch.randn(37, d, generator=g).to(dtype),
+        w=(torch.randn(384, d, generator=g) / 16).to(dtype),
+        bias=torch.randn(384, generator=g).to(dtype),
+        norm=torch.rand(d, generator=g).to(dtype),
+        ids=torch.randint(0, e, (37,), generator=g),
+        w_gate_up=(torch.randn(e, 2 * inter, d, generator=g) / 16).to(dtype),
+        w_down=(torch.randn(e, d, inter, generator=g) / 16).to(dtype),
+        router=torch.randn(37, e, generator=g) * 3,
+        expert_out=torch.randn(37, 2, d, generator=g),
+        topk_w=torch.rand(37, 2, generator=g),
+        logits=torch.randn(37, v, generator=g) * 4,
+        q=torch.randn(sum(lengths), 8, 32, generator=g).to(dtype),
+        cache=(k_cache, v_cache, tables, lengths),
+    )
+
+
+def _run_all(a: dict) -> list[torch.Tensor]:
+    """Every compiled kernel once on ``a``."""
+    k_cache, v_cache, tables, lengths = a["cache"]
+    ids, weights = cpu.topk_route(a["router"], 2, renormalize=True)
+    return [
+        cpu.linear(a["x"], a["w"], a["bias"]),
+        *cpu.rms_norm(a["x"], a["norm"], 1e-5, residual=a["res"]),
+        cpu.expert_ffn(a["x"], a["ids"], a["w_gate_up"], a["w_down"]),
+        ids, weights,
+        cpu.combine(a["expert_out"], a["topk_w"]),
+        cpu.log_softmax(a["logits"]),
+        _attend(a["q"], k_cache, v_cache, tables, lengths, lengths, 32 ** -0.5),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_output_element_is_written(dtype, monkeypatch):
+    """Outputs start as NaN (poisoned): a kernel that skipped an element would leave one."""
+    def poisoned(*shape, dtype=torch.float32):
+        if dtype.is_floating_point:
+            return torch.full(shape, float("nan"), dtype=dtype)
+        return torch.full(shape, -1, dtype=dtype)
+
+    monkeypatch.setattr(cpu, "_output", poisoned)
+    for out in _run_all(_inputs(dtype)):
+        assert not (out.isnan().any() if out.is_floating_point() else (out < 0).any())
+
+
+def test_exp_and_log_accuracy_over_the_float_range():
+    """log_softmax's exp and log polynomials against float64, down to underflow."""
+    x = torch.cat([torch.linspace(-110.0, 0.0, 4001), torch.tensor([-87.5, -103.0, -104.5])])
+    logits = torch.stack([x, torch.zeros_like(x)], dim=1)  # log_softmax([x, 0])
+    got = cpu.log_softmax(logits)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(got.double(), ref, rtol=2e-6, atol=2e-6)
+
+
+def test_bits_do_not_depend_on_the_isa_build(monkeypatch):
+    """The baseline (SSE2) and AVX2 builds give the bits of the default build: vector width
+    never changes an element's sequence of operations."""
+    a = _inputs()
+    default = _run_all(a)
+    here = ISA_RANK[cpu_ext.default_isa()]
+    others = [isa for isa, rank in ISA_RANK.items() if rank < here]
+    if not others:
+        pytest.skip("this CPU runs only the baseline build")
+    for isa in others:
+        monkeypatch.setattr(cpu_ext, "_lib", cpu_ext.load(isa))
+        cpu._PACKED.clear()
+        for got, want in zip(_run_all(a), default):
+            assert torch.equal(got, want), isa
+    cpu._PACKED.clear()
+
+
+def test_threads_change_no_bits():
+    a = _inputs()
+    one = _run_all(a)
+    try:
+        cpu.set_num_lanes(2)
+        two = _run_all(a)
+    finally:
+        cpu.set_num_lanes(1)
+    for got, want in zip(two, one):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_library_has_no_fused_multiply_add():
+    path = cpu_ext.build(cpu_ext.default_isa())
+    text = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "vfmadd" not in text and "vfmsub" not in text and "vfnmadd" not in text
+
+
+def test_concurrent_first_builds_compile_once(tmp_path):
+    """Four processes load the library from an empty cache at once: one compiles, the
+    others wait on the lock and load its file; no temporary file is left behind."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from megaserve.kernels import cpu_ext; cpu_ext.load(); print('loaded')")
+    env = {**__import__("os").environ, "MEGASERVE_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 and "loaded" in out for p, out in zip(procs, outs)), outs
+    assert sum(out.count("built the CPU kernels") for out in outs) == 1
+    files = sorted(p.name for p in (tmp_path / "cpu_ext").rglob("*") if p.is_file())
+    assert files == ["build.lock", "megaserve_cpu_ext.so"]
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-megaserve")
+    with pytest.raises(cpu_ext.CpuKernelBuildError, match="C\\+\\+ compiler"):
+        cpu_ext.build("baseline")
+
+
+def _linear_with_two_lanes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # As the engine does: torch's own (OpenMP) threads pinned to 1, which also keeps a
+    # forked child out of the OpenMP pool it inherited without its threads.
+    set_cpu_threads(2)
+    return cpu.linear(x, w)
+
+
+def test_thread_pool_works_in_a_forked_child():
+    """A child forked after the parent's pool started gets a pool of its own (the
+    parent's threads do not exist in it): same bits, no hang."""
+    import multiprocessing
+
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(100, 64, generator=g), torch.randn(96, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        want = _linear_with_two_lanes(x, w)  # starts this process's helper thread
+    finally:
+        cpu.set_num_lanes(1)
+        torch.set_num_threads(threads)
+    with multiprocessing.get_context("fork").Pool(1) as workers:
+        got = workers.apply_async(_linear_with_two_lanes, (x, w)).get(timeout=120)
+    assert torch.equal(got, want)
