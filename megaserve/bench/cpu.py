@@ -16,6 +16,8 @@ with the ratio of every round.
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
@@ -37,6 +39,7 @@ TINY_MIXTRAL = dict(
     rope_theta=1e6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
 )
 INIT_STD = 0.02  # MixtralConfig.initializer_range
+_TREE_ENV = "MEGASERVE_BENCH_TREE"  # set in a --baseline-tree worker: the tree it runs
 
 
 def tiny_mixtral_path() -> Path:
@@ -150,11 +153,29 @@ def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
                 for _ in range(repeat)]
 
 
+class _TreePackages(importlib.abc.MetaPathFinder):
+    """Imports ``megaserve.<name>`` from ``tree/<name>/`` for every top-level package folder
+    of ``tree`` other than megaserve itself (kernels, comm, planner, deploy: the folders
+    pyproject's package-dir installs under megaserve). Without it a tree's ``megaserve``
+    would pick these up from the editable install, i.e. from this checkout."""
+
+    def __init__(self, tree: Path) -> None:
+        self.folders = {f"megaserve.{d.name}": d for d in tree.iterdir()
+                        if d.name != "megaserve" and (d / "__init__.py").is_file()}
+
+    def find_spec(self, name, path, target=None):
+        folder = self.folders.get(name)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+
+
 def _in_fresh_process(tree: Path, argv: list[str]) -> dict:
     """One warm-up and one timed run with ``tree``'s megaserve and kernels."""
     code = ("import runpy, sys; sys.argv = ['cpu'] + sys.argv[1:]; "
             f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), _TREE_ENV: str(tree)}
     out = subprocess.run([sys.executable, "-c", code, *argv, "--worker"], env=env,
                          cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -170,6 +191,8 @@ def _row(name: str, res: dict, extra: str = "") -> str:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
+        if os.environ.get(_TREE_ENV):
+            sys.meta_path.insert(0, _TreePackages(Path(os.environ[_TREE_ENV])))
         print(json.dumps(_measure(args, 1)[0]))
         return 0
     print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  "
