@@ -132,6 +132,9 @@ def write_kv_cache(
 ) -> None:
     num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0  # slot -1: a padding row (decode graphs) that writes no K/V
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
     k_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
