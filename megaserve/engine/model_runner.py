@@ -302,15 +302,16 @@ def build_micro_batch(
     context_lens: list[int] = []
     starts = [0]
     max_blocks = max(len(block_ids) for _, _, block_ids in inputs)
-    tables = torch.zeros(len(inputs), max_blocks, dtype=torch.int32)
-    for i, (token_ids, begin, block_ids) in enumerate(inputs):
+    table_rows: list[list[int]] = []  # block tables zero-padded to max_blocks
+    for token_ids, begin, block_ids in inputs:
         end = begin + len(token_ids)
         ids += token_ids
         positions += range(begin, end)
         slots += [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
         context_lens.append(end)
         starts.append(starts[-1] + len(token_ids))
-        tables[i, : len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        table_rows.append(list(block_ids) + [0] * (max_blocks - len(block_ids)))
+    tables = torch.tensor(table_rows, dtype=torch.int32).view(len(inputs), max_blocks)
 
     def dev(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device)

@@ -103,11 +103,15 @@ def test_async_engine_streams_and_aborts_on_cancel():
                 seen.append(list(out.outputs[0].token_ids))
             assert [len(s) for s in seen] == list(range(1, 7)) and out.finished
 
+            first = asyncio.Event()
+
             async def consume():
                 async for _ in engine.generate("b", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True)):
-                    pass
+                    first.set()
             task = asyncio.create_task(consume())
-            await asyncio.sleep(0.2)
+            # Cancel mid-stream: after the first token (a fixed sleep raced the whole
+            # request once the CPU kernels got fast enough to finish it within the sleep).
+            await first.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
