@@ -16,7 +16,7 @@ COMMANDS = {
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("megaserve.planner.cli:main", "plan a deployment over heterogeneous GPUs"),
     "deploy": ("megaserve.deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
-    "bench": (None, "benchmarks: " + ", ".join(["throughput", "decode", "kernels", "comm", "planner", "cpu", "device-plane"])),
+    "bench": (None, "benchmarks: " + ", ".join(["throughput", "decode", "kernels", "comm", "planner", "cpu", "device-plane", "host"])),
 }
 
 BENCHMARKS = {
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "planner": "megaserve.planner.bench:main",
     "cpu": "megaserve.bench.cpu:main",
     "device-plane": "megaserve.bench.device_plane:main",
+    "host": "megaserve.bench.host:main",
 }
 
 EXIT_USAGE = 2
