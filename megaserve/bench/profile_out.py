@@ -2,18 +2,22 @@
 
 Writes a measurement file (format: planner/measurements.py) that ``megaserve plan
 calibrate FILE`` fits: for every batch size B of ``--profile-batches``, B requests decode
-together on one co-located engine, and
+together on one co-located engine, stepped directly (``megaserve bench decode``'s
+:func:`~megaserve.bench.decode.decode_run`):
 
-* ``step_ms`` = (wall time of ``output_len`` tokens - wall time of 1 token) / (output_len - 1),
-  i.e. one decode step of B sequences without the prefill (both after a warm-up run);
-* ``prefill_ms`` = the wall time of the 1-token run (prefill of B prompts + one step);
+* the B prompts are prefilled, then warm-up steps (CUDA graphs captured and replayed)
+  bring the context to where the timed window is centred on the run's mean context
+  ``input_len + output_len / 2`` (what the planner models);
+* ``timed_steps`` decode steps are timed one by one (wall clock, synchronised):
+  ``step_ms`` is their median, ``step_ms_min`` / ``step_ms_max`` the spread, with
+  ``mean_context`` and ``steps_not_full_batch`` (steps where a request was missing);
 * with two or more visible GPUs, ``link`` entries: a GPU-to-GPU copy of 64 KiB .. 64 MiB
   (median of CUDA-event timings), for the planner's intra-node transport line
   ``seconds = alpha + bytes / (link_eff * link_gbps)``.
 
 The per-step host overhead, per-layer overheads and bandwidth efficiency are then fitted
-by the planner; run two layer counts (e.g. ``random:qwen3-30b-a3b:2`` and ``:48``) so the
-per-step and per-layer overheads can be told apart.
+by the planner; run two layer counts or more (e.g. ``random:qwen3-30b-a3b:8`` and ``:24``)
+so the per-step and per-layer overheads can be told apart.
 """
 
 from __future__ import annotations
@@ -57,37 +61,45 @@ def _commit() -> str:
         return "unknown"
 
 
-def measure(options: dict, batches: list[int], input_len: int, output_len: int, seed: int) -> list[dict]:
-    """Decode step time per batch size on one engine (its max_num_seqs = max(batches))."""
-    import torch
+TIMED_STEPS = 32  # decode steps timed one by one per batch size (median reported)
 
-    from megaserve import LLM, SamplingParams
 
-    if output_len < 2:
-        raise ValueError("--profile-out needs --output-len >= 2")
-    cuda = str(options.get("device", "cpu")).startswith("cuda")
+def measure(options: dict, batches: list[int], input_len: int, output_len: int, seed: int,
+            timed_steps: int = TIMED_STEPS) -> list[dict]:
+    """Decode step time per batch size on one engine (its max_num_seqs = max(batches)).
+
+    Returns one run per batch (fields in the module docstring). Raises ValueError when
+    ``output_len < 2`` or ``timed_steps < 1``.
+    """
+    from megaserve import LLM
+    from megaserve.bench.decode import decode_run
+
+    if output_len < 2 or timed_steps < 1:
+        raise ValueError("--profile-out needs --output-len >= 2 and at least one timed step")
+    device = str(options.get("device", "cpu"))
+    # decode_run's timed window has mean context input_len + 1 + warmup + (steps - 1) / 2:
+    # centre it on the planner's input_len + output_len / 2, with >= 2 warm-up steps
+    # (the first replays of a freshly captured CUDA graph are not steady).
+    warmup = max(2, round(output_len / 2 - 1 - (timed_steps - 1) / 2))
+    opts = {**options, "max_num_seqs": max(batches)}
+    if opts.get("max_num_batched_tokens"):  # one decode step of the largest batch fits one step's budget
+        opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], max(batches))
     rng = random.Random(seed)
     runs = []
-    with LLM(**{**options, "max_num_seqs": max(batches)}) as llm:
-        vocab = llm.engine.vocab_size
+    with LLM(**opts) as llm:
+        engine = llm.engine
         for batch in batches:
-            prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]} for _ in range(batch)]
-            seconds = {}
-            for out_len in (output_len, 1):
-                params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-                llm.generate(prompts, params)  # warm-up: graphs, JIT, allocator
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                llm.generate(prompts, params)
-                if cuda:
-                    torch.cuda.synchronize()
-                seconds[out_len] = time.perf_counter() - start
-            step = (seconds[output_len] - seconds[1]) / (output_len - 1)
+            r, ids = decode_run(engine, device, batch, input_len, warmup, timed_steps, 0, rng)
+            for rid in ids:
+                engine.abort_request(rid)
+            step_s = r["step_ms_median"] / 1e3
             runs.append({"batch": batch, "input_len": input_len, "output_len": output_len,
-                         "step_ms": round(step * 1e3, 4), "tok_s": round(batch / step, 1),
-                         "prefill_ms": round(seconds[1] * 1e3, 3)})
-            logger.info("profile: batch %d: %.3f ms per decode step", batch, step * 1e3)
+                         "step_ms": round(r["step_ms_median"], 4), "tok_s": round(batch / step_s, 1),
+                         "step_ms_min": round(r["step_ms_min"], 4), "step_ms_max": round(r["step_ms_max"], 4),
+                         "timed_steps": timed_steps, "warmup_steps": warmup,
+                         "mean_context": r["mean_context"], "steps_not_full_batch": r["steps_not_full_batch"]})
+            logger.info("profile: batch %d: %.3f ms per decode step (min %.3f, max %.3f)", batch,
+                        r["step_ms_median"], r["step_ms_min"], r["step_ms_max"])
     return runs
 
 

@@ -163,6 +163,7 @@ def main(argv: list[str]) -> int:
                   "tok_s": round(result["tokens_per_s"], 1), "includes_prefill": True}]
         steps = profile_out.collect(args.profile_out, args, options, _device_name(args.device), batches, whole)
         for r in steps:
-            print(f"profile: batch {r['batch']:>4}: decode step {r['step_ms']:8.3f} ms, {r['tok_s']:9.1f} tok/s")
+            print(f"profile: batch {r['batch']:>4}: decode step {r['step_ms']:8.3f} ms (median of {r['timed_steps']}, "
+                  f"min {r['step_ms_min']:.3f}, max {r['step_ms_max']:.3f}), {r['tok_s']:9.1f} tok/s")
         print(f"wrote {args.profile_out}")
     return 0

@@ -17,11 +17,16 @@ def test_decode_steps_are_measured_per_batch_on_the_cpu_engine():
     options = dict(model="builtin:tiny-moe", dtype="auto", device="cpu", max_model_len=None, max_num_seqs=8,
                    attention_replicas=1, expert_workers=1, microbatches=1, transport="inproc",
                    aggregation="per_layer", expert_aggregation_wait_ms=0.5, cuda_graphs=False)
-    runs = profile_out.measure(options, [1, 3], input_len=4, output_len=3, seed=0)
+    runs = profile_out.measure(options, [1, 3], input_len=4, output_len=20, seed=0, timed_steps=5)
     assert [r["batch"] for r in runs] == [1, 3]
     for r in runs:
         assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-2)
-        assert r["prefill_ms"] > 0 and (r["input_len"], r["output_len"]) == (4, 3)
+        assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["timed_steps"] == 5
+        assert (r["input_len"], r["output_len"]) == (4, 20) and r["steps_not_full_batch"] == 0
+        # the timed window is centred on the context the planner models (input + output / 2)
+        assert r["mean_context"] == pytest.approx(4 + 20 / 2, abs=0.5)
+    with pytest.raises(ValueError, match="output-len"):
+        profile_out.measure(options, [1], input_len=4, output_len=1, seed=0)
 
 
 def test_written_file_round_trips_through_the_planner(tmp_path):
