@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
 DATA_PLANES = ("auto", "device", "host")
@@ -87,6 +87,27 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LayoutConfig:
+    """How a deployment's attention replicas and expert workers are placed and talk
+    (megaserve.runtime reads it; a replica's own engine never does). The defaults are one
+    process with everything in it. ``EngineConfig.layout`` is this part of a config and
+    ``EngineConfig.replica()`` the rest, the config each attention replica's engine runs."""
+
+    attention_replicas: int = 1
+    expert_workers: int = 1
+    transport: str = "inproc"
+    aggregation: str = "per_layer"
+    expert_aggregation_wait_ms: float = 0.5
+    expert_placement: tuple[tuple[int, ...], ...] | None = None
+    launcher: str = "local"
+    ray_address: str | None = None
+    attention_gpu_type: str | None = None
+    expert_gpu_type: str | None = None
+    disaggregate: bool = False
+    data_plane: str = "auto"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How to load and run a model. ``None`` fields are derived from the model.
 
@@ -154,6 +175,17 @@ class EngineConfig:
     # "host" (frames through comm endpoints), "auto" (device where it applies: CUDA, one
     # attention replica, inproc or cuda_ipc).
     data_plane: str = "auto"
+
+    @property
+    def layout(self) -> LayoutConfig:
+        """The layout part of this config (the fields LayoutConfig names)."""
+        return LayoutConfig(**{f.name: getattr(self, f.name) for f in fields(LayoutConfig)})
+
+    def replica(self, **changes) -> EngineConfig:
+        """The config one attention replica's engine runs: this one with the layout at its
+        one-process defaults (``microbatches`` stays: the replica splits its own steps),
+        plus ``changes`` (e.g. the worker's ``device``)."""
+        return replace(self, **{**asdict(LayoutConfig()), **changes})
 
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -164,12 +164,10 @@ class DevicePlaneEngine:
             else:
                 links = self._start_processes(config, str(path))
             self.barrier = StepBarrier(links) if num_replicas > 1 else None
-            engine_config = replace(config, model=str(path), attention_replicas=1,
-                                    expert_workers=1, transport="inproc", expert_placement=None,
-                                    disaggregate=False)
+            engine_config = config.replica(model=str(path))
             if num_replicas > 1 and config.kv_cache_memory_bytes is None \
                     and config.num_kv_blocks is None:  # the replicas share the GPU's share
-                engine_config = replace(engine_config, gpu_memory_utilization=(
+                engine_config = config.replica(model=str(path), gpu_memory_utilization=(
                     config.gpu_memory_utilization / num_replicas))
             self.experts_by_replica: list[DeviceExperts] = []
             self.engines: list[LLMEngine] = []

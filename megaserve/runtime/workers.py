@@ -10,7 +10,7 @@ import logging
 import os
 import queue
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -105,8 +105,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
     from megaserve.engine.engine import LLMEngine
     from megaserve.runtime.remote_experts import RemoteExperts
 
-    config = replace(spec.engine, attention_replicas=1, expert_workers=1, transport="inproc",
-                     expert_placement=None, device=spec.device)
+    config = spec.engine.replica(device=spec.device)
     lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
     experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
     engine = LLMEngine(config, experts=experts)
