@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from megaserve import kernels
@@ -86,6 +87,9 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self._staging = torch.zeros(max_batch, cols, dtype=torch.int32, pin_memory=pin)
         self._host = self._staging.numpy()
+        # Per staging row: the block_ids list whose first _row_lens[i] blocks it holds.
+        self._row_lists: list[list[int] | None] = [None] * max_batch
+        self._row_lens: list[int] = [0] * max_batch
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -137,6 +141,7 @@ class DecodeGraphs:
         if not self.capture:
             return
         self._host[:] = 0
+        self._forget_rows(0)
         self._host[:, _SLOT] = -1
         self._host[:, _CONTEXT] = 1
         for b in self.sizes:
@@ -145,22 +150,46 @@ class DecodeGraphs:
                 self._capture(b)
 
     def _fill(self, scheduled: list[ScheduledSeq], b: int) -> None:
-        """Rows of the static layout (module NOTE) into the host staging buffer."""
+        """Rows of the static layout (module NOTE) into the host staging buffer.
+
+        The block-table columns are kept between steps: a row still holding the same
+        sequence (the same ``block_ids`` list object, which only grows in place; releasing
+        blocks replaces the list, see ``Sequence``) gets only its new blocks written. The
+        other columns are written for all rows at once."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the staging rows
-        host, bs = self._host, self.block_size
+        host, bs, n = self._host, self.block_size, len(scheduled)
+        row_lists, row_lens = self._row_lists, self._row_lens
+        positions = [0] * n
+        tokens = [0] * n
         for i, s in enumerate(scheduled):
-            seq, pos = s.seq, s.seq.num_computed_tokens
-            blocks = seq.block_ids
-            host[i, _TOKEN] = seq.token_ids(pos, pos + 1)[0]
-            host[i, _POSITION] = pos
-            host[i, _SLOT] = blocks[pos // bs] * bs + pos % bs
-            host[i, _CONTEXT] = pos + 1
-            host[i, _TABLE:_TABLE + len(blocks)] = blocks
-            host[i, _TABLE + len(blocks):] = 0
-        n = len(scheduled)
+            seq = s.seq
+            pos = positions[i] = seq.num_computed_tokens
+            num_prompt = len(seq.prompt_token_ids)
+            tokens[i] = (seq.output_token_ids[pos - num_prompt] if pos >= num_prompt
+                         else seq.prompt_token_ids[pos])
+            blocks, done = seq.block_ids, row_lens[i]
+            if row_lists[i] is not blocks or done > len(blocks):
+                host[i, _TABLE:_TABLE + len(blocks)] = blocks
+                host[i, _TABLE + len(blocks):] = 0
+                row_lists[i], row_lens[i] = blocks, len(blocks)
+            elif done < len(blocks):
+                host[i, _TABLE + done:_TABLE + len(blocks)] = blocks[done:]
+                row_lens[i] = len(blocks)
+        pos = np.array(positions, dtype=np.int32)  # [n]
+        rows = host[:n]
+        rows[:, _TOKEN] = tokens
+        rows[:, _POSITION] = pos
+        rows[:, _SLOT] = rows[np.arange(n), _TABLE + pos // bs] * bs + pos % bs
+        rows[:, _CONTEXT] = pos + 1
         host[n:b] = host[0]
         host[n:b, _SLOT] = -1
+        self._forget_rows(n)
+
+    def _forget_rows(self, start: int) -> None:
+        """Rows ``start..`` no longer hold a sequence's block table (padding overwrote them)."""
+        self._row_lists[start:] = [None] * (len(self._row_lists) - start)
+        self._row_lens[start:] = [0] * (len(self._row_lens) - start)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The decode forward over static rows ``[:b]``: `[b, V]` float32 log-probs."""

@@ -29,6 +29,10 @@ class Sequence:
     ``num_draft_computed`` counts tokens whose K/V are in the draft model's cache
     (speculative decoding with a draft model); it never exceeds ``num_computed_tokens``
     after a step.
+
+    NOTE: ``block_ids`` only grows in place (``extend``) while the sequence holds its
+    blocks; freeing them (finish, abort, preemption) or taking prefix-cache hits assigns a
+    new list. ``DecodeGraphs`` relies on this to keep block tables between steps.
     """
 
     request_id: str

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from megaserve.engine.engine import LLMEngine
+from megaserve.engine.scheduler import ScheduledSeq
+from megaserve.engine.sequence import Sequence
 from megaserve.sampling_params import SamplingParams
 from tests.megaserve.test_batch_invariance import _run, crowd_arrivals
 
@@ -66,3 +70,69 @@ def test_padded_decode_forward_equals_eager(scenario: int) -> None:
 def _outputs(out):
     c = out.outputs[0]
     return c.token_ids, c.logprobs, c.finish_reason
+
+
+def _reference_rows(graphs: DecodeGraphs, scheduled, b: int) -> np.ndarray:
+    """The static layout (cuda_graphs module NOTE) built from scratch, row by row."""
+    bs = graphs.block_size
+    rows = np.zeros((b, 4 + graphs.table_width), dtype=np.int32)
+    for i, s in enumerate(scheduled):
+        seq, pos = s.seq, s.seq.num_computed_tokens
+        blocks = seq.block_ids
+        rows[i, :4] = [seq.token_ids(pos, pos + 1)[0], pos, blocks[pos // bs] * bs + pos % bs, pos + 1]
+        rows[i, 4:4 + len(blocks)] = blocks
+    rows[len(scheduled):] = rows[0]
+    rows[len(scheduled):, 2] = -1
+    return rows
+
+
+def test_fill_keeps_block_tables_across_steps_preemption_and_aborts() -> None:
+    """The incrementally kept staging rows equal rows built from scratch at every decode
+    step, while sequences grow blocks, finish, get aborted and get preempted (a KV pool
+    too small for all of them) and rows change hands."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+                                    block_size=4, num_kv_blocks=40))
+    runner = engine.runner
+    graphs = runner.decode_graphs = DecodeGraphs(
+        runner.attention, runner.experts.experts, runner.kv_caches, runner.block_size,
+        16, MAX_MODEL_LEN, capture=False)
+    fill = graphs._fill
+    checked = []
+
+    def checked_fill(scheduled, b):
+        fill(scheduled, b)
+        np.testing.assert_array_equal(graphs._host[:b], _reference_rows(graphs, scheduled, b))
+        checked.append(len(scheduled))
+
+    graphs._fill = checked_fill
+    rng = random.Random(3)
+    for i in range(24):
+        prompt = [rng.randrange(engine.vocab_size) for _ in range(rng.randrange(2, 12))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(3, 30), ignore_eos=True))
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        if step % 7 == 0 and engine.scheduler.running:
+            engine.abort_request(engine.scheduler.running[0].request_id)
+    assert engine.scheduler.total_preemptions > 0
+    assert len(checked) > 20 and len(set(checked)) > 3
+
+
+def test_fill_rewrites_a_row_that_padding_overwrote() -> None:
+    """A sequence dropping out of a decode step for a step (its row padded over) and coming
+    back to the same row with the same block list gets its whole table written again."""
+    engine = _padded_engine(max_batch=8)
+    graphs = engine.runner.decode_graphs
+    params = SamplingParams(max_tokens=4)
+    seqs = []
+    for i in range(5):
+        seq = Sequence(f"s{i}", None, [1, 2, 3], params, seed=0, arrival=i)
+        seq.block_ids = [10 + 3 * i, 11 + 3 * i]
+        seq.num_computed_tokens = 2
+        seqs.append(seq)
+    for batch in (seqs, seqs[:3], seqs[:4], seqs):
+        scheduled = [ScheduledSeq(s, 1, True) for s in batch]
+        b = padded_size(len(batch), graphs.sizes)
+        graphs._fill(scheduled, b)
+        np.testing.assert_array_equal(graphs._host[:b], _reference_rows(graphs, scheduled, b))
