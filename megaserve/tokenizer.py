@@ -199,10 +199,10 @@ class Tokenizer:
 
         Raises ValueError for an id outside ``[0, vocab_size)``.
         """
-        ids = list(ids)
-        for i in ids:
-            if not 0 <= i < self._vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary [0, {self._vocab_size})")
+        ids = ids if type(ids) is list else list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):  # one pass in C, per token
+            bad = next(i for i in ids if not 0 <= i < self._vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -236,7 +236,7 @@ class LLMEngine:
         proposals = self.proposer.propose([scheduled[i] for i in todo])
         filled = list(scheduled)
         for i, (token_ids, probs) in zip(todo, proposals):
-            filled[i] = replace(scheduled[i], draft_token_ids=tuple(token_ids), draft_probs=probs)
+            filled[i] = scheduled[i]._replace(draft_token_ids=tuple(token_ids), draft_probs=probs)
         return filled
 
     def stats(self) -> EngineStats:

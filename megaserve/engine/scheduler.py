@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from megaserve.engine.kv_cache import BlockPool, blocks_for
 from megaserve.engine.prefix_cache import PrefixCacheStats, extend_block_hashes
@@ -47,8 +47,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One sequence's part of a step (immutable; a NamedTuple because one is built per
+    sequence per step, and a frozen dataclass costs three times as much to create)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens [seq.num_computed_tokens, + num_new_tokens) run this step
     samples: bool  # the step completes the sequence's tokens, so a new one is sampled
@@ -212,7 +214,8 @@ class Scheduler:
 
     def _take(self, seq: Sequence, num_new: int, num_draft: int, need: int,
               out: list[ScheduledSeq]) -> None:
-        seq.block_ids.extend(self.pool.allocate(need))
+        if need:
+            seq.block_ids.extend(self.pool.allocate(need))
         samples = seq.num_computed_tokens + num_new == seq.num_tokens
         out.append(ScheduledSeq(seq, num_new, samples, num_draft))
 
