@@ -1,0 +1,138 @@
+"""The host-proxied link of the device data plane (megaserve.comm.relay) on CPU: the same
+mailboxes, flags, proxy and completion threads the GPU path uses, over real tcp sockets
+between real processes. The replica (this process) packs routed rows per expert worker,
+puts them in its outgoing mailboxes; each expert worker process takes them, runs the
+expert tick, puts the combine back; the gathered result is bitwise what in-process
+experts give. A worker that dies surfaces as a typed error within the timeout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy
+import pytest
+import torch
+
+from megaserve.comm import CommTimeoutError, RendezvousServer, create_endpoint, exchange
+from megaserve.comm.relay import Mailboxes, Relay, Route, put, take
+from megaserve.models.expert_part import ExpertPart
+from megaserve.models.forward import LocalExperts
+from megaserve.runtime.device_plane import ExpertInbox, ReplicaInbox, gather, pack
+from tests.comm.relay_workers import C, D, E, K, M, expert_worker, layouts, plane_shape, weights
+
+PLACEMENTS = [[list(range(E))], [[0, 5, 6], [1, 2, 3, 4, 7]]]
+
+
+def _start(placement, ticks):
+    ctx = multiprocessing.get_context("spawn")
+    workers = len(placement)
+    server = RendezvousServer(1 + workers)
+    results, stop = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=expert_worker,
+                         args=(e, placement[e], workers, ticks, server.address, results, stop),
+                         daemon=True) for e in range(workers)]
+    for proc in procs:
+        proc.start()
+    endpoint = create_endpoint("tcp", 0, 1 + workers)
+    endpoint.connect(exchange(server.address, 0, 1 + workers, endpoint.address),
+                     send_to=range(1, 1 + workers))
+    dispatch, combine = layouts()
+    outgoing, incoming = Mailboxes(dispatch, workers * M), Mailboxes(combine, workers * M)
+    routes = [Route(local=e * M + i, dst=1 + e, remote=i)
+              for e in range(workers) for i in range(M)]
+    relay = Relay(endpoint, outgoing, routes, incoming)
+    return server, procs, results, stop, endpoint, relay, outgoing, incoming
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=["E=1", "E=2"])
+def test_ticks_through_the_relay_are_bitwise_local_experts(placement) -> None:
+    workers = len(placement)
+    w_gate_up, w_down = weights()
+    local = LocalExperts(ExpertPart(list(range(E)), E, {3: w_gate_up}, {3: w_down}))
+    owner = torch.empty(E, dtype=torch.int64)
+    for e, ids in enumerate(placement):
+        owner[ids] = e
+    token_counts = [1, 16, 5, 11, 16, 3]  # ticks alternate micro-batches 0, 1
+    ticks = [(3, n % M) for n in range(len(token_counts))]
+    server, procs, results, stop, endpoint, relay, outgoing, incoming = _start(placement, ticks)
+    try:
+        shape = plane_shape(workers)
+        staging = [ExpertInbox(shape, "cpu") for _ in range(workers)]
+        replica = ReplicaInbox(shape, "cpu")
+        replica.out.fill_(float("nan"))  # rows that were not sent must never be read
+        count = torch.zeros(1, dtype=torch.int32)
+        g = torch.Generator().manual_seed(1)
+        for (layer, i), num_tokens in zip(ticks, token_counts):
+            x = torch.randn(num_tokens, D, generator=g)
+            topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]
+            owners = owner[topk_ids]
+            positions = []
+            for e in range(workers):
+                slot = staging[e].slot(0)
+                pos = pack(slot, i, x, topk_ids, owners, e, workers == 1)
+                if pos is not None:
+                    positions.append(pos)
+                put(outgoing, e * M + i, slot.counts[i: i + 1], [slot.rows[i], slot.ids[i]],
+                    num_tokens)
+            for e in range(workers):
+                take(incoming, e * M + i, count, [replica.out[i, e]], num_tokens, timeout_s=60)
+            got = gather(replica, i, owners, torch.stack(positions) if positions else None)
+            assert torch.equal(got, local.dispatch(layer, i, x, topk_ids)), (num_tokens, i)
+        reports = [results.get(timeout=60) for _ in range(workers)]
+        assert all(r["ok"] for r in reports), reports
+        assert all(r["sent"] == r["received"] == len(ticks) for r in reports)
+        assert relay.frames_sent == relay.frames_received == workers * len(ticks)
+        assert relay.error is None
+    finally:
+        stop.set()
+        relay.close()
+        endpoint.close()
+        for proc in procs:
+            proc.join(10)
+        server.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_expert_worker_is_a_typed_error_within_the_timeout() -> None:
+    placement = [list(range(E))]
+    started = _start(placement, [(3, 0)] * 50)
+    server, procs, results, stop, endpoint, relay, outgoing, incoming = started
+    try:
+        procs[0].kill()
+        procs[0].join(10)
+        shape = plane_shape(1)
+        slot, replica = ExpertInbox(shape, "cpu").slot(0), ReplicaInbox(shape, "cpu")
+        ids = torch.zeros(4, K, dtype=torch.int64)
+        pack(slot, 0, torch.randn(4, D), ids, ids, 0, True)
+        put(outgoing, 0, slot.counts[0:1], [slot.rows[0], slot.ids[0]], 4)
+        start = time.monotonic()
+        with pytest.raises(CommTimeoutError):
+            take(incoming, 0, torch.zeros(1, dtype=torch.int32), [replica.out[0, 0]], 4,
+                 timeout_s=2.0)
+        assert time.monotonic() - start < 10
+    finally:
+        relay.close()
+        endpoint.close()
+        server.close()
+
+
+def test_mailbox_layout_and_frames() -> None:
+    dispatch, _ = layouts()
+    box = Mailboxes(dispatch, 2)
+    assert box.section(1, 0).shape == (C, D) and box.section(1, 1).shape == (C, K)
+    starts = [box.section(0, j).data_ptr() - box.data.data_ptr() for j in range(2)]
+    assert all(s % 64 == 0 for s in starts) and starts[0] >= 64
+    box.count(1).fill_(3)
+    box.section(1, 0)[:3] = torch.arange(3 * D, dtype=torch.float32).view(3, D)
+    box.section(1, 1)[:3] = 7
+    frame = numpy.concatenate(box.payload(1))
+    assert frame.size == dispatch.payload_bytes(3)
+    other = Mailboxes(dispatch, 2)
+    other.land(0, frame)
+    assert int(other.count(0)) == 3
+    assert torch.equal(other.section(0, 0)[:3], box.section(1, 0)[:3])
+    assert torch.equal(other.section(0, 1)[:3], box.section(1, 1)[:3])
+    with pytest.raises(Exception, match="does not hold"):
+        other.land(1, frame[:-4])
