@@ -11,6 +11,9 @@ together on one co-located engine, stepped directly (``megaserve bench decode``'
 * ``timed_steps`` decode steps are timed one by one (wall clock, synchronised):
   ``step_ms`` is their median, ``step_ms_min`` / ``step_ms_max`` the spread, with
   ``mean_context`` and ``steps_not_full_batch`` (steps where a request was missing);
+* the whole workload (``--num-prompts`` x ``--input-len`` / ``--output-len``) through
+  ``generate`` on the same engine, prefill included, with prompts the warm-up did not
+  use (:func:`measure_whole`: no prefix-cache hits, as the planner models it);
 * with two or more visible GPUs, ``link`` entries: a GPU-to-GPU copy of 64 KiB .. 64 MiB
   (median of CUDA-event timings), for the planner's intra-node transport line
   ``seconds = alpha + bytes / (link_eff * link_gbps)``.
@@ -65,11 +68,12 @@ TIMED_STEPS = 32  # decode steps timed one by one per batch size (median reporte
 
 
 def measure(options: dict, batches: list[int], input_len: int, output_len: int, seed: int,
-            timed_steps: int = TIMED_STEPS) -> list[dict]:
-    """Decode step time per batch size on one engine (its max_num_seqs = max(batches)).
+            timed_steps: int = TIMED_STEPS, num_prompts: int = 0) -> list[dict]:
+    """Decode step time per batch size on one engine (its max_num_seqs = max(batches)),
+    then, if ``num_prompts``, one whole ``generate`` of that many prompts (:func:`measure_whole`).
 
-    Returns one run per batch (fields in the module docstring). Raises ValueError when
-    ``output_len < 2`` or ``timed_steps < 1``.
+    Returns one run per batch (fields in the module docstring), and the whole run last.
+    Raises ValueError when ``output_len < 2`` or ``timed_steps < 1``.
     """
     from megaserve import LLM
     from megaserve.bench.decode import decode_run
@@ -100,7 +104,44 @@ def measure(options: dict, batches: list[int], input_len: int, output_len: int, 
                          "mean_context": r["mean_context"], "steps_not_full_batch": r["steps_not_full_batch"]})
             logger.info("profile: batch %d: %.3f ms per decode step (min %.3f, max %.3f)", batch,
                         r["step_ms_median"], r["step_ms_min"], r["step_ms_max"])
+        if num_prompts:
+            runs.append(measure_whole(llm, device, num_prompts, input_len, output_len, rng))
     return runs
+
+
+def measure_whole(llm, device: str, num_prompts: int, input_len: int, output_len: int,
+                  rng: random.Random) -> dict:
+    """Generated tokens/s of one ``llm.generate`` of ``num_prompts`` fresh prompts, prefill included.
+
+    NOTE: the warm-up pass uses *other* prompts of the same shape. Timing a repeat of the
+    warm-up's prompts (as the benchmark's own row does) hits the prefix cache: most of the
+    prefill is skipped, and the short remainders are prefill shapes the warm-up never ran,
+    compiled inside the timed window on a cold kernel cache. The planner models full
+    prefill in ``max_num_batched_tokens`` chunks, so this run has no prefix-cache hits.
+    """
+    import torch
+
+    from megaserve import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    vocab = llm.engine.vocab_size
+    seconds = 0.0
+    for _ in ("warm-up", "timed"):
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]} for _ in range(num_prompts)]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    cfg = llm.engine.config
+    logger.info("profile: %d prompts: %.1f generated tok/s incl. prefill", num_prompts, generated / seconds)
+    return {"num_prompts": num_prompts, "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens, "input_len": input_len,
+            "output_len": output_len, "tok_s": round(generated / seconds, 1), "includes_prefill": True,
+            "prefix_cache_hits": False}
 
 
 LINK_SIZES = (64 << 10, 1 << 20, 8 << 20, 64 << 20)
@@ -129,16 +170,17 @@ def measure_link(sizes=LINK_SIZES, iters: int = 20) -> list[dict]:
     return out
 
 
-def collect(path: str, args, options: dict, device: str, batches: list[int], whole: list[dict]) -> list[dict]:
-    """Measure (decode steps per batch, GPU-to-GPU copies) and write the file; returns the steps."""
-    steps = measure(options, batches, args.input_len, args.output_len, args.seed)
+def collect(path: str, args, options: dict, device: str, batches: list[int]) -> list[dict]:
+    """Measure (decode steps per batch, the whole workload, GPU-to-GPU copies) and write
+    the file; returns the runs written."""
+    runs = measure(options, batches, args.input_len, args.output_len, args.seed, num_prompts=args.num_prompts)
     cuda = str(options.get("device", "cpu")).startswith("cuda")
-    write(path, args, device, steps + whole, measure_link() if cuda else [])
-    return steps
+    write(path, args, device, runs, measure_link() if cuda else [])
+    return runs
 
 
 def write(path: str, args, device: str, runs: list[dict], link: list[dict]) -> None:
-    """The measurement file: decode runs, the benchmark's whole-run tokens/s, link entries."""
+    """The measurement file: decode runs, the whole-run tokens/s, link entries."""
     model, layers = planner_model(args.model)
     gpu = catalog_gpu(device)
     data = {

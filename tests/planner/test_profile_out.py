@@ -17,9 +17,15 @@ def test_decode_steps_are_measured_per_batch_on_the_cpu_engine():
     options = dict(model="builtin:tiny-moe", dtype="auto", device="cpu", max_model_len=None, max_num_seqs=8,
                    attention_replicas=1, expert_workers=1, microbatches=1, transport="inproc",
                    aggregation="per_layer", expert_aggregation_wait_ms=0.5, cuda_graphs=False)
-    runs = profile_out.measure(options, [1, 3], input_len=4, output_len=20, seed=0, timed_steps=5)
-    assert [r["batch"] for r in runs] == [1, 3]
-    for r in runs:
+    runs = profile_out.measure(options, [1, 3], input_len=4, output_len=20, seed=0, timed_steps=5, num_prompts=2)
+    *steps, whole = runs
+    assert [r["batch"] for r in steps] == [1, 3]
+    # the whole generate: fresh prompts (no prefix-cache hits), the engine's limits recorded
+    assert whole["includes_prefill"] and whole["prefix_cache_hits"] is False and whole["tok_s"] > 0
+    assert (whole["num_prompts"], whole["max_num_seqs"], whole["output_len"]) == (2, 3, 20)
+    data = {"format": measurements.FORMAT, "gpu": "H200", "model": "qwen3-30b-a3b", "num_layers": 2, "runs": runs}
+    assert [r.step_ms is None for r in measurements.parse_runs(data, "cpu.json")] == [False, False, True]
+    for r in steps:
         assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-2)
         assert r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and r["timed_steps"] == 5
         assert (r["input_len"], r["output_len"]) == (4, 20) and r["steps_not_full_batch"] == 0
