@@ -201,11 +201,12 @@ def expert_ffn(
     xf = _f32(x)
     ids = expert_ids.to(torch.int64).contiguous()
     out = _output(num_rows, hidden)
-    if num_rows:
-        cpu_ext.load().ms_expert_ffn(
+    if num_rows and cpu_ext.load().ms_expert_ffn(
             xf.data_ptr(), ids.data_ptr(), num_rows, hidden, two_inter // 2, num_experts,
             packed(w_gate_up).data_ptr(), packed(w_down).data_ptr(), out.data_ptr(),
-            EXPERT_ROW_TILE, _lanes)
+            EXPERT_ROW_TILE, _lanes) != 0:
+        raise ValueError(f"expert ids must lie in [0, {num_experts}] ({num_experts}: routed "
+                         "nowhere)")
     return out.to(x.dtype)
 
 

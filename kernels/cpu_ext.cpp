@@ -310,9 +310,12 @@ void ms_linear(const float* x, int64_t m_len, int64_t k_len, const float* packed
 // gate_up packed [E][ceil(2I / NR)][D][NR] (rows 0..I-1 gate, I..2I-1 up); down packed
 // [E][ceil(D / NR)][I][NR]. out[r] = down_e(silu(gate_e x_r) * up_e x_r). Each task (one
 // thread's unit of work) takes up to rows_per_task rows of one expert.
-void ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, int64_t inter,
-                   int64_t num_experts, const float* gate_up, const float* down, float* out,
-                   int64_t rows_per_task, int threads) {
+// Returns 0, or -1 (nothing computed) when an id is outside [0, E].
+int ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, int64_t inter,
+                  int64_t num_experts, const float* gate_up, const float* down, float* out,
+                  int64_t rows_per_task, int threads) {
+  for (int64_t r = 0; r < r_len; ++r)
+    if (ids[r] < 0 || ids[r] > num_experts) return -1;
   std::vector<int64_t> count(num_experts + 1, 0), order(r_len);
   for (int64_t r = 0; r < r_len; ++r) ++count[ids[r]];
   std::vector<int64_t> start(num_experts + 2, 0);
@@ -344,6 +347,7 @@ void ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d,
     for (int64_t i = 0; i < task.rows; ++i)
       std::memcpy(out + order[task.first + i] * d, &ys[i * d], sizeof(float) * d);
   });
+  return 0;
 }
 
 // h = x (+ residual); y = h / sqrt(mean(h^2) + eps) (* weight when weight != null).

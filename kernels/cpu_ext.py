@@ -81,7 +81,11 @@ def cache_dir() -> Path:
 
 def library_path(isa: str) -> Path:
     """Where the library for ``isa`` lives (built or not); raises CpuKernelBuildError
-    when no compiler is found."""
+    when no compiler is found or the source is missing."""
+    if not SOURCE.is_file():
+        raise CpuKernelBuildError(
+            f"{SOURCE} is missing: this install of megaserve lacks the CPU kernels' source "
+            "(install from the repository, e.g. `pip install -e .`)")
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
@@ -125,6 +129,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ms_panel_width.argtypes, lib.ms_panel_width.restype = [], ctypes.c_int
+    lib.ms_expert_ffn.restype = ctypes.c_int
     if isa is None:
         _lib = lib
     return lib

@@ -160,3 +160,14 @@ def test_thread_pool_works_in_a_forked_child():
     with multiprocessing.get_context("fork").Pool(1) as workers:
         got = workers.apply_async(_linear_with_two_lanes, (x, w)).get(timeout=120)
     assert torch.equal(got, want)
+
+
+def test_expert_ids_out_of_range_are_rejected():
+    g = torch.Generator().manual_seed(4)
+    w_gate_up, w_down = torch.randn(4, 32, 16, generator=g), torch.randn(4, 16, 16, generator=g)
+    x = torch.randn(3, 16, generator=g)
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match="expert ids"):
+            cpu.expert_ffn(x, torch.tensor([0, bad, 1]), w_gate_up, w_down)
+    out = cpu.expert_ffn(x, torch.tensor([0, 4, 1]), w_gate_up, w_down)  # 4 = routed nowhere
+    assert torch.equal(out[[0, 2]], cpu.expert_ffn(x[[0, 2]], torch.tensor([0, 1]), w_gate_up, w_down))
