@@ -36,14 +36,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megaserve.comm import ChannelConfig, RendezvousServer, create_endpoint, exchange
+from megaserve.comm.relay import Mailboxes, Relay, Route
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import EngineStats, LLMEngine, derive_seed
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
 from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, ExpertInbox,
-                                            ExpertLink, ExpertServer, PlaneShape, ReplicaInbox,
-                                            StepBarrier, Stop, WorkerFailed, WorkerReady)
+                                            ExpertLink, ExpertServer, PlaneShape, RelaySlots,
+                                            ReplicaInbox, StepBarrier, Stop, WorkerFailed,
+                                            WorkerReady)
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 
@@ -66,6 +69,12 @@ class ExpertWorkerSpec:
     moe_layers: tuple[int, ...]
     replica_handles: tuple[bytes, ...]  # each replica's ReplicaInbox (cuda_ipc.share_tensor)
     parent_pid: int
+    # tcp / rdma: host-proxied links (megaserve.comm.relay) instead of IPC handles; the
+    # front-end is rank 0 of the endpoint group, expert worker e rank 1 + e.
+    transport: str = "cuda_ipc"
+    rendezvous: str | None = None
+    channel: ChannelConfig | None = None
+
 
 
 def expert_device(requested: str, replica: torch.device, index: int) -> str:
@@ -84,21 +93,46 @@ def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
                       expert_ids=list(expert_ids)).experts
 
 
+def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
+    """Expert worker ``spec.index``'s end of the host-proxied links: its endpoint (rank
+    1 + index), mailboxes per (replica, micro-batch) and the relay threads."""
+    shape, m = spec.shape, spec.shape.microbatches
+    world = 1 + shape.num_workers
+    endpoint = create_endpoint(spec.transport, 1 + spec.index, world, spec.channel)
+    endpoint.connect(exchange(spec.rendezvous, 1 + spec.index, world, endpoint.address),
+                     send_to=[0])
+    dispatch, combine = RelaySlots.layouts(shape)
+    slots = RelaySlots(Mailboxes(combine, shape.num_replicas * m),
+                       Mailboxes(dispatch, shape.num_replicas * m), m)
+    routes = [Route(local=slots.index(r, i), dst=0,
+                    remote=(r * shape.num_workers + spec.index) * m + i)
+              for r in range(shape.num_replicas) for i in range(m)]
+    return Relay(endpoint, slots.outgoing, routes, slots.incoming), slots
+
+
 def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
-    """Entry point of an expert worker process (``cuda_ipc``)."""
+    """Entry point of an expert worker process (``cuda_ipc``; ``tcp``/``rdma``: relayed)."""
     from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
+    relay = None
     try:
         device = torch.device(spec.device)
         torch.cuda.set_device(device)
         part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids)
         inbox = ExpertInbox(spec.shape, device)
-        replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle))
-                    for handle in spec.replica_handles]
+        if spec.transport == "cuda_ipc":
+            replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle))
+                        for handle in spec.replica_handles]
+            slots = None
+        else:  # this process's copies of the replicas' slots, sent from host memory
+            replicas = [ReplicaInbox(spec.shape, device)
+                        for _ in range(spec.shape.num_replicas)]
+            relay, slots = _worker_relay(spec)
         server = ExpertServer(part, spec.index, spec.shape, inbox, replicas,
-                              list(spec.moe_layers), device)
+                              list(spec.moe_layers), device, relay=slots)
         torch.cuda.synchronize()
-        replies.put(WorkerReady(spec.index, share_tensor(inbox.storage)))
+        handle = share_tensor(inbox.storage) if spec.transport == "cuda_ipc" else None
+        replies.put(WorkerReady(spec.index, handle))
 
         def parent_gone() -> bool:
             try:
@@ -112,6 +146,10 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the front-end
         logger.exception("expert worker %d failed", spec.index)
         replies.put(WorkerFailed(spec.index, f"{type(e).__name__}: {e}"))
+    finally:
+        if relay is not None:
+            relay.close()
+            relay.endpoint.close()
 
 
 class DevicePlaneEngine:
@@ -158,6 +196,8 @@ class DevicePlaneEngine:
         self._load = [0] * num_replicas
         self._arrivals = itertools.count()
         self._pool: ThreadPoolExecutor | None = None
+        self.relay: Relay | None = None  # tcp / rdma: host-proxied links
+        self._rendezvous: RendezvousServer | None = None
         try:
             if config.transport == "inproc":
                 links = self._start_threads(config, str(path))
@@ -173,9 +213,15 @@ class DevicePlaneEngine:
             self.engines: list[LLMEngine] = []
             self.streams: list[torch.cuda.Stream] = []
             for r in range(num_replicas):
+                relay = None
+                if self.relay is not None:
+                    m = self.shape.microbatches
+                    relay = RelaySlots(self.relay.outgoing, self.relay.incoming, m,
+                                       base=r * self.shape.num_workers * m)
                 experts = DeviceExperts(self.shape, links, self.replica_inboxes[r],
                                         placement.owner_table(), timeout_s=timeout_s,
-                                        profile=profile, replica=r, barrier=self.barrier)
+                                        profile=profile, replica=r, barrier=self.barrier,
+                                        relay=relay)
                 stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(stream):
                     engine = LLMEngine(engine_config, experts=experts)
@@ -223,24 +269,62 @@ class DevicePlaneEngine:
         except BaseException:  # noqa: BLE001 - surfaced to the replica through `done`
             logger.exception("expert worker %d failed", server.index)
 
+    def _relay_channel(self) -> ChannelConfig:
+        """Slots big enough for a full mailbox, one per (replica, micro-batch) in flight."""
+        dispatch, combine = RelaySlots.layouts(self.shape)
+        slot_bytes = max(dispatch.payload_bytes(self.shape.capacity),
+                         combine.payload_bytes(self.shape.capacity))
+        return ChannelConfig(slot_bytes=slot_bytes,
+                             slots_per_peer=self.shape.num_replicas * self.shape.microbatches,
+                             connect_timeout_s=STARTUP_TIMEOUT_S)
+
+    def _start_relay(self, transport: str, channel: ChannelConfig) -> None:
+        """The front-end's end of the host-proxied links (rank 0): mailboxes per
+        (replica, expert worker, micro-batch) and the relay threads."""
+        shape, m = self.shape, self.shape.microbatches
+        workers = shape.num_workers
+        endpoint = create_endpoint(transport, 0, 1 + workers, channel)
+        try:
+            endpoint.connect(exchange(self._rendezvous.address, 0, 1 + workers, endpoint.address,
+                                      timeout_s=STARTUP_TIMEOUT_S),
+                             send_to=range(1, 1 + workers))
+        except BaseException:
+            endpoint.close()
+            raise
+        dispatch, combine = RelaySlots.layouts(shape)
+        n = shape.num_replicas * workers * m
+        routes = [Route(local=(r * workers + e) * m + i, dst=1 + e, remote=r * m + i)
+                  for r in range(shape.num_replicas) for e in range(workers) for i in range(m)]
+        self.relay = Relay(endpoint, Mailboxes(dispatch, n), routes, Mailboxes(combine, n))
+
     def _start_processes(self, config: EngineConfig, path: str) -> list[ExpertLink]:
         from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
+        relayed = config.transport != "cuda_ipc"
         ctx = multiprocessing.get_context("spawn")
         self._replies = ctx.Queue()
         torch.cuda.synchronize()  # the replicas' buffers are zeroed before they are shared
-        handles = tuple(share_tensor(inbox.storage) for inbox in self.replica_inboxes)
+        handles, channel = (), None
+        if relayed:
+            self._rendezvous = RendezvousServer(1 + self.placement.num_workers,
+                                                timeout_s=STARTUP_TIMEOUT_S)
+            channel = self._relay_channel()
+        else:
+            handles = tuple(share_tensor(inbox.storage) for inbox in self.replica_inboxes)
         for index, expert_ids in enumerate(self.placement.workers):
             device = expert_device(config.device, self.device, index)
             spec = ExpertWorkerSpec(index, path, config.dtype, device,
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
-                                    handles, os.getpid())
+                                    handles, os.getpid(), config.transport,
+                                    self._rendezvous.address if relayed else None, channel)
             messages = ctx.Queue()
             process = ctx.Process(target=run_expert_process, args=(spec, messages, self._replies),
                                   name=f"megaserve-expert-{index}", daemon=True)
             process.start()
             self._processes.append(process)
             self._queues.append(messages)
+        if relayed:
+            self._start_relay(config.transport, channel)
         inboxes: dict[int, ExpertInbox] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(inboxes) < len(self._processes):
@@ -253,8 +337,9 @@ class DevicePlaneEngine:
                 continue
             if isinstance(message, WorkerFailed):
                 raise RuntimeError(f"expert worker {message.index} failed: {message.reason}")
-            inboxes[message.index] = ExpertInbox(self.shape,
-                                                 storage=open_tensor(message.inbox_handle))
+            inboxes[message.index] = (ExpertInbox(self.shape, self.device) if relayed else
+                                      ExpertInbox(self.shape,
+                                                  storage=open_tensor(message.inbox_handle)))
         return [ExpertLink(inboxes[i], self._queues[i]) for i in range(len(self._processes))]
 
     def _check_processes(self) -> None:
@@ -282,6 +367,11 @@ class DevicePlaneEngine:
                 process.join(5)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        if self.relay is not None:
+            self.relay.close()
+            self.relay.endpoint.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
 
     def __del__(self) -> None:
         try:

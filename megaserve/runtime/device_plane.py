@@ -42,6 +42,13 @@ Steps run in one of two ways:
   context; events are dependencies the driver knows about). Across processes the flags are
   used, as in graph steps.
 
+Between hosts (``tcp``, ``rdma``) the bytes go through host memory instead
+(:mod:`megaserve.comm.relay`): the sender packs into a local copy of the receiver's slot
+and its stream puts the rows in use into a pinned mailbox and raises a host-memory flag; a
+proxy thread sends them, the receiver's completion thread lands them and raises the
+receiver's host flag, which its stream waits on before copying them in. The rest (counts
+on the device, graphs, ticks, lockstep) is the same.
+
 HAZARD: a flag that never comes (a dead expert worker) would block the attention stream for
 ever: while the host waits for the step's completion event, a watchdog thread counts
 ``timeout_s``, then raises every flag the replica waits on to ``ABORT`` from a side stream
@@ -61,6 +68,7 @@ import torch
 
 from megaserve import kernels
 from megaserve.comm import CommTimeoutError
+from megaserve.comm import relay as rl
 from megaserve.comm import stream_flags as sf
 from megaserve.models.expert_part import ExpertPart
 from megaserve.runtime.messages import Stop
@@ -87,6 +95,12 @@ class PlaneShape:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PlaneShape.{name} must be a positive integer, got {value!r}")
+
+
+def _capturing() -> bool:
+    """True while the current CUDA stream captures a graph (never on a CPU-only build,
+    where the relay's protocol runs on host threads)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _aligned_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -198,7 +212,7 @@ class WorkerReady:
     """An expert worker process is up: its inbox, shared (comm.cuda_ipc.share_tensor)."""
 
     index: int
-    inbox_handle: bytes
+    inbox_handle: bytes | None  # None for host-proxied links (tcp, rdma)
 
 
 @dataclass(frozen=True)
@@ -332,6 +346,29 @@ def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor,
     return out.reshape(-1, hidden)[flat.reshape(-1)].view(num_tokens, k, hidden)
 
 
+@dataclass(frozen=True)
+class RelaySlots:
+    """One side's mailboxes of host-proxied links (:mod:`megaserve.comm.relay`): slot i
+    towards / from peer p is mailbox ``base + p * m + i`` of ``outgoing`` / ``incoming``."""
+
+    outgoing: rl.Mailboxes
+    incoming: rl.Mailboxes
+    microbatches: int
+    base: int = 0
+
+    def index(self, peer: int, microbatch: int) -> int:
+        return self.base + peer * self.microbatches + microbatch
+
+    @staticmethod
+    def layouts(shape: PlaneShape) -> tuple[rl.MailboxLayout, rl.MailboxLayout]:
+        """(dispatch, combine) mailbox layouts: rows + expert ids, and k outputs a row."""
+        c, d, k = shape.capacity, shape.hidden, shape.top_k
+        dispatch = rl.MailboxLayout(c, (rl.Section((d,), shape.dtype),
+                                        rl.Section((k,), torch.int32)))
+        combine = rl.MailboxLayout(c, (rl.Section((k, d), shape.dtype),))
+        return dispatch, combine
+
+
 @dataclass
 class ExpertLink:
     """The replica's view of one expert worker: its inbox, its message queue, and (same
@@ -406,7 +443,10 @@ class DeviceExperts:
 
     def __init__(self, shape: PlaneShape, links: list[ExpertLink], inbox: ReplicaInbox,
                  owner: torch.Tensor, timeout_s: float = 60.0, profile: bool = False,
-                 replica: int = 0, barrier: StepBarrier | None = None) -> None:
+                 replica: int = 0, barrier: StepBarrier | None = None,
+                 relay: RelaySlots | None = None) -> None:
+        """``relay``: host-proxied links (the links' inboxes are then this process's
+        copies of the workers' slots, packed here and sent from host memory)."""
         if len(links) != shape.num_workers:
             raise ValueError(f"{len(links)} expert links for {shape.num_workers} workers")
         if (barrier is None) != (shape.num_replicas == 1):
@@ -416,7 +456,9 @@ class DeviceExperts:
         self.replica = replica
         self.barrier = barrier
         self._slots = [link.inbox.slot(replica) for link in links]
+        self.relay = relay
         self.inbox = inbox
+        self._count = torch.zeros(1, dtype=torch.int32, device=inbox.storage.device)
         self.device = inbox.storage.device
         self._owner = owner.to(self.device)
         self.timeout_s = timeout_s
@@ -459,7 +501,7 @@ class DeviceExperts:
             raise ValueError(f"micro-batch of {num_tokens} tokens exceeds the data plane's "
                              f"{self.shape.capacity}-row slots")
         owners = self._owner[topk_ids]  # [T, k]
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = _capturing()
         positions = []
         for e, link in enumerate(self.links):
             pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, len(self.links) == 1)
@@ -472,10 +514,13 @@ class DeviceExperts:
     def combine(self, handle: _Handle) -> torch.Tensor:
         """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order."""
         i = handle.microbatch
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = _capturing()
         timed = _timed_wait(self.profile and capturing, self._captured_waits)
         for e, link in enumerate(self.links):
-            if link.done is not None and not capturing:
+            if self.relay is not None:
+                rl.take(self.relay.incoming, self.relay.index(e, i), self._count,
+                        [self.inbox.out[i, e]], handle.num_tokens)
+            elif link.done is not None and not capturing:
                 event = link.done.take((self.replica, handle.layer, i), self.timeout_s)
                 torch.cuda.current_stream().wait_event(event)
             else:
@@ -485,7 +530,17 @@ class DeviceExperts:
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:
-        flag = self._slots[e].flags[microbatch: microbatch + 1]
+        slot = self._slots[e]
+        if self.relay is not None:  # host-proxied: the rows in use go out from host memory
+            rl.put(self.relay.outgoing, self.relay.index(e, microbatch),
+                   slot.counts[microbatch: microbatch + 1],
+                   [slot.rows[microbatch], slot.ids[microbatch]], num_tokens)
+            if not capturing:
+                link.messages.put(Tick(layer, microbatch, num_tokens, None, self.replica))
+                self.stats.host_messages += 1
+                self.stats.eager_ticks += 1
+            return
+        flag = slot.flags[microbatch: microbatch + 1]
         if capturing:
             sf.write(flag, sf.SET)
             return
@@ -513,14 +568,25 @@ class DeviceExperts:
         event.synchronize()  # releases the GIL; the watchdog ends it if a flag never comes
         if self._watchdog.disarm():
             self.inbox.flags.zero_()
+            if self.relay is not None:
+                for i in range(self.shape.microbatches):
+                    for e in range(self.shape.num_workers):
+                        self.relay.incoming.set_flag(self.relay.index(e, i), sf.CLEAR)
             raise CommTimeoutError(f"the expert workers did not complete a step within "
                                    f"{self.timeout_s:.0f}s; the step was abandoned")
 
     def _drain(self, event: torch.cuda.Event) -> None:
+        slots = [(i, e) for i in range(self.shape.microbatches)
+                 for e in range(self.shape.num_workers)]
+        if self.relay is not None:  # host flags: the host writes them itself
+            while not event.query():
+                for i, e in slots:
+                    self.relay.incoming.set_flag(self.relay.index(e, i), sf.ABORT)
+                time.sleep(0.001)
+            return
         if self._releaser is None:
             self._releaser = sf.Releaser(self.device)
-        flags = [self.inbox.flags[i, e: e + 1] for i in range(self.shape.microbatches)
-                 for e in range(self.shape.num_workers)]
+        flags = [self.inbox.flags[i, e: e + 1] for i, e in slots]
         while not event.query():
             self._releaser.release(flags)
             time.sleep(0.001)
@@ -576,7 +642,9 @@ class ExpertServer:
 
     def __init__(self, part: ExpertPart, index: int, shape: PlaneShape, inbox: ExpertInbox,
                  replicas: list[ReplicaInbox], moe_layers: list[int], device: torch.device,
-                 profile: bool = False) -> None:
+                 profile: bool = False, relay: RelaySlots | None = None) -> None:
+        """``relay``: host-proxied links; ``replicas`` are then this process's copies of
+        the replicas' slots, sent from host memory."""
         if len(replicas) != shape.num_replicas:
             raise ValueError(f"{len(replicas)} replica inboxes for {shape.num_replicas} replicas")
         self.part = part
@@ -584,6 +652,7 @@ class ExpertServer:
         self.shape = shape
         self.inbox = inbox
         self.replicas = list(replicas)
+        self.relay = relay
         self.moe_layers = list(moe_layers)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -618,10 +687,15 @@ class ExpertServer:
         ``replicas``: one grouped GEMM over all their rows."""
         k, d = self.shape.top_k, self.shape.hidden
         if use_flags:
-            timed = _timed_wait(self.profile and torch.cuda.is_current_stream_capturing(),
+            timed = _timed_wait(self.profile and _capturing(),
                                 self._captured_waits)
             for r in replicas:
-                sf.wait_and_clear(self.inbox.flags[r, i: i + 1])
+                if self.relay is not None:
+                    rl.take(self.relay.incoming, self.relay.index(r, i),
+                            self.inbox.counts[r, i: i + 1],
+                            [self.inbox.rows[r, i], self.inbox.ids[r, i]], c)
+                else:
+                    sf.wait_and_clear(self.inbox.flags[r, i: i + 1])
             timed.end()
         p = len(replicas)
         select = self._select(replicas)
@@ -635,7 +709,10 @@ class ExpertServer:
         for j, r in enumerate(replicas):
             replica = self.replicas[r]
             replica.out[i, self.index, :c].copy_(out[j])
-            if use_flags:
+            if use_flags and self.relay is not None:
+                rl.put(self.relay.outgoing, self.relay.index(r, i),
+                       self.inbox.counts[r, i: i + 1], [replica.out[i, self.index]], c)
+            elif use_flags:
                 sf.write(replica.flags[i, self.index: self.index + 1], sf.SET)
 
     def rows_per_gemm(self) -> float:

@@ -16,12 +16,13 @@ def device_plane_reason(config: EngineConfig) -> str | None:
     """Why ``config`` cannot run on the device data plane, or None if it can."""
     if not config.device.startswith("cuda"):
         return "the device data plane needs CUDA"
-    if config.transport not in ("inproc", "cuda_ipc"):
-        return f"the device data plane moves bytes in-process or over cuda_ipc, not {config.transport}"
-    if config.attention_replicas > 1 and config.transport != "cuda_ipc":
+    if config.transport == "nccl":
+        return "the device data plane does not move bytes over nccl"
+    if config.attention_replicas > 1 and config.transport == "inproc":
         # In one process, a replica loading a kernel module waits for every stream of the
         # context, including an expert worker's that waits on another replica's flag.
-        return "several attention replicas on the device data plane need transport='cuda_ipc'"
+        return ("several attention replicas on the device data plane need expert workers "
+                "in processes (transport cuda_ipc, tcp or rdma)")
     if config.speculative_config is not None:
         return "speculative decoding runs on the host data plane"
     return None

@@ -15,8 +15,11 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import capture_sizes
 from megaserve.models.expert_part import ExpertPart
 from megaserve.models.forward import LocalExperts
-from megaserve.runtime.device_plane import (ExpertInbox, ExpertLink, ExpertServer, GraphStep,
-                                            PlaneShape, ReplicaInbox, StepBarrier, gather, pack)
+from megaserve.comm import create_endpoint
+from megaserve.comm.relay import Mailboxes, Relay, Route
+from megaserve.runtime.device_plane import (DeviceExperts, ExpertInbox, ExpertLink, ExpertServer,
+                                            GraphStep, PlaneShape, RelaySlots, ReplicaInbox,
+                                            StepBarrier, Tick, gather, pack)
 from megaserve.runtime.factory import device_plane_reason, uses_device_plane
 
 E, D, INTER, K = 8, 32, 16, 2
@@ -143,9 +146,10 @@ def test_which_layouts_run_on_the_device_plane() -> None:
     assert "CUDA" in device_plane_reason(EngineConfig(device="cpu", disaggregate=True))
     assert device_plane_reason(EngineConfig(**cuda, attention_replicas=2,
                                             transport="cuda_ipc")) is None
-    assert "cuda_ipc" in device_plane_reason(
+    assert "processes" in device_plane_reason(
         EngineConfig(**cuda, attention_replicas=2, disaggregate=True))
-    assert "tcp" in device_plane_reason(EngineConfig(**cuda, transport="tcp", expert_workers=2))
+    assert device_plane_reason(EngineConfig(**cuda, transport="tcp", expert_workers=2)) is None
+    assert "nccl" in device_plane_reason(EngineConfig(**cuda, transport="nccl", expert_workers=2))
     assert not uses_device_plane(EngineConfig(**cuda))  # co-located stays co-located
     assert uses_device_plane(EngineConfig(**cuda, disaggregate=True))
     assert not uses_device_plane(EngineConfig(**cuda, disaggregate=True, data_plane="host"))
@@ -179,3 +183,78 @@ def test_step_barrier_starts_the_expert_step_once_every_participant_has_reported
     barrier.begin([1])
     barrier.report(1, None)  # an eager step: its ticks are messages of their own
     assert sent() == [[], []] and barrier.graph_steps == 1
+
+
+def test_relayed_links_carry_dispatch_and_combine_bitwise() -> None:
+    """The data plane over host-proxied links (tcp between hosts; here two tcp endpoints of
+    this process): the replica's DeviceExperts packs into local copies of the workers'
+    slots and puts them in mailboxes; each expert worker's ExpertServer takes them on its
+    Tick, computes and puts the combine back; combine takes it. Bitwise LocalExperts, with
+    two micro-batches in flight."""
+    import threading
+
+    full, w_gate_up, w_down = _parts(4)
+    placement = [[0, 5, 6], [1, 2, 3, 4, 7]]
+    workers, m = len(placement), 2
+    shape = PlaneShape(num_workers=workers, microbatches=m, capacity=16, hidden=D, top_k=K,
+                       num_experts=E, dtype=torch.float32)
+    dispatch, combine = RelaySlots.layouts(shape)
+    endpoints = [create_endpoint("tcp", rank, 1 + workers) for rank in range(1 + workers)]
+    addresses = [ep.address for ep in endpoints]
+    connect = [threading.Thread(target=ep.connect, args=(addresses, [0] if r else [1, 2]))
+               for r, ep in enumerate(endpoints)]
+    for t in connect:
+        t.start()
+    for t in connect:
+        t.join(30)
+    front = RelaySlots(Mailboxes(dispatch, workers * m), Mailboxes(combine, workers * m), m)
+    relays = [Relay(endpoints[0], front.outgoing,
+                    [Route(local=e * m + i, dst=1 + e, remote=i)
+                     for e in range(workers) for i in range(m)], front.incoming)]
+    owner = torch.empty(E, dtype=torch.int64)
+    links, threads = [], []
+    for e, ids in enumerate(placement):
+        owner[ids] = e
+        slots = RelaySlots(Mailboxes(combine, m), Mailboxes(dispatch, m), m)
+        relays.append(Relay(endpoints[1 + e], slots.outgoing,
+                            [Route(local=i, dst=0, remote=e * m + i) for i in range(m)],
+                            slots.incoming))
+        part = ExpertPart(ids, E, {3: w_gate_up[ids]}, {3: w_down[ids]})
+        server = ExpertServer(part, e, shape, ExpertInbox(shape, "cpu"),
+                              [ReplicaInbox(shape, "cpu")], [3], "cpu", relay=slots)
+        messages: queue.Queue = queue.Queue()
+
+        def serve(server=server, messages=messages):
+            while (tick := messages.get()) is not None:
+                assert isinstance(tick, Tick) and tick.event is None
+                server._tick(tick.layer, tick.microbatch, tick.rows, use_flags=True,
+                             replicas=(tick.replica,))
+
+        threads.append(threading.Thread(target=serve, daemon=True))
+        threads[-1].start()
+        links.append(ExpertLink(ExpertInbox(shape, "cpu"), messages))
+    replica = ReplicaInbox(shape, "cpu")
+    replica.out.fill_(float("nan"))
+    client = DeviceExperts(shape, links, replica, owner, relay=front)
+    local = LocalExperts(full)
+    g = torch.Generator().manual_seed(5)
+    try:
+        for step, num_tokens in enumerate((3, 16, 9, 1)):
+            batches = []
+            for i in range(m):  # both micro-batches dispatched before either is combined
+                x = torch.randn(num_tokens, D, generator=g)
+                topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]
+                batches.append((x, topk_ids, client.dispatch(3, i, x, topk_ids)))
+            for i, (x, topk_ids, handle) in enumerate(batches):
+                got = client.combine(handle)
+                assert torch.equal(got, local.dispatch(3, i, x, topk_ids)), (step, i)
+        assert client.stats.eager_ticks == 4 * m * workers
+        assert relays[0].frames_sent == relays[0].frames_received == 4 * m * workers
+        assert all(r.error is None for r in relays)
+    finally:
+        for link in links:
+            link.messages.put(None)
+        for relay in relays:
+            relay.close()
+        for ep in endpoints:
+            ep.close()

@@ -1,5 +1,6 @@
 """The device data plane on one GPU (megaserve.runtime.device_plane): attention and experts
-as separate workers, threads (inproc, ``disaggregate=True``) or processes (cuda_ipc),
+as separate workers, threads (inproc, ``disaggregate=True``) or processes (cuda_ipc; tcp:
+host-proxied links),
 bitwise equal to the co-located engine with CUDA graphs; no host synchronisation inside a
 decode step; host messages per step bounded by the number of expert workers; a dead expert
 worker is a typed error within the timeout, not a hang."""
@@ -46,6 +47,8 @@ def colocated():
 @pytest.mark.parametrize("transport,replicas,workers,m", [
     ("inproc", 1, 1, 1), ("inproc", 1, 1, 2), ("inproc", 1, 2, 2), ("inproc", 1, 1, 4),
     *(("cuda_ipc", r, e, m) for r in (1, 2) for e in (1, 2) for m in (1, 2, 4)),
+    # host-proxied links (megaserve.comm.relay), as between hosts
+    ("tcp", 1, 1, 1), ("tcp", 1, 2, 2), ("tcp", 2, 2, 2),
 ])
 def test_device_plane_is_bitwise_colocated(colocated, transport, replicas, workers, m) -> None:
     seqs, kind, experts = _run(attention_replicas=replicas, expert_workers=workers,
