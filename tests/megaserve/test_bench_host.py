@@ -1,0 +1,16 @@
+"""``megaserve bench host`` on CPU: every phase is measured and the spans add up."""
+
+from __future__ import annotations
+
+from megaserve.bench import host
+
+
+def test_host_bench_reports_every_phase_per_sequence() -> None:
+    args = host._parser().parse_args(["--batches", "4,8", "--steps", "3", "--warmup-steps", "1"])
+    results = host._measure(args)
+    assert sorted(results) == [4, 8]
+    for r in results.values():
+        for phase in ("schedule", "fill", "device", "outputs", "host", "step"):
+            assert r[phase] > 0, phase
+        assert r["host"] < r["step"]
+        assert r["schedule"] + r["fill"] + r["outputs"] < r["host"]
