@@ -1,7 +1,7 @@
 """CPU implementation of the kernel API, batch-invariant bitwise and machine-independent.
 
 The kernels (linear, expert FFN, attention, RMSNorm, routing, combine, log-softmax) are C++
-(kernels/cpu_ext.cpp, built on first use by :mod:`megaserve.kernels.cpu_ext` and called
+(kernels/cpu_src/, built on first use by :mod:`megaserve.kernels.cpu_ext` and called
 through ctypes, which releases the GIL). Their arithmetic order is fixed in that source:
 
 * **GEMMs** accumulate every output element over k in ascending order (the vector lanes

@@ -1,4 +1,4 @@
-"""Build, cache and load the compiled CPU kernels (kernels/cpu_ext.cpp) through ctypes.
+"""Build, cache and load the compiled CPU kernels (kernels/cpu_src/) through ctypes.
 
 The shared library is compiled with the system C++ compiler (``$CXX``, default ``g++``) on
 first use, into ``$MEGASERVE_CACHE/cpu_ext/<isa>-<hash>/`` (default cache:
@@ -13,7 +13,7 @@ drops an ``flock`` with its holder).
 Bits do not depend on the machine: the flags fix the arithmetic (``-ffp-contract=off``, no
 ``-ffast-math``, no ``-march=native``); the ISA flags (``avx512`` / ``avx2`` / ``baseline``,
 picked from torch's CPU capability or ``$MEGASERVE_CPU_ISA``) only widen the vectors (see
-the header of cpu_ext.cpp). Raises :class:`CpuKernelBuildError` when no compiler is found
+the header of cpu_src/common.h). Raises :class:`CpuKernelBuildError` when no compiler is found
 or the build fails; there is no fallback.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ext.cpp")
+SOURCE_DIR = Path(__file__).with_name("cpu_src")  # *.cpp compiled into one library, common.h
 # Arithmetic-fixing flags: never add -ffast-math, -march=native or FMA contraction here.
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
               "-fno-fast-math", "-fno-math-errno")
@@ -82,15 +82,14 @@ def cache_dir() -> Path:
 def library_path(isa: str) -> Path:
     """Where the library for ``isa`` lives (built or not); raises CpuKernelBuildError
     when no compiler is found or the source is missing."""
-    if not SOURCE.is_file():
-        raise CpuKernelBuildError(
-            f"{SOURCE} is missing: this install of megaserve lacks the CPU kernels' source "
-            "(install from the repository, e.g. `pip install -e .`)")
+    files = _source_files()
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_flags(isa)).encode(), version.encode()):
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    for part in (" ".join(_flags(isa)).encode(), version.encode()):
         digest.update(part)
     return cache_dir() / f"{isa}-{digest.hexdigest()[:16]}" / "megaserve_cpu_ext.so"
 
@@ -106,7 +105,8 @@ def build(isa: str) -> Path:
         if path.is_file():  # another process built it while we waited
             return path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        cmd = [_compiler(), *_flags(isa), str(SOURCE), "-o", str(tmp)]
+        sources = [str(f) for f in _source_files() if f.suffix == ".cpp"]
+        cmd = [_compiler(), *_flags(isa), *sources, "-o", str(tmp)]
         start = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
@@ -133,6 +133,15 @@ def load(isa: str | None = None) -> ctypes.CDLL:
     if isa is None:
         _lib = lib
     return lib
+
+
+def _source_files() -> list[Path]:
+    files = sorted(SOURCE_DIR.glob("*.cpp")) + sorted(SOURCE_DIR.glob("*.h"))
+    if not any(f.suffix == ".cpp" for f in files):
+        raise CpuKernelBuildError(
+            f"no kernel sources in {SOURCE_DIR}: this install of megaserve lacks the CPU "
+            "kernels' source (install from the repository, e.g. `pip install -e .`)")
+    return files
 
 
 def _flags(isa: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (kernels/cpu_ext.cpp): every output element written, bits
+"""The compiled CPU kernels (kernels/cpu_src/): every output element written, bits
 independent of the ISA build and of threads, no fused multiply-add in the library, a
 concurrent first build done once, a clear error without a compiler."""
 

@@ -1,0 +1,246 @@
+// Causal paged attention over the KV cache, one query token per task.
+
+#include <type_traits>
+
+#include "common.h"
+
+namespace ms {
+namespace {
+
+
+// In-place transpose of a 16 x 16 block held as 16 row vectors (only moves values).
+// Stage s swaps bit s of the row and column index of every element; after the four
+// stages element (r, c) holds the original (c, r).
+inline void transpose16(v16* rows) {
+  static const v16i lo[4] = {
+      {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+      {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+      {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
+  static const v16i hi[4] = {
+      {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+      {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+      {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    const int s = 1 << b;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      if (r & s) continue;
+      const v16 x = rows[r], y = rows[r | s];
+      rows[r] = __builtin_shuffle(x, y, lo[b]);
+      rows[r | s] = __builtin_shuffle(x, y, hi[b]);
+    }
+  }
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float (exact)
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// out_g[d] = sum_j p_g[j] * v_j[d], j ascending, for heads g < group; NV = dh / 16.
+// Accumulators live in registers; two heads at a time give independent add chains.
+template <int NV>
+void attend_values(const float* const* vrows, const float* scores, int64_t padded,
+                   int64_t len, int64_t group, float* acc) {
+  int64_t g = 0;
+  for (; g + 2 <= group; g += 2) {
+    v16 a0[NV], a1[NV];
+    for (int v = 0; v < NV; ++v) a0[v] = a1[v] = v16{};
+    const float* p0 = scores + g * padded;
+    const float* p1 = p0 + padded;
+    for (int64_t j = 0; j < len; ++j) {
+      const float* vr = vrows[j];
+      for (int v = 0; v < NV; ++v) {
+        const v16 x = load16(vr + 16 * v);
+        a0[v] = a0[v] + p0[j] * x;
+        a1[v] = a1[v] + p1[j] * x;
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      store16(acc + g * NV * 16 + 16 * v, a0[v]);
+      store16(acc + (g + 1) * NV * 16 + 16 * v, a1[v]);
+    }
+  }
+  for (; g < group; ++g) {
+    v16 a0[NV];
+    for (int v = 0; v < NV; ++v) a0[v] = v16{};
+    const float* p0 = scores + g * padded;
+    for (int64_t j = 0; j < len; ++j)
+      for (int v = 0; v < NV; ++v) a0[v] = a0[v] + p0[j] * load16(vrows[j] + 16 * v);
+    for (int v = 0; v < NV; ++v) store16(acc + g * NV * 16 + 16 * v, a0[v]);
+  }
+}
+
+// The same sums for any dh (one lane per element, same order as attend_values).
+void attend_values_any(const float* const* vrows, const float* scores, int64_t padded,
+                       int64_t len, int64_t group, int64_t dh, float* acc) {
+  std::fill(acc, acc + group * dh, 0.0f);
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t dd = 0; dd < dh; ++dd)
+        acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vrows[j][dd];
+}
+
+// s[j] = (sum_d q[d] * kt[d][j], d ascending) * scale for j < padded (multiple of 16);
+// four 16-key blocks at a time for independent add chains (each lane's order unchanged).
+void attend_scores(const float* q, const float* kt, int64_t padded, int64_t dh, float scale,
+                   float* s) {
+  int64_t j0 = 0;
+  for (; j0 + 64 <= padded; j0 += 64) {
+    v16 d0 = v16{}, d1 = v16{}, d2 = v16{}, d3 = v16{};
+    for (int64_t dd = 0; dd < dh; ++dd) {
+      const float qd = q[dd];
+      const float* k = kt + dd * padded + j0;
+      d0 = d0 + qd * load16(k);
+      d1 = d1 + qd * load16(k + 16);
+      d2 = d2 + qd * load16(k + 32);
+      d3 = d3 + qd * load16(k + 48);
+    }
+    store16(s + j0, d0 * scale);
+    store16(s + j0 + 16, d1 * scale);
+    store16(s + j0 + 32, d2 * scale);
+    store16(s + j0 + 48, d3 * scale);
+  }
+  for (; j0 < padded; j0 += 16) {
+    v16 d0 = v16{};
+    for (int64_t dd = 0; dd < dh; ++dd) d0 = d0 + q[dd] * load16(kt + dd * padded + j0);
+    store16(s + j0, d0 * scale);
+  }
+}
+
+// Scores -> exp(score - max) in place; keys past len get exactly 0.
+void softmax_numerators(float* s, int64_t len, int64_t padded) {
+  for (int64_t j = len; j < padded; ++j) s[j] = -__builtin_inff();
+  v16 mx16 = load16(s);
+  for (int64_t j0 = 16; j0 < padded; j0 += 16) {
+    const v16 v = load16(s + j0);
+    mx16 = v > mx16 ? v : mx16;
+  }
+  float mx = mx16[0];  // key 0 is always visible: finite unless q or k is not
+  for (int l = 1; l < 16; ++l) mx = mx16[l] > mx ? mx16[l] : mx;
+  for (int64_t j0 = 0; j0 < padded; j0 += 16) store16(s + j0, exp16(load16(s + j0) - mx));
+}
+
+// Causal paged attention, one query token per task.
+// q, out: [T, Hq, Dh]; caches: [num_blocks, block_size, Hkv, Dh] (float or bfloat16);
+// block_tables: [S, max_blocks] int32; context_lens: [S] int32; query_start_loc: [S + 1].
+// Token t of sequence s sits at position context_lens[s] - (its row's distance from the
+// end of s's rows); it sees keys 0..position and nothing else (unowned slots never read).
+//   score_j = (sum_d q[d] * k_j[d], d ascending) * scale
+//   p_j = exp(score_j - max_j score_j); denom = lane_sum(p)
+//   out[d] = (sum_j p_j * v_j[d], j ascending) / denom
+template <typename C>
+void paged_attention(const float* q, const C* k_cache, const C* v_cache,
+                     const int32_t* block_tables, int64_t max_blocks,
+                     const int32_t* context_lens, const int32_t* query_start_loc,
+                     int64_t num_seqs, int64_t num_tokens, int64_t hq, int64_t hkv,
+                     int64_t dh, int64_t block_size, float scale, float* out, int threads) {
+  std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t begin = query_start_loc[s], end = query_start_loc[s + 1];
+    for (int64_t t = begin; t < end; ++t) {
+      seq_of[t] = s;
+      pos_of[t] = context_lens[s] - (end - t);
+    }
+  }
+  const int64_t group = hq / hkv, row = hkv * dh;
+  parallel_for(threads, num_tokens, [&](int64_t t) {
+    const int64_t len = pos_of[t] + 1;
+    const int64_t padded = (len + 15) / 16 * 16;  // keys past len: score -inf, p exactly 0
+    const int32_t* table = block_tables + seq_of[t] * max_blocks;
+    thread_local std::vector<float> kt_buf, scores_buf, acc_buf, kf_buf, vf_buf;
+    thread_local std::vector<const float*> rows_buf;
+    kt_buf.assign(dh * padded, 0.0f);
+    scores_buf.resize(group * padded);
+    acc_buf.resize(group * dh);
+    rows_buf.resize(2 * len);
+    if (!std::is_same<C, float>::value) {
+      kf_buf.resize(len * dh);
+      vf_buf.resize(len * dh);
+    }
+    // Raw pointers: a thread_local in a loop may cost a TLS lookup per access.
+    float* __restrict kt = kt_buf.data();
+    float* __restrict scores = scores_buf.data();
+    float* __restrict acc = acc_buf.data();
+    const float** krows = rows_buf.data();
+    const float** vrows = krows + len;
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+      // Float views of this kv head's key and value rows (bfloat16 converted).
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+        const C* krow = k_cache + slot * row + kv * dh;
+        const C* vrow = v_cache + slot * row + kv * dh;
+        if constexpr (std::is_same<C, float>::value) {
+          krows[j] = krow;
+          vrows[j] = vrow;
+        } else {
+          float* kf = &kf_buf[j * dh];
+          float* vf = &vf_buf[j * dh];
+          for (int64_t dd = 0; dd < dh; ++dd) kf[dd] = to_float(krow[dd]);
+          for (int64_t dd = 0; dd < dh; ++dd) vf[dd] = to_float(vrow[dd]);
+          krows[j] = kf;
+          vrows[j] = vf;
+        }
+      }
+      // Keys transposed: kt[d][j]; keys past len stay 0 (never read from the cache).
+      if (dh % 16 == 0) {
+        v16 block[16];
+        for (int64_t j0 = 0; j0 < padded; j0 += 16)
+          for (int64_t d0 = 0; d0 < dh; d0 += 16) {
+            for (int64_t i = 0; i < 16; ++i)
+              block[i] = j0 + i < len ? load16(krows[j0 + i] + d0) : v16{};
+            transpose16(block);
+            for (int64_t i = 0; i < 16; ++i) store16(&kt[(d0 + i) * padded + j0], block[i]);
+          }
+      } else {
+        for (int64_t j = 0; j < len; ++j)
+          for (int64_t dd = 0; dd < dh; ++dd) kt[dd * padded + j] = krows[j][dd];
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores + g * padded;
+        attend_scores(q + (t * hq + kv * group + g) * dh, kt, padded, dh, scale, sg);
+        softmax_numerators(sg, len, padded);
+      }
+      switch (dh) {
+        case 16: attend_values<1>(vrows, scores, padded, len, group, acc); break;
+        case 32: attend_values<2>(vrows, scores, padded, len, group, acc); break;
+        case 64: attend_values<4>(vrows, scores, padded, len, group, acc); break;
+        case 128: attend_values<8>(vrows, scores, padded, len, group, acc); break;
+        default: attend_values_any(vrows, scores, padded, len, group, dh, acc); break;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float denom = lane_sum(scores + g * padded, len);
+        float* o = out + (t * hq + kv * group + g) * dh;
+        for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[g * dh + dd] / denom;
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace ms
+
+using namespace ms;
+
+extern "C" {
+
+#define MS_ATTENTION(NAME, C)                                                                  \
+  void NAME(const float* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,   \
+            int64_t max_blocks, const int32_t* context_lens, const int32_t* query_start_loc,   \
+            int64_t num_seqs, int64_t num_tokens, int64_t hq, int64_t hkv, int64_t dh,         \
+            int64_t block_size, float scale, float* out, int threads) {                        \
+    paged_attention<C>(q, k_cache, v_cache, block_tables, max_blocks, context_lens,            \
+                       query_start_loc, num_seqs, num_tokens, hq, hkv, dh, block_size, scale,  \
+                       out, threads);                                                          \
+  }
+
+MS_ATTENTION(ms_paged_attention_f32, float)
+MS_ATTENTION(ms_paged_attention_bf16, uint16_t)
+
+}  // extern "C"

@@ -1,0 +1,149 @@
+// GEMMs: linear layers and the SwiGLU expert FFN over packed weight panels.
+
+#include "common.h"
+
+namespace ms {
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// GEMM: c[m, n] = sum_k a[m, k] * w[n, k], k ascending, for one packed panel of NR columns.
+// Panel layout: [K][NR] (column n of the panel at offset n), zero-padded past N.
+
+template <int ROWS>
+inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_t k_len,
+                         float* c, int64_t ldc, int cols) {
+  v16 acc[ROWS][4];
+  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = v16{};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const v16 b0 = load16(panel + k * NR), b1 = load16(panel + k * NR + 16);
+    const v16 b2 = load16(panel + k * NR + 32), b3 = load16(panel + k * NR + 48);
+    for (int m = 0; m < ROWS; ++m) {
+      const float av = a[m * lda + k];
+      acc[m][0] = acc[m][0] + av * b0;
+      acc[m][1] = acc[m][1] + av * b1;
+      acc[m][2] = acc[m][2] + av * b2;
+      acc[m][3] = acc[m][3] + av * b3;
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    float tmp[NR];
+    for (int v = 0; v < 4; ++v) store16(tmp + 16 * v, acc[m][v]);
+    std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
+  }
+}
+
+// rows x [n_begin, n_end) of a @ W^T for panels n_begin / NR .. (n_end - 1) / NR.
+void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, int64_t k_len,
+               int64_t n_len, int64_t panel_begin, int64_t panel_end, float* c, int64_t ldc) {
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const float* panel = packed + p * k_len * NR;
+    const int cols = static_cast<int>(std::min<int64_t>(NR, n_len - p * NR));
+    float* cp = c + p * NR;
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+      micro_kernel<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols);
+    const float* am = a + m * lda;
+    float* cm = cp + m * ldc;
+    switch (rows - m) {
+                  case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 1: micro_kernel<1>(am, lda, panel, k_len, cm, ldc, cols); break;
+      default: break;
+    }
+  }
+}
+
+// out[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j], j < n.
+inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  const v16 one = v16{} + 1.0f;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const v16 g = load16(gate + j);
+    store16(out + j, g / (one + exp16(-g)) * load16(up + j));
+  }
+  if (j < n) {
+    float g[16] = {0}, u[16] = {0};
+    std::memcpy(g, gate + j, sizeof(float) * (n - j));
+    std::memcpy(u, up + j, sizeof(float) * (n - j));
+    silu_mul(g, u, g, 16);
+    std::memcpy(out + j, g, sizeof(float) * (n - j));
+  }
+}
+
+}  // namespace
+}  // namespace ms
+
+using namespace ms;
+
+extern "C" {
+
+
+// Output columns per packed weight panel: the layout cpu.packed() writes.
+int ms_panel_width() { return NR; }
+
+// out[M, N] = x[M, K] @ W^T (+ bias[N]); W packed as [ceil(N / NR), K, NR].
+void ms_linear(const float* x, int64_t m_len, int64_t k_len, const float* packed, int64_t n_len,
+               const float* bias, float* out, int threads) {
+  const int64_t panels = (n_len + NR - 1) / NR;
+  const int64_t row_blocks = (m_len + 4 * MR - 1) / (4 * MR);
+  // Tasks: (row block of 4 * MR rows, group of 4 panels); grid order is irrelevant to bits.
+  const int64_t panel_groups = (panels + 3) / 4;
+  parallel_for(threads, row_blocks * panel_groups, [&](int64_t task) {
+    const int64_t rb = task / panel_groups, pg = task % panel_groups;
+    const int64_t r0 = rb * 4 * MR, rows = std::min<int64_t>(4 * MR, m_len - r0);
+    const int64_t p0 = pg * 4, p1 = std::min<int64_t>(panels, p0 + 4);
+    gemm_rows(x + r0 * k_len, k_len, rows, packed, k_len, n_len, p0, p1, out + r0 * n_len, n_len);
+    if (bias != nullptr)
+      for (int64_t r = r0; r < r0 + rows; ++r)
+        for (int64_t n = p0 * NR; n < std::min<int64_t>(n_len, p1 * NR); ++n)
+          out[r * n_len + n] = out[r * n_len + n] + bias[n];
+  });
+}
+
+// SwiGLU experts. x: [R, D]; ids: [R] in [0, E] (E = routed nowhere: row not computed);
+// gate_up packed [E][ceil(2I / NR)][D][NR] (rows 0..I-1 gate, I..2I-1 up); down packed
+// [E][ceil(D / NR)][I][NR]. out[r] = down_e(silu(gate_e x_r) * up_e x_r). Each task (one
+// thread's unit of work) takes up to rows_per_task rows of one expert.
+// Returns 0, or -1 (nothing computed) when an id is outside [0, E].
+int ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, int64_t inter,
+                  int64_t num_experts, const float* gate_up, const float* down, float* out,
+                  int64_t rows_per_task, int threads) {
+  for (int64_t r = 0; r < r_len; ++r)
+    if (ids[r] < 0 || ids[r] > num_experts) return -1;
+  std::vector<int64_t> count(num_experts + 1, 0), order(r_len);
+  for (int64_t r = 0; r < r_len; ++r) ++count[ids[r]];
+  std::vector<int64_t> start(num_experts + 2, 0);
+  for (int64_t e = 0; e <= num_experts; ++e) start[e + 1] = start[e] + count[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < r_len; ++r) order[fill[ids[r]]++] = r;
+  struct Task { int64_t expert, first, rows; };
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t s = start[e]; s < start[e + 1]; s += rows_per_task)
+      tasks.push_back({e, s, std::min<int64_t>(rows_per_task, start[e + 1] - s)});
+  const int64_t two_i = 2 * inter;
+  const int64_t gu_panels = (two_i + NR - 1) / NR, d_panels = (d + NR - 1) / NR;
+  parallel_for(threads, static_cast<int64_t>(tasks.size()), [&](int64_t t) {
+    const Task task = tasks[t];
+    thread_local std::vector<float> xs, gu, act, ys;
+    xs.resize(rows_per_task * d);
+    gu.resize(rows_per_task * two_i);
+    act.resize(rows_per_task * inter);
+    ys.resize(rows_per_task * d);
+    for (int64_t i = 0; i < task.rows; ++i)
+      std::memcpy(&xs[i * d], x + order[task.first + i] * d, sizeof(float) * d);
+    const float* gu_w = gate_up + task.expert * gu_panels * d * NR;
+    const float* d_w = down + task.expert * d_panels * inter * NR;
+    gemm_rows(xs.data(), d, task.rows, gu_w, d, two_i, 0, gu_panels, gu.data(), two_i);
+    for (int64_t i = 0; i < task.rows; ++i)
+      silu_mul(&gu[i * two_i], &gu[i * two_i + inter], &act[i * inter], inter);
+    gemm_rows(act.data(), inter, task.rows, d_w, inter, d, 0, d_panels, ys.data(), d);
+    for (int64_t i = 0; i < task.rows; ++i)
+      std::memcpy(out + order[task.first + i] * d, &ys[i * d], sizeof(float) * d);
+  });
+  return 0;
+}
+
+}  // extern "C"
