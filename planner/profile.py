@@ -10,7 +10,7 @@ Format (YAML)::
       H20: {hbm_eff: 0.83}                          # per-GPU overrides of the default
     fits:                                           # optional: how each GPU was obtained
       H20: {points: 9, max_err: 0.04, mean_err: 0.02, before_max_err: 3.5, files: [...]}
-      H100-SXM: {transferred_from: H200}            # copied, not measured
+      H800: {transferred_from: H200}                # copied, not measured
 """
 
 from __future__ import annotations
