@@ -58,8 +58,9 @@ _PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / P), K, P]` (zero past N;
-    P = the extension's ``ms_panel_width()``, 64), the layout the compiled GEMMs read. Cached per weight tensor and re-packed
-    when the tensor is modified in place (its version or storage changes)."""
+    P = the extension's ``ms_panel_width()``, 64), the layout the compiled GEMMs read.
+    Cached per weight tensor; re-packed when the tensor is modified in place (its version
+    or storage changes). NOTE: the cache is a second copy of every weight."""
     key = id(weight)
     hit = _PACKED.get(key)
     if (hit is not None and hit[0]() is weight and hit[1] == weight._version
@@ -102,19 +103,32 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    shape = x.shape
+    d = shape[-1]
+    if x.dtype == torch.float32:
+        # The kernel adds the residual and applies the weight (fp32 throughout).
+        xf = _f32(x.reshape(-1, d))
+        res = _f32(residual.reshape(-1, d)) if residual is not None else None
+        num_rows = xf.shape[0]
+        y = _output(num_rows, d)
+        h = _output(num_rows, d) if res is not None else None
+        if num_rows:
+            cpu_ext.load().ms_rms_norm(
+                xf.data_ptr(), res.data_ptr() if res is not None else None,
+                _f32(weight).data_ptr(), num_rows, d, eps, y.data_ptr(),
+                h.data_ptr() if h is not None else None, _lanes)
+        y = y.view(shape)
+        return (y, h.view(shape)) if h is not None else y
+    # Other dtypes: the residual sum in x.dtype; the normalised value rounded to x.dtype,
+    # then multiplied by the weight in that dtype (as HF does).
     if residual is not None:
         x = x + residual
-    shape = x.shape
-    h = _f32(x.reshape(-1, shape[-1]))
-    num_rows, d = h.shape
-    y = _output(num_rows, d)
-    # float32 applies the weight in the kernel; other dtypes round the normalised value to
-    # x.dtype first, then multiply by the weight in that dtype (as HF does).
-    wf = _f32(weight) if x.dtype == torch.float32 else None
-    if num_rows:
-        cpu_ext.load().ms_rms_norm(h.data_ptr(), None, wf.data_ptr() if wf is not None else None,
-                                   num_rows, d, eps, y.data_ptr(), None, _lanes)
-    y = y.view(shape) if wf is not None else weight * y.view(shape).to(x.dtype)
+    hf = _f32(x.reshape(-1, d))
+    normed = _output(hf.shape[0], d)
+    if hf.shape[0]:
+        cpu_ext.load().ms_rms_norm(hf.data_ptr(), None, None, hf.shape[0], d, eps,
+                                   normed.data_ptr(), None, _lanes)
+    y = weight * normed.view(shape).to(x.dtype)
     return (y, x) if residual is not None else y
 
 
