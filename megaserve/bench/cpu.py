@@ -195,7 +195,10 @@ def main(argv: list[str]) -> int:
             sys.meta_path.insert(0, _TreePackages(Path(os.environ[_TREE_ENV])))
         print(json.dumps(_measure(args, 1)[0]))
         return 0
-    print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)  "
+    from megaserve.kernels import cpu_ext
+
+    print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{cpu_ext.default_isa()} kernels)  "
           f"model: {args.model}  dtype: {args.dtype}  threads: {args.cpu_threads}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
     print(f"{'run':>10} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
