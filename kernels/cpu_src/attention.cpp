@@ -1,6 +1,7 @@
-// Causal paged attention over the KV cache, one query token per task.
+// Causal paged attention over the KV cache: each query token over exactly its visible keys.
 
 #include <type_traits>
+#include <utility>
 
 #include "common.h"
 
@@ -87,16 +88,17 @@ void attend_values_any(const float* const* vrows, const float* scores, int64_t p
         acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vrows[j][dd];
 }
 
-// s[j] = (sum_d q[d] * kt[d][j], d ascending) * scale for j < padded (multiple of 16);
+// s[j] = (sum_d q[d] * kt[d][j], d ascending) * scale for j < padded (multiple of 16), kt
+// rows `stride` apart;
 // four 16-key blocks at a time for independent add chains (each lane's order unchanged).
-void attend_scores(const float* q, const float* kt, int64_t padded, int64_t dh, float scale,
-                   float* s) {
+void attend_scores(const float* q, const float* kt, int64_t stride, int64_t padded, int64_t dh,
+                   float scale, float* s) {
   int64_t j0 = 0;
   for (; j0 + 64 <= padded; j0 += 64) {
     v16 d0 = v16{}, d1 = v16{}, d2 = v16{}, d3 = v16{};
     for (int64_t dd = 0; dd < dh; ++dd) {
       const float qd = q[dd];
-      const float* k = kt + dd * padded + j0;
+      const float* k = kt + dd * stride + j0;
       d0 = d0 + qd * load16(k);
       d1 = d1 + qd * load16(k + 16);
       d2 = d2 + qd * load16(k + 32);
@@ -109,7 +111,7 @@ void attend_scores(const float* q, const float* kt, int64_t padded, int64_t dh, 
   }
   for (; j0 < padded; j0 += 16) {
     v16 d0 = v16{};
-    for (int64_t dd = 0; dd < dh; ++dd) d0 = d0 + q[dd] * load16(kt + dd * padded + j0);
+    for (int64_t dd = 0; dd < dh; ++dd) d0 = d0 + q[dd] * load16(kt + dd * stride + j0);
     store16(s + j0, d0 * scale);
   }
 }
@@ -127,7 +129,7 @@ void softmax_numerators(float* s, int64_t len, int64_t padded) {
   for (int64_t j0 = 0; j0 < padded; j0 += 16) store16(s + j0, exp16(load16(s + j0) - mx));
 }
 
-// Causal paged attention, one query token per task.
+// Causal paged attention; each query token computed on its own (see the runs below).
 // q, out: [T, Hq, Dh]; caches: [num_blocks, block_size, Hkv, Dh] (float or bfloat16);
 // block_tables: [S, max_blocks] int32; context_lens: [S] int32; query_start_loc: [S + 1].
 // Token t of sequence s sits at position context_lens[s] - (its row's distance from the
@@ -149,15 +151,24 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
       pos_of[t] = context_lens[s] - (end - t);
     }
   }
+  // Tasks: runs of up to CHUNK consecutive tokens of one sequence (a prefill chunk shares
+  // one gather and transposition of its keys; a decode token is a run of one). A token's
+  // arithmetic is the same in any run: it reads only keys 0..its position.
+  constexpr int64_t CHUNK = 16;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first token, tokens)
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t += CHUNK)
+      runs.emplace_back(t, std::min<int64_t>(CHUNK, query_start_loc[s + 1] - t));
   const int64_t group = hq / hkv, row = hkv * dh;
-  parallel_for(threads, num_tokens, [&](int64_t t) {
-    const int64_t len = pos_of[t] + 1;
-    const int64_t padded = (len + 15) / 16 * 16;  // keys past len: score -inf, p exactly 0
-    const int32_t* table = block_tables + seq_of[t] * max_blocks;
+  parallel_for(threads, static_cast<int64_t>(runs.size()), [&](int64_t r) {
+    const int64_t first = runs[r].first, count = runs[r].second;
+    const int64_t len = pos_of[first + count - 1] + 1;  // the run's last token sees most
+    const int64_t stride = (len + 15) / 16 * 16;
+    const int32_t* table = block_tables + seq_of[first] * max_blocks;
     thread_local std::vector<float> kt_buf, scores_buf, acc_buf, kf_buf, vf_buf;
     thread_local std::vector<const float*> rows_buf;
-    kt_buf.assign(dh * padded, 0.0f);
-    scores_buf.resize(group * padded);
+    kt_buf.assign(dh * stride, 0.0f);
+    scores_buf.resize(group * stride);
     acc_buf.resize(group * dh);
     rows_buf.resize(2 * len);
     if (!std::is_same<C, float>::value) {
@@ -191,33 +202,38 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
       // Keys transposed: kt[d][j]; keys past len stay 0 (never read from the cache).
       if (dh % 16 == 0) {
         v16 block[16];
-        for (int64_t j0 = 0; j0 < padded; j0 += 16)
+        for (int64_t j0 = 0; j0 < stride; j0 += 16)
           for (int64_t d0 = 0; d0 < dh; d0 += 16) {
             for (int64_t i = 0; i < 16; ++i)
               block[i] = j0 + i < len ? load16(krows[j0 + i] + d0) : v16{};
             transpose16(block);
-            for (int64_t i = 0; i < 16; ++i) store16(&kt[(d0 + i) * padded + j0], block[i]);
+            for (int64_t i = 0; i < 16; ++i) store16(&kt[(d0 + i) * stride + j0], block[i]);
           }
       } else {
         for (int64_t j = 0; j < len; ++j)
-          for (int64_t dd = 0; dd < dh; ++dd) kt[dd * padded + j] = krows[j][dd];
+          for (int64_t dd = 0; dd < dh; ++dd) kt[dd * stride + j] = krows[j][dd];
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * padded;
-        attend_scores(q + (t * hq + kv * group + g) * dh, kt, padded, dh, scale, sg);
-        softmax_numerators(sg, len, padded);
-      }
-      switch (dh) {
-        case 16: attend_values<1>(vrows, scores, padded, len, group, acc); break;
-        case 32: attend_values<2>(vrows, scores, padded, len, group, acc); break;
-        case 64: attend_values<4>(vrows, scores, padded, len, group, acc); break;
-        case 128: attend_values<8>(vrows, scores, padded, len, group, acc); break;
-        default: attend_values_any(vrows, scores, padded, len, group, dh, acc); break;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float denom = lane_sum(scores + g * padded, len);
-        float* o = out + (t * hq + kv * group + g) * dh;
-        for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[g * dh + dd] / denom;
+      for (int64_t t = first; t < first + count; ++t) {
+        // Keys in [len_t, padded) get score -inf (their kt columns may hold later keys of
+        // the run: the score is overwritten, never used).
+        const int64_t len_t = pos_of[t] + 1, padded = (len_t + 15) / 16 * 16;
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores + g * padded;
+          attend_scores(q + (t * hq + kv * group + g) * dh, kt, stride, padded, dh, scale, sg);
+          softmax_numerators(sg, len_t, padded);
+        }
+        switch (dh) {
+          case 16: attend_values<1>(vrows, scores, padded, len_t, group, acc); break;
+          case 32: attend_values<2>(vrows, scores, padded, len_t, group, acc); break;
+          case 64: attend_values<4>(vrows, scores, padded, len_t, group, acc); break;
+          case 128: attend_values<8>(vrows, scores, padded, len_t, group, acc); break;
+          default: attend_values_any(vrows, scores, padded, len_t, group, dh, acc); break;
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float denom = lane_sum(scores + g * padded, len_t);
+          float* o = out + (t * hq + kv * group + g) * dh;
+          for (int64_t dd = 0; dd < dh; ++dd) o[dd] = acc[g * dh + dd] / denom;
+        }
       }
     }
   });
