@@ -19,6 +19,14 @@ Host threads poll flags; streams wait on them; neither waits for the other's wor
 CPU the "stream" is the calling thread and its waits poll the same words, so the tests
 run this exact protocol, over real sockets between real processes, without a GPU.
 
+``nccl`` (two-sided, device to device) uses the same threads with *fixed-size* frames:
+the mailboxes live in device memory (flags stay in pinned host memory), the proxy sends a
+whole mailbox (header and every row of its capacity: no read of the device-side count),
+the completion thread copies the frame into the mailbox and synchronises that copy before
+it raises the flag. The provider's per-direction process groups keep both directions of a
+ping-pong apart (docs/comm.md), so m > 1 cannot deadlock. On CPU its gloo backend runs the
+same path over host memory.
+
 One mailbox per slot is enough for the data plane's order: a slot is sent again only
 after the answer to its previous use came back, which the receiver sends only after it
 has copied the previous contents out (``take`` precedes the work that produces the
@@ -83,17 +91,21 @@ class MailboxLayout:
 
 
 class Mailboxes:
-    """``n`` mailboxes of one layout in pinned host memory (pageable on a CPU-only
-    machine), and their flags."""
+    """``n`` mailboxes of one layout, and their flags. The data is in pinned host memory
+    (pageable on a CPU-only machine), or on ``device`` (fixed-size frames: nccl); the
+    flags are always in host memory."""
 
-    def __init__(self, layout: MailboxLayout, n: int) -> None:
+    def __init__(self, layout: MailboxLayout, n: int, device: Any = "cpu") -> None:
         pin = torch.cuda.is_available()
         self.layout = layout
         self.n = n
-        self.data = torch.zeros(n, layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.device = torch.device(device)
+        on_host = self.device.type == "cpu"
+        self.data = torch.zeros(n, layout.nbytes, dtype=torch.uint8, device=self.device,
+                                pin_memory=pin and on_host)
         self.flag_words = torch.zeros(n * _FLAG_STRIDE, dtype=torch.int32, pin_memory=pin)
         self._flags_np = self.flag_words.numpy()
-        self._data_np = self.data.numpy()
+        self._data_np = self.data.numpy() if on_host else None
         self._offsets = layout.offsets()
 
     def flag(self, i: int) -> torch.Tensor:
@@ -126,6 +138,20 @@ class Mailboxes:
         for s, start in zip(self.layout.sections, self._offsets):
             parts.append(self._data_np[i, start: start + count * s.row_bytes])
         return parts
+
+    def whole(self, i: int) -> torch.Tensor:
+        """Mailbox ``i`` as one fixed-size frame (all rows of its capacity)."""
+        return self.data[i]
+
+    def land_whole(self, i: int, frame: torch.Tensor) -> None:
+        """Copy a fixed-size frame into mailbox ``i``; on a GPU the copy is finished when
+        this returns (the flag may be raised next)."""
+        if frame.numel() != self.layout.nbytes:
+            raise CommError(f"mailbox {i}: a fixed-size frame of {frame.numel()} bytes, "
+                            f"expected {self.layout.nbytes}")
+        self.data[i].copy_(frame.reshape(-1), non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def land(self, i: int, frame) -> None:
         """Copy a received ``payload`` into mailbox ``i`` (the completion thread)."""
@@ -199,13 +225,20 @@ class Relay:
 
     ``outgoing``: mailboxes the streams fill, with a :class:`Route` each; ``incoming``: the
     mailboxes frames land in, by the frame's mailbox id (the immediate's layer field).
+    ``fixed_size``: whole mailboxes as frames (default: for the nccl provider).
     A failure (peer lost, bad frame) stops both threads; :attr:`error` says why, and the
     streams waiting on incoming flags must then be released by the caller's watchdog.
     """
 
     def __init__(self, endpoint: Any, outgoing: Mailboxes, routes: list[Route],
-                 incoming: Mailboxes, poll_s: float = 20e-6) -> None:
+                 incoming: Mailboxes, poll_s: float = 20e-6,
+                 fixed_size: bool | None = None) -> None:
         self.endpoint = endpoint
+        self.fixed_size = (getattr(endpoint, "provider", None) == "nccl"
+                           if fixed_size is None else fixed_size)
+        if not self.fixed_size and (outgoing.device.type != "cpu" or
+                                    incoming.device.type != "cpu"):
+            raise ValueError("mailboxes in device memory need fixed-size frames (nccl)")
         self.outgoing = outgoing
         self.routes = routes
         self.incoming = incoming
@@ -241,8 +274,9 @@ class Relay:
             for route in self.routes:
                 if box.flag_value(route.local) >= sf.SET:
                     box.set_flag(route.local, sf.CLEAR)
-                    self.endpoint.send(route.dst, box.payload(route.local),
-                                       layer=route.remote, microbatch=0)
+                    payload = (box.whole(route.local) if self.fixed_size
+                               else box.payload(route.local))
+                    self.endpoint.send(route.dst, payload, layer=route.remote, microbatch=0)
                     self.frames_sent += 1
                     sent = True
             if not sent:
@@ -258,7 +292,10 @@ class Relay:
             mailbox = completion.layer
             if not 0 <= mailbox < box.n:
                 raise CommError(f"a frame for mailbox {mailbox} of {box.n}")
-            box.land(mailbox, completion.numpy())
+            if self.fixed_size:
+                box.land_whole(mailbox, completion.tensor())
+            else:
+                box.land(mailbox, completion.numpy())
             self.endpoint.release(completion)
             box.set_flag(mailbox, sf.SET)
             self.frames_received += 1

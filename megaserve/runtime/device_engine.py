@@ -93,17 +93,28 @@ def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
                       expert_ids=list(expert_ids)).experts
 
 
+def _endpoint_options(transport: str, device) -> dict:
+    return {"device": str(device)} if transport == "nccl" else {}
+
+
+def _mailbox_device(transport: str, device) -> str:
+    """nccl moves device memory (fixed-size frames); tcp and rdma send from host memory."""
+    return str(device) if transport == "nccl" else "cpu"
+
+
 def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     """Expert worker ``spec.index``'s end of the host-proxied links: its endpoint (rank
     1 + index), mailboxes per (replica, micro-batch) and the relay threads."""
     shape, m = spec.shape, spec.shape.microbatches
     world = 1 + shape.num_workers
-    endpoint = create_endpoint(spec.transport, 1 + spec.index, world, spec.channel)
+    endpoint = create_endpoint(spec.transport, 1 + spec.index, world, spec.channel,
+                               **_endpoint_options(spec.transport, spec.device))
     endpoint.connect(exchange(spec.rendezvous, 1 + spec.index, world, endpoint.address),
                      send_to=[0])
     dispatch, combine = RelaySlots.layouts(shape)
-    slots = RelaySlots(Mailboxes(combine, shape.num_replicas * m),
-                       Mailboxes(dispatch, shape.num_replicas * m), m)
+    where = _mailbox_device(spec.transport, spec.device)
+    slots = RelaySlots(Mailboxes(combine, shape.num_replicas * m, where),
+                       Mailboxes(dispatch, shape.num_replicas * m, where), m)
     routes = [Route(local=slots.index(r, i), dst=0,
                     remote=(r * shape.num_workers + spec.index) * m + i)
               for r in range(shape.num_replicas) for i in range(m)]
@@ -283,7 +294,8 @@ class DevicePlaneEngine:
         (replica, expert worker, micro-batch) and the relay threads."""
         shape, m = self.shape, self.shape.microbatches
         workers = shape.num_workers
-        endpoint = create_endpoint(transport, 0, 1 + workers, channel)
+        endpoint = create_endpoint(transport, 0, 1 + workers, channel,
+                                   **_endpoint_options(transport, self.device))
         try:
             endpoint.connect(exchange(self._rendezvous.address, 0, 1 + workers, endpoint.address,
                                       timeout_s=STARTUP_TIMEOUT_S),
@@ -295,7 +307,9 @@ class DevicePlaneEngine:
         n = shape.num_replicas * workers * m
         routes = [Route(local=(r * workers + e) * m + i, dst=1 + e, remote=r * m + i)
                   for r in range(shape.num_replicas) for e in range(workers) for i in range(m)]
-        self.relay = Relay(endpoint, Mailboxes(dispatch, n), routes, Mailboxes(combine, n))
+        where = _mailbox_device(transport, self.device)
+        self.relay = Relay(endpoint, Mailboxes(dispatch, n, where), routes,
+                           Mailboxes(combine, n, where))
 
     def _start_processes(self, config: EngineConfig, path: str) -> list[ExpertLink]:
         from megaserve.comm.cuda_ipc import open_tensor, share_tensor

@@ -12,12 +12,20 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import LLMEngine
 
 
+def _experts_on_other_gpus(config: EngineConfig) -> bool:
+    """True where the expert workers get GPUs of their own (device_engine.expert_device)."""
+    import torch
+
+    return config.device == "cuda" and torch.cuda.device_count() > 1
+
+
 def device_plane_reason(config: EngineConfig) -> str | None:
     """Why ``config`` cannot run on the device data plane, or None if it can."""
     if not config.device.startswith("cuda"):
         return "the device data plane needs CUDA"
-    if config.transport == "nccl":
-        return "the device data plane does not move bytes over nccl"
+    if config.transport == "nccl" and not _experts_on_other_gpus(config):
+        return ("nccl connects no two processes on one GPU: the device data plane puts the "
+                "expert workers on the other GPUs (device='cuda' with several visible)")
     if config.attention_replicas > 1 and config.transport == "inproc":
         # In one process, a replica loading a kernel module waits for every stream of the
         # context, including an expert worker's that waits on another replica's flag.

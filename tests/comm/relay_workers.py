@@ -36,7 +36,7 @@ def plane_shape(workers: int):
 
 
 def expert_worker(index: int, expert_ids: list[int], workers: int, ticks: list[tuple[int, int]],
-                  rdv: str, results, stop) -> None:
+                  rdv: str, results, stop, provider: str = "tcp") -> None:
     """Expert worker ``index`` (rank 1 + index; the replica is rank 0): for each
     (layer, micro-batch) of ``ticks``, take the dispatch, compute, put the combine; then
     stay up until ``stop`` is set."""
@@ -52,7 +52,7 @@ def expert_worker(index: int, expert_ids: list[int], workers: int, ticks: list[t
         server = ExpertServer(part, index, shape, inbox, [staging], [3], "cpu")
         dispatch, combine = layouts()
         incoming, outgoing = Mailboxes(dispatch, M), Mailboxes(combine, M)
-        endpoint = create_endpoint("tcp", 1 + index, 1 + workers)
+        endpoint = create_endpoint(provider, 1 + index, 1 + workers)
         endpoint.connect(exchange(rdv, 1 + index, 1 + workers, endpoint.address), send_to=[0])
         routes = [Route(local=i, dst=0, remote=index * M + i) for i in range(M)]
         relay = Relay(endpoint, outgoing, routes, incoming)

@@ -1,6 +1,6 @@
 """The host-proxied link of the device data plane (megaserve.comm.relay) on CPU: the same
 mailboxes, flags, proxy and completion threads the GPU path uses, over real tcp sockets
-between real processes. The replica (this process) packs routed rows per expert worker,
+between real processes (and over the nccl provider's gloo backend: fixed-size frames). The replica (this process) packs routed rows per expert worker,
 puts them in its outgoing mailboxes; each expert worker process takes them, runs the
 expert tick, puts the combine back; the gathered result is bitwise what in-process
 experts give. A worker that dies surfaces as a typed error within the timeout."""
@@ -24,17 +24,18 @@ from tests.comm.relay_workers import C, D, E, K, M, expert_worker, layouts, plan
 PLACEMENTS = [[list(range(E))], [[0, 5, 6], [1, 2, 3, 4, 7]]]
 
 
-def _start(placement, ticks):
+def _start(placement, ticks, provider="tcp"):
     ctx = multiprocessing.get_context("spawn")
     workers = len(placement)
     server = RendezvousServer(1 + workers)
     results, stop = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=expert_worker,
-                         args=(e, placement[e], workers, ticks, server.address, results, stop),
+                         args=(e, placement[e], workers, ticks, server.address, results, stop,
+                               provider),
                          daemon=True) for e in range(workers)]
     for proc in procs:
         proc.start()
-    endpoint = create_endpoint("tcp", 0, 1 + workers)
+    endpoint = create_endpoint(provider, 0, 1 + workers)
     endpoint.connect(exchange(server.address, 0, 1 + workers, endpoint.address),
                      send_to=range(1, 1 + workers))
     dispatch, combine = layouts()
@@ -46,8 +47,9 @@ def _start(placement, ticks):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("provider", ["tcp", "nccl"])
 @pytest.mark.parametrize("placement", PLACEMENTS, ids=["E=1", "E=2"])
-def test_ticks_through_the_relay_are_bitwise_local_experts(placement) -> None:
+def test_ticks_through_the_relay_are_bitwise_local_experts(placement, provider) -> None:
     workers = len(placement)
     w_gate_up, w_down = weights()
     local = LocalExperts(ExpertPart(list(range(E)), E, {3: w_gate_up}, {3: w_down}))
@@ -56,7 +58,9 @@ def test_ticks_through_the_relay_are_bitwise_local_experts(placement) -> None:
         owner[ids] = e
     token_counts = [1, 16, 5, 11, 16, 3]  # ticks alternate micro-batches 0, 1
     ticks = [(3, n % M) for n in range(len(token_counts))]
-    server, procs, results, stop, endpoint, relay, outgoing, incoming = _start(placement, ticks)
+    started = _start(placement, ticks, provider)
+    server, procs, results, stop, endpoint, relay, outgoing, incoming = started
+    assert relay.fixed_size == (provider == "nccl")
     try:
         shape = plane_shape(workers)
         staging = [ExpertInbox(shape, "cpu") for _ in range(workers)]

@@ -149,7 +149,9 @@ def test_which_layouts_run_on_the_device_plane() -> None:
     assert "processes" in device_plane_reason(
         EngineConfig(**cuda, attention_replicas=2, disaggregate=True))
     assert device_plane_reason(EngineConfig(**cuda, transport="tcp", expert_workers=2)) is None
-    assert "nccl" in device_plane_reason(EngineConfig(**cuda, transport="nccl", expert_workers=2))
+    # NCCL connects no two processes on one GPU: only with the experts on other GPUs.
+    nccl = device_plane_reason(EngineConfig(**cuda, transport="nccl", expert_workers=2))
+    assert (nccl is None) == (torch.cuda.device_count() > 1)
     assert not uses_device_plane(EngineConfig(**cuda))  # co-located stays co-located
     assert uses_device_plane(EngineConfig(**cuda, disaggregate=True))
     assert not uses_device_plane(EngineConfig(**cuda, disaggregate=True, data_plane="host"))

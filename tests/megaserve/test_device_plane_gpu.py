@@ -146,11 +146,12 @@ def test_a_lost_expert_worker_is_a_typed_error_not_a_hang() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs several GPUs (expert workers on the other GPUs)")
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
 @pytest.mark.parametrize("workers,m", [(1, 1), (1, 2), (3, 2)])
-def test_device_plane_across_gpus_is_bitwise_colocated(colocated, workers, m) -> None:
+def test_device_plane_across_gpus_is_bitwise_colocated(colocated, workers, m, transport) -> None:
     from megaserve.runtime.device_engine import expert_device
 
-    seqs, kind, experts = _run(expert_workers=workers, microbatches=m, transport="cuda_ipc")
+    seqs, kind, experts = _run(expert_workers=workers, microbatches=m, transport=transport)
     assert kind == "DevicePlaneEngine" and experts.stats.graph_steps > 0
     assert expert_device("cuda", torch.device("cuda:0"), 0) != "cuda:0"
     assert seqs == colocated
