@@ -24,15 +24,15 @@ from dataclasses import replace
 
 from megaserve.comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import (EngineStats, Prompt, cache_root, derive_seed,
+from megaserve.engine.engine import (EngineStats, Prompt, derive_seed,
                                      load_tokenizer, resolve_max_model_len, validate_prompt)
-from megaserve.engine.prefix_cache import PrefixRouter
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import resolve_dtype
 from megaserve.outputs import RequestOutput
 from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.routing import replica_router
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.runtime.launcher import WorkerLauncher, make_launcher
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
@@ -134,14 +134,7 @@ class DisaggregatedEngine:
         self.model_name = config.model
         self.vocab_size = self.model_config.vocab_size
         self._arrivals = itertools.count()
-        self._owner: dict[str, int] = {}  # request id → replica
-        self._load = [0] * config.attention_replicas  # outstanding token work per replica
-        # Cache-aware routing: requests sharing a prefix go where it is cached.
-        self._router = None
-        if config.enable_prefix_caching and config.attention_replicas > 1:
-            root = cache_root(path, resolve_dtype(config.dtype, self.model_config), config.block_size)
-            self._router = PrefixRouter(config.attention_replicas, config.block_size, root)
-        self._work: dict[str, int] = {}
+        self._router = replica_router(config, path, self.model_config)
         self._prompts: dict[str, str | None] = {}  # text prompts (replicas only see ids)
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
         self.expert_stats: dict[int, object] = {}
@@ -256,7 +249,7 @@ class DisaggregatedEngine:
             self._forget(out.request_id)
         self._ended += ended
         for request_id, ids, params, seed in reruns:
-            self._group.handles[self._owner[request_id]].send(
+            self._group.handles[self._router.owner(request_id)].send(
                 AddRequest(request_id, ids, params, seed))
         logger.warning("workers: back, re-running %d request(s)", len(reruns))
         self._health = WorkerHealth("serving", None, self._budget.total)
@@ -327,35 +320,28 @@ class DisaggregatedEngine:
     @_locked
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     seed: int | None = None) -> None:
-        if request_id in self._owner:
+        if request_id in self._router:
             raise ValueError(f"request_id: {request_id!r} is already running")
         ids = self.validate(prompt, params)
         arrival = next(self._arrivals)
         if seed is None:
             seed = derive_seed(self.config.seed, arrival)
-        if self._router is not None:
-            replica = self._router.route(ids, self._load)
-        else:
-            replica = min(range(len(self._load)), key=lambda r: (self._load[r], r))
-        work = len(ids) + params.max_tokens
-        self._owner[request_id] = replica
-        self._work[request_id] = work
+        replica = self._router.place(request_id, ids, params.max_tokens)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
-        self._load[replica] += work
         self._in_flight.added(request_id, self._prompts[request_id], ids, params, seed)
         self._group.handles[replica].send(AddRequest(request_id, ids, params, seed))
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ask the owning replica to abort; its "abort" output arrives through step()."""
-        replica = self._owner.get(request_id)
+        replica = self._router.owner(request_id)
         if replica is not None:
             self._in_flight.aborting(request_id)
             self._group.handles[replica].send(AbortRequest(request_id))
         return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner)
+        return len(self._router) > 0
 
     @_locked
     def step(self, timeout: float = 0.05) -> list[RequestOutput]:
@@ -376,7 +362,7 @@ class DisaggregatedEngine:
 
     def _lockstep_step(self) -> list[RequestOutput]:
         """Announce a step to every replica with requests; wait until all have run it."""
-        participants = sorted(set(self._owner.values()))
+        participants = self._router.busy_replicas()
         for replica in participants:
             self._group.handles[replica].send(RunStep(len(participants)))
         outputs: list[RequestOutput] = []
@@ -398,7 +384,7 @@ class DisaggregatedEngine:
         self._stats[replica] = stats
         delivered = []
         for out in outs:
-            if out.request_id not in self._owner:
+            if out.request_id not in self._router:
                 continue  # the tail of a re-run the front-end already finished
             prompt = self._prompts.get(out.request_id)
             out, must_abort = self._in_flight.translate(out)
@@ -411,9 +397,7 @@ class DisaggregatedEngine:
         return delivered
 
     def _forget(self, request_id: str) -> None:
-        replica = self._owner.pop(request_id, None)
-        if replica is not None:
-            self._load[replica] -= self._work.pop(request_id)
+        if self._router.forget(request_id) is not None:
             self._prompts.pop(request_id, None)
             self._in_flight.forget(request_id)
 

@@ -10,12 +10,12 @@ one host message per expert worker (megaserve.runtime.device_plane).
 
 Several replicas step in lockstep: each global step, every replica with requests runs its
 step on a thread of its own, and a :class:`~megaserve.runtime.device_plane.StepBarrier`
-starts the expert workers' graph step over all of their rows. A new request goes to the
-replica with the least outstanding work (prompt + max_tokens); its seed is derived here
-from the arrival order, as the single engine derives it, so outputs never depend on the
-replica. With R > 1 the replicas capture every decode graph size at start-up: a capture
-synchronises the device, which must never happen while another replica's stream waits for
-the expert workers.
+starts the expert workers' graph step over all of their rows. A new request goes where
+megaserve.runtime.routing puts it (cache-aware where prefix caching is on, else the least
+outstanding work); its seed is derived here from the arrival order, as the single engine
+derives it, so outputs never depend on the replica. With R > 1 the replicas capture every
+decode graph size at start-up: a capture synchronises the device, which must never happen
+while another replica's stream waits for the expert workers.
 
 It has the synchronous engine's interface, so ``LLM`` and ``AsyncLLMEngine`` use it
 unchanged. Raises ``ValueError`` for a layout it does not run (CPU, tcp/nccl/rdma, several
@@ -49,6 +49,7 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
                                             WorkerReady)
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.routing import replica_router
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +203,7 @@ class DevicePlaneEngine:
         self.profile = profile
         self.config = config
         self.model_name = config.model
-        self._owner: dict[str, int] = {}  # request id → replica
-        self._work: dict[str, int] = {}  # request id → prompt + max_tokens
-        self._load = [0] * num_replicas
+        self._router = replica_router(config, path, model_config)
         self._arrivals = itertools.count()
         self._pool: ThreadPoolExecutor | None = None
         self.relay: Relay | None = None  # tcp / rdma: host-proxied links
@@ -416,7 +415,7 @@ class DevicePlaneEngine:
                 raise error
         for out in outputs:
             if out.finished:
-                self._forget(out.request_id)
+                self._router.forget(out.request_id)
         return outputs
 
     def _replica_step(self, replica: int):
@@ -428,33 +427,30 @@ class DevicePlaneEngine:
                 self.barrier.report(replica, None)
 
     def add_request(self, request_id: str, prompt, params, seed: int | None = None) -> None:
-        """Queue a request on the replica with the least outstanding work."""
-        if request_id in self._owner:
+        """Queue a request on a replica (megaserve.runtime.routing: cache-aware, else the
+        least outstanding work)."""
+        if request_id in self._router:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        work = len(self.engine.validate(prompt, params)) + params.max_tokens
+        ids = self.engine.validate(prompt, params)
         arrival = next(self._arrivals)
         if seed is None:
             seed = derive_seed(self.config.seed, arrival)
-        replica = min(range(len(self.engines)), key=lambda r: (self._load[r], r))
-        with torch.cuda.stream(self.streams[replica]):
-            self.engines[replica].add_request(request_id, prompt, params, seed)
-        self._owner[request_id] = replica
-        self._work[request_id] = work
-        self._load[replica] += work
+        replica = self._router.place(request_id, ids, params.max_tokens)
+        try:
+            with torch.cuda.stream(self.streams[replica]):
+                self.engines[replica].add_request(request_id, prompt, params, seed)
+        except BaseException:
+            self._router.forget(request_id)
+            raise
 
     def abort_request(self, request_id: str):
-        replica = self._owner.get(request_id)
+        replica = self._router.owner(request_id)
         if replica is None:
             return None
         with torch.cuda.stream(self.streams[replica]):
             out = self.engines[replica].abort_request(request_id)
-        self._forget(request_id)
+        self._router.forget(request_id)
         return out
-
-    def _forget(self, request_id: str) -> None:
-        replica = self._owner.pop(request_id, None)
-        if replica is not None:
-            self._load[replica] -= self._work.pop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return any(engine.has_unfinished_requests() for engine in self.engines)

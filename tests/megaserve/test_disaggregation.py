@@ -105,12 +105,12 @@ def test_requests_spread_over_replicas_by_outstanding_work():
         engine.add_request("big", [1] * 40, SamplingParams(max_tokens=50, ignore_eos=True))
         for i in range(4):
             engine.add_request(f"s{i}", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
-        owners = dict(engine._owner)
+        owners = {rid: engine._router.owner(rid) for rid in ["big", "s0", "s1", "s2", "s3"]}
         assert owners["s0"] != owners["big"] and owners["s1"] != owners["big"]
         assert owners["s2"] != owners["big"] and len(set(owners.values())) == 3
         while engine.has_unfinished_requests():
             engine.step()
-        assert engine._load == [0, 0, 0]
+        assert engine._router.loads == [0, 0, 0] and len(engine._router) == 0
         assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
     finally:
         engine.shutdown()
