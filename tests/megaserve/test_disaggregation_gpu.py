@@ -39,12 +39,14 @@ def test_disaggregated_gpus_equal_single_gpu(single_gpu, transport, replicas, ex
     if (replicas, experts, microbatches) == (1, 3, 4) and gpus < 4:
         pytest.skip("the experts-on-GPUs-1-3 layout needs 4 GPUs")
     if transport == "nccl" and nccl_gpu_clash("cuda", replicas, experts):
-        # A replica shares a GPU with an expert worker: NCCL cannot connect them (its
-        # "invalid usage", 2x H200), so the layout is refused up front with a clear error.
+        # On the host data plane a replica would share a GPU with an expert worker: NCCL
+        # cannot connect them (its "invalid usage", 2x H200), so the layout is refused up
+        # front with a clear error. The device data plane (the default on CUDA) keeps the
+        # replicas on the front-end's GPU and the expert workers on the others: it runs.
         with pytest.raises(ValueError, match="transport 'nccl': .* on one GPU"):
             LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas,
-                expert_workers=experts, microbatches=microbatches, transport=transport)
-        return
+                expert_workers=experts, microbatches=microbatches, transport=transport,
+                data_plane="host")
     with LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas, expert_workers=experts,
              microbatches=microbatches, transport=transport) as llm:
         got = _signature(llm.generate(PROMPTS, PARAMS))
