@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megaserve import kernels
@@ -240,21 +241,22 @@ class ModelRunner:
         ]
         if not picks:
             return
-        index = torch.tensor([r for r, _, _ in picks], device=self.device)
-        seqs = [scheduled[i].seq for _, i, _ in picks]
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device)
-
+        # One pass over the rows, two host-to-device copies: (temperature, top_p, min_p)
+        # as float32, (row, top_k, seed, position of the token being generated: it keys
+        # the random draw) as int64.
+        float_rows, int_rows = [], []
+        for r, i, p in picks:
+            seq = scheduled[i].seq
+            params = seq.params
+            float_rows.append((params.temperature, params.top_p, params.min_p))
+            int_rows.append((r, params.top_k, seq.seed, p + 1))
+        floats = np.array(float_rows, dtype=np.float32).T.copy()  # [3, n]
+        ints = np.array(int_rows, dtype=np.int64).T.copy()  # [4, n]
+        floats_d = torch.from_numpy(floats).to(self.device)
+        ints_d = torch.from_numpy(ints).to(self.device)
         tokens = kernels.sample(
-            logprobs[index],
-            col([s.params.temperature for s in seqs], torch.float32),
-            col([s.params.top_k for s in seqs], torch.int64),
-            col([s.params.top_p for s in seqs], torch.float32),
-            col([s.params.min_p for s in seqs], torch.float32),
-            col([s.seed for s in seqs], torch.int64),
-            # The position of the token being generated keys the random draw.
-            col([p + 1 for _, _, p in picks], torch.int64),
+            logprobs[ints_d[0]], floats_d[0], ints_d[1], floats_d[1], floats_d[2],
+            ints_d[2], ints_d[3],
         ).tolist()
         per_seq: dict[int, list[tuple[int, int]]] = {}
         for (r, i, _), token in zip(picks, tokens):
