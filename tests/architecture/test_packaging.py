@@ -84,3 +84,23 @@ def test_the_installed_package_resolves_the_mapped_folders(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_wheel_installs_one_import_root_with_the_kernel_sources(tmp_path):
+    """A non-editable install: the wheel holds ``megaserve/`` only (no top-level ``comm``,
+    ``kernels``, ``planner`` or ``deploy``), with the C++ sources the CPU kernels compile
+    on first use, the shipped planner profile and the gRPC proto."""
+    import zipfile
+
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                             "-q", "-w", str(tmp_path)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = tmp_path.glob("megaserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"megaserve"}
+    for needed in ("megaserve/comm/relay.py", "megaserve/kernels/cpu_src/common.h",
+                   "megaserve/kernels/cpu_src/gemm.cpp", "megaserve/planner/profiles/hopper.yaml",
+                   "megaserve/server/generation.proto", "megaserve/deploy/k8s.py"):
+        assert needed in names, needed
