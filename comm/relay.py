@@ -83,8 +83,9 @@ class MailboxLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one mailbox, a multiple of 64 (the next one's views stay aligned)."""
         last = self.sections[-1]
-        return self.offsets()[-1] + last.row_bytes * self.capacity
+        return -(-(self.offsets()[-1] + last.row_bytes * self.capacity) // 64) * 64
 
     def payload_bytes(self, count: int) -> int:
         return HEADER_BYTES + count * sum(s.row_bytes for s in self.sections)
