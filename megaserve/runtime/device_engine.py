@@ -70,7 +70,7 @@ class ExpertWorkerSpec:
     moe_layers: tuple[int, ...]
     replica_handles: tuple[bytes, ...]  # each replica's ReplicaInbox (cuda_ipc.share_tensor)
     parent_pid: int
-    # tcp / rdma: host-proxied links (megaserve.comm.relay) instead of IPC handles; the
+    # tcp / rdma / nccl: relayed links (megaserve.comm.relay) instead of IPC handles; the
     # front-end is rank 0 of the endpoint group, expert worker e rank 1 + e.
     transport: str = "cuda_ipc"
     rendezvous: str | None = None
@@ -123,7 +123,7 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
 
 
 def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
-    """Entry point of an expert worker process (``cuda_ipc``; ``tcp``/``rdma``: relayed)."""
+    """Entry point of an expert worker process (``cuda_ipc``; tcp, rdma, nccl: relayed)."""
     from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
     relay = None
@@ -206,7 +206,7 @@ class DevicePlaneEngine:
         self._router = replica_router(config, path, model_config)
         self._arrivals = itertools.count()
         self._pool: ThreadPoolExecutor | None = None
-        self.relay: Relay | None = None  # tcp / rdma: host-proxied links
+        self.relay: Relay | None = None  # tcp / rdma / nccl: relayed links
         self._rendezvous: RendezvousServer | None = None
         try:
             if config.transport == "inproc":
