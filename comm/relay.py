@@ -20,12 +20,15 @@ CPU the "stream" is the calling thread and its waits poll the same words, so the
 run this exact protocol, over real sockets between real processes, without a GPU.
 
 ``nccl`` (two-sided, device to device) uses the same threads with *fixed-size* frames:
-the mailboxes live in device memory (flags stay in pinned host memory), the proxy sends a
-whole mailbox (header and every row of its capacity: no read of the device-side count),
-the completion thread copies the frame into the mailbox and synchronises that copy before
-it raises the flag. The provider's per-direction process groups keep both directions of a
-ping-pong apart (docs/comm.md), so m > 1 cannot deadlock. On CPU its gloo backend runs the
-same path over host memory.
+the mailboxes live in device memory (flags stay in pinned host memory) and the proxy
+never reads the device-side count. Instead ``put`` also writes the tick's *static* row
+count (the graph's rows, a constant captured with it) into a host word beside the flag,
+and the proxy sends the header and that many rows of each section: the same size for
+every tick of a step on every rank, whatever the routing. The completion thread copies
+the frame into the mailbox and synchronises that copy before it raises the flag. The
+provider's per-direction process groups keep both directions of a ping-pong apart
+(docs/comm.md), so m > 1 cannot deadlock. On CPU its gloo backend runs the same path over
+host memory.
 
 One mailbox per slot is enough for the data plane's order: a slot is sent again only
 after the answer to its previous use came back, which the receiver sends only after it
@@ -94,7 +97,7 @@ class MailboxLayout:
 class Mailboxes:
     """``n`` mailboxes of one layout, and their flags. The data is in pinned host memory
     (pageable on a CPU-only machine), or on ``device`` (fixed-size frames: nccl); the
-    flags are always in host memory."""
+    flags, and each mailbox's fixed frame size in rows, are always in host memory."""
 
     def __init__(self, layout: MailboxLayout, n: int, device: Any = "cpu") -> None:
         pin = torch.cuda.is_available()
@@ -115,6 +118,16 @@ class Mailboxes:
 
     def flag_value(self, i: int) -> int:
         return int(self._flags_np[i * _FLAG_STRIDE])
+
+    def rows_word(self, i: int) -> torch.Tensor:
+        """Mailbox ``i``'s frame size in rows (fixed-size frames): the word after its flag."""
+        return self.flag_words[i * _FLAG_STRIDE + 1: i * _FLAG_STRIDE + 2]
+
+    def rows_value(self, i: int) -> int:
+        return int(self._flags_np[i * _FLAG_STRIDE + 1])
+
+    def set_rows(self, i: int, rows: int) -> None:
+        self._flags_np[i * _FLAG_STRIDE + 1] = rows
 
     def set_flag(self, i: int, value: int) -> None:
         self._flags_np[i * _FLAG_STRIDE] = value
@@ -140,18 +153,35 @@ class Mailboxes:
             parts.append(self._data_np[i, start: start + count * s.row_bytes])
         return parts
 
-    def whole(self, i: int) -> torch.Tensor:
-        """Mailbox ``i`` as one fixed-size frame (all rows of its capacity)."""
-        return self.data[i]
+    def fixed_frame(self, i: int) -> list[torch.Tensor]:
+        """Mailbox ``i`` as a fixed-size frame: the header and the first ``rows_value(i)``
+        rows of each section (views of the mailbox, on its device)."""
+        rows = self.rows_value(i)
+        if not 0 <= rows <= self.layout.capacity:
+            raise CommError(f"mailbox {i}: frame of {rows} rows outside 0..{self.layout.capacity}")
+        parts = [self.data[i, :HEADER_BYTES]]
+        for s, start in zip(self.layout.sections, self._offsets):
+            parts.append(self.data[i, start: start + rows * s.row_bytes])
+        return parts
 
-    def land_whole(self, i: int, frame: torch.Tensor) -> None:
-        """Copy a fixed-size frame into mailbox ``i``; on a GPU the copy is finished when
-        this returns (the flag may be raised next)."""
-        if frame.numel() != self.layout.nbytes:
-            raise CommError(f"mailbox {i}: a fixed-size frame of {frame.numel()} bytes, "
-                            f"expected {self.layout.nbytes}")
-        self.data[i].copy_(frame.reshape(-1), non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
+    def land_fixed(self, i: int, frame: torch.Tensor) -> None:
+        """Copy a fixed-size frame into mailbox ``i`` (its row count follows from its
+        size); on a GPU the copy is finished when this returns (the flag may be raised)."""
+        frame = frame.reshape(-1)
+        per_row = sum(s.row_bytes for s in self.layout.sections)
+        rows, rest = divmod(frame.numel() - HEADER_BYTES, per_row)
+        if rest or not 0 <= rows <= self.layout.capacity:
+            raise CommError(f"mailbox {i}: a frame of {frame.numel()} bytes does not hold "
+                            f"whole rows of this layout")
+        gpu = self.device.type == "cuda"
+        self.data[i, :HEADER_BYTES].copy_(frame[:HEADER_BYTES], non_blocking=gpu)
+        offset = HEADER_BYTES
+        for s, start in zip(self.layout.sections, self._offsets):
+            size = rows * s.row_bytes
+            self.data[i, start: start + size].copy_(frame[offset: offset + size],
+                                                    non_blocking=gpu)
+            offset += size
+        if gpu:
             torch.cuda.current_stream(self.device).synchronize()
 
     def land(self, i: int, frame) -> None:
@@ -177,15 +207,18 @@ def _on_gpu(tensor: torch.Tensor) -> bool:
 def put(box: Mailboxes, i: int, count: torch.Tensor, sections: list[torch.Tensor],
         rows: int) -> None:
     """The sender's half, on the current stream: copy ``count`` (`[1]` int32) and the first
-    ``rows`` rows of each section (each `[>= rows, *shape]`) into mailbox ``i``, then SET
-    its flag. On the GPU this is queued (no host wait), so it can be captured in a graph."""
+    ``rows`` rows of each section (each `[>= rows, *shape]`) into mailbox ``i``, note
+    ``rows`` (a fixed-size frame's size), then SET its flag. On the GPU this is queued (no
+    host wait), so it can be captured in a graph (``rows`` is then the graph's constant)."""
     gpu = _on_gpu(count)
     box.count(i).copy_(count.reshape(1), non_blocking=gpu)
     for j, src in enumerate(sections):
         box.section(i, j)[:rows].copy_(src[:rows], non_blocking=gpu)
     if gpu:
+        sf.write(box.rows_word(i), rows)
         sf.write(box.flag(i), sf.SET)
     else:
+        box.set_rows(i, rows)
         box.set_flag(i, sf.SET)
 
 
@@ -226,7 +259,8 @@ class Relay:
 
     ``outgoing``: mailboxes the streams fill, with a :class:`Route` each; ``incoming``: the
     mailboxes frames land in, by the frame's mailbox id (the immediate's layer field).
-    ``fixed_size``: whole mailboxes as frames (default: for the nccl provider).
+    ``fixed_size``: frames of the rows ``put`` noted, not of the count (default: for the
+    nccl provider; needed for mailboxes in device memory).
     A failure (peer lost, bad frame) stops both threads; :attr:`error` says why, and the
     streams waiting on incoming flags must then be released by the caller's watchdog.
     """
@@ -275,7 +309,7 @@ class Relay:
             for route in self.routes:
                 if box.flag_value(route.local) >= sf.SET:
                     box.set_flag(route.local, sf.CLEAR)
-                    payload = (box.whole(route.local) if self.fixed_size
+                    payload = (box.fixed_frame(route.local) if self.fixed_size
                                else box.payload(route.local))
                     self.endpoint.send(route.dst, payload, layer=route.remote, microbatch=0)
                     self.frames_sent += 1
@@ -294,7 +328,7 @@ class Relay:
             if not 0 <= mailbox < box.n:
                 raise CommError(f"a frame for mailbox {mailbox} of {box.n}")
             if self.fixed_size:
-                box.land_whole(mailbox, completion.tensor())
+                box.land_fixed(mailbox, completion.tensor())
             else:
                 box.land(mailbox, completion.numpy())
             self.endpoint.release(completion)

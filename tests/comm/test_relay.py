@@ -140,3 +140,12 @@ def test_mailbox_layout_and_frames() -> None:
     assert torch.equal(other.section(0, 1)[:3], box.section(1, 1)[:3])
     with pytest.raises(Exception, match="does not hold"):
         other.land(1, frame[:-4])
+    # Fixed-size frames (nccl): the size is the rows put() noted, not the count.
+    box.set_rows(1, 5)
+    fixed = torch.cat(box.fixed_frame(1))
+    assert fixed.numel() == dispatch.payload_bytes(5)
+    other.land_fixed(1, fixed)
+    assert int(other.count(1)) == 3
+    assert torch.equal(other.section(1, 0)[:5], box.section(1, 0)[:5])
+    with pytest.raises(Exception, match="whole rows"):
+        other.land_fixed(1, fixed[:-4])
