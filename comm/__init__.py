@@ -40,11 +40,11 @@ Nothing here imports torch or megaserve at import time.
 
 from __future__ import annotations
 
-from megaserve.comm.endpoint import PROVIDERS, Endpoint, create_endpoint
-from megaserve.comm.errors import CommError, CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
-from megaserve.comm.imm import Imm, decode_imm, encode_imm
-from megaserve.comm.protocol import ChannelConfig, Completion
-from megaserve.comm.rendezvous import RendezvousServer, exchange
+from .endpoint import PROVIDERS, Endpoint, create_endpoint
+from .errors import CommError, CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
+from .imm import Imm, decode_imm, encode_imm
+from .protocol import ChannelConfig, Completion
+from .rendezvous import RendezvousServer, exchange
 
 __all__ = [
     "PROVIDERS", "ChannelConfig", "CommError", "CommTimeoutError", "Completion", "Endpoint",

@@ -132,7 +132,7 @@ def _worker(rank: int, spec: dict, rdv_addresses: list[str], dist_address: str, 
         import torch
         import torch.distributed as dist
 
-        from megaserve.comm import ChannelConfig, create_endpoint, exchange
+        from . import ChannelConfig, create_endpoint, exchange
 
         m, n = spec["m"], spec["n"]
         world = m + n
@@ -183,7 +183,7 @@ def run_pattern(spec: dict, timeout_s: float = 280.0) -> dict[str, dict[int, lis
     Returns {name: {size: senders' step seconds}}, one name per transport of
     ``spec["transports"]`` plus ``"base"`` (the raw torch.distributed baseline).
     """
-    from megaserve.comm.rendezvous import RendezvousServer
+    from .rendezvous import RendezvousServer
 
     world = spec["m"] + spec["n"]
     ctx = mp.get_context("spawn")

@@ -20,9 +20,9 @@ import pickle
 import time
 from typing import Any
 
-from megaserve.comm.protocol import ChannelConfig
-from megaserve.comm.tcp import TcpEndpoint, _InPeer
-from megaserve.comm.wire import Hello
+from .protocol import ChannelConfig
+from .tcp import TcpEndpoint, _InPeer
+from .wire import Hello
 
 logger = logging.getLogger(__name__)
 

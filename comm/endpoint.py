@@ -16,18 +16,19 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Iterable, Sequence
 
-from megaserve.comm.errors import EndpointClosedError
-from megaserve.comm.imm import encode_imm
-from megaserve.comm.protocol import ChannelConfig, Completion, CompletionQueue, CreditPool, SlotRing
+from .errors import EndpointClosedError
+from .imm import encode_imm
+from .protocol import ChannelConfig, Completion, CompletionQueue, CreditPool, SlotRing
 
 log = logging.getLogger(__name__)
 
+# module:class, the module relative to this package (comm never names where it is installed).
 PROVIDERS: dict[str, str] = {
-    "inproc": "megaserve.comm.inproc:InprocEndpoint",
-    "tcp": "megaserve.comm.tcp:TcpEndpoint",
-    "cuda_ipc": "megaserve.comm.cuda_ipc:CudaIpcEndpoint",
-    "rdma": "megaserve.comm.rdma:RdmaEndpoint",
-    "nccl": "megaserve.comm.nccl:NcclEndpoint",
+    "inproc": ".inproc:InprocEndpoint",
+    "tcp": ".tcp:TcpEndpoint",
+    "cuda_ipc": ".cuda_ipc:CudaIpcEndpoint",
+    "rdma": ".rdma:RdmaEndpoint",
+    "nccl": ".nccl:NcclEndpoint",
 }
 
 
@@ -164,7 +165,7 @@ class Endpoint(ABC):
 
     # -- provider hooks ----------------------------------------------------------------
     def _prepare(self, payload: Any) -> tuple[Any, int]:
-        from megaserve.comm.protocol import as_byte_views, total_bytes
+        from .protocol import as_byte_views, total_bytes
 
         views = as_byte_views(payload)
         return views, total_bytes(views)
@@ -194,5 +195,5 @@ def create_endpoint(provider: str, rank: int, world_size: int,
     if target is None:
         raise ValueError(f"unknown comm provider {provider!r}; valid: {sorted(PROVIDERS)}")
     module_name, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls = getattr(importlib.import_module(module_name, __package__), cls_name)
     return cls(rank, world_size, config, **options)

@@ -18,9 +18,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from megaserve.comm.endpoint import Endpoint
-from megaserve.comm.errors import PeerLostError
-from megaserve.comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
+from .endpoint import Endpoint
+from .errors import PeerLostError
+from .protocol import ChannelConfig, Completion, CreditPool, SlotRing
 
 _LIVE: "weakref.WeakValueDictionary[str, InprocEndpoint]" = weakref.WeakValueDictionary()
 _LIVE_LOCK = threading.Lock()

@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from megaserve.comm.errors import PeerLostError, ProtocolError
-from megaserve.comm.protocol import ChannelConfig, as_byte_views
-from megaserve.comm.tcp import TcpEndpoint, _Eof, _InPeer, parse_address
-from megaserve.comm.wire import Hello
+from .errors import PeerLostError, ProtocolError
+from .protocol import ChannelConfig, as_byte_views
+from .tcp import TcpEndpoint, _Eof, _InPeer, parse_address
+from .wire import Hello
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from megaserve.comm.errors import CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
-from megaserve.comm.imm import MAX_SLOT, decode_imm
+from .errors import CommTimeoutError, EndpointClosedError, PeerLostError, ProtocolError
+from .imm import MAX_SLOT, decode_imm
 
 MiB = 1 << 20
 

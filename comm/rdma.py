@@ -35,11 +35,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from megaserve.comm.errors import CommError, PeerLostError, ProtocolError
-from megaserve.comm.imm import slot_of
-from megaserve.comm.protocol import ChannelConfig, Completion
-from megaserve.comm.tcp import TcpEndpoint
-from megaserve.comm.wire import Hello, RdmaPeerInfo
+from .errors import CommError, PeerLostError, ProtocolError
+from .imm import slot_of
+from .protocol import ChannelConfig, Completion
+from .tcp import TcpEndpoint
+from .wire import Hello, RdmaPeerInfo
 
 log = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from megaserve.comm import stream_flags as sf
-from megaserve.comm.errors import CommError, CommTimeoutError, EndpointClosedError
+from . import stream_flags as sf
+from .errors import CommError, CommTimeoutError, EndpointClosedError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 
-from megaserve.comm.errors import CommTimeoutError, ProtocolError
+from .errors import CommTimeoutError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def exchange(server_address: str, rank: int, world_size: int, address: str,
     Raises CommTimeoutError if the server or some rank does not answer within ``timeout_s``,
     ProtocolError if the server rejects the rank.
     """
-    from megaserve.comm.tcp import parse_address
+    from .tcp import parse_address
 
     deadline = time.monotonic() + timeout_s
     while True:

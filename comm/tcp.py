@@ -22,11 +22,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from megaserve.comm.endpoint import Endpoint
-from megaserve.comm.errors import CommTimeoutError, PeerLostError, ProtocolError
-from megaserve.comm.imm import slot_of
-from megaserve.comm.protocol import ChannelConfig, Completion, CreditPool, SlotRing
-from megaserve.comm.wire import HEADER, Hello, Kind, pack_header, unpack_header
+from .endpoint import Endpoint
+from .errors import CommTimeoutError, PeerLostError, ProtocolError
+from .imm import slot_of
+from .protocol import ChannelConfig, Completion, CreditPool, SlotRing
+from .wire import HEADER, Hello, Kind, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
 

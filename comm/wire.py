@@ -19,7 +19,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from megaserve.comm.errors import ProtocolError
+from .errors import ProtocolError
 
 HEADER = struct.Struct("<BBHII")
 MAGIC = 0x4D53434D  # "MSCM"

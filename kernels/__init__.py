@@ -15,7 +15,7 @@ to ``megaserve.kernels.triton_impl`` (once it exists), everything else to ``mega
 
 from __future__ import annotations
 
-from megaserve.kernels.api import (
+from .api import (
     KV_SPLIT_SIZE,
     combine,
     counter_uniform,

@@ -16,7 +16,8 @@ import torch
 # position: a decode token and the same token inside a (chunked) prefill agree bitwise.
 KV_SPLIT_SIZE = 64
 
-_BACKENDS = {"cpu": "megaserve.kernels.cpu", "cuda": "megaserve.kernels.triton_impl"}
+# Modules of this package (relative: kernels never names the package it is installed in).
+_BACKENDS = {"cpu": ".cpu", "cuda": ".triton_impl"}
 _loaded: dict[str, ModuleType] = {}
 
 
@@ -28,13 +29,13 @@ def _backend(t: torch.Tensor) -> ModuleType:
         return module
     name = _BACKENDS.get(kind)
     if kind == "cuda" and os.environ.get("MEGASERVE_KERNELS") == "reference":
-        name = "megaserve.kernels.torch_ref"  # cuBLAS/SDPA baseline: NOT batch-invariant
+        name = ".torch_ref"  # cuBLAS/SDPA baseline: NOT batch-invariant
     if name is None:
         raise RuntimeError(
             f"no kernel backend for device type {kind!r}; supported: {sorted(_BACKENDS)}"
         )
     try:
-        module = importlib.import_module(name)
+        module = importlib.import_module(name, __package__)
     except ImportError as e:
         raise RuntimeError(f"kernel backend {name} for {kind!r} is unavailable: {e}") from e
     _loaded[kind] = module
@@ -50,7 +51,7 @@ def set_cpu_threads(num_threads: int) -> None:
     count never changes a result, and no OpenMP team spins on a busy machine.
     Raises ``ValueError`` for ``num_threads < 1``.
     """
-    from megaserve.kernels import cpu
+    from . import cpu
 
     cpu.set_num_lanes(num_threads)
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]], config_fn=
     (graph replays for both). ``config_fn(n, k, dtype)`` overrides the tiling (tuning)."""
     import torch
 
-    from megaserve.kernels.triton_impl.matmul import linear
+    from .triton_impl.matmul import linear
 
     rows = []
     for k, n in shapes:
@@ -77,7 +77,7 @@ def bench_attention(dtype) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megaserve.kernels.triton_impl.attention import paged_attention
+    from .triton_impl.attention import paged_attention
 
     hq, hkv, dh = 32, 8, 128
     cases = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("prefill", 4, 4096, 4096)]

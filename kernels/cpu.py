@@ -30,8 +30,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from megaserve.kernels import cpu_ext
-from megaserve.kernels.filters import filter_row
+from . import cpu_ext
+from .filters import filter_row
 
 # Rows per expert task of the compiled expert FFN: one thread's unit of work (the rows of
 # a task share one pass over the expert's weights). Never changes a bit.

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megaserve.kernels.triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
+from .triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn

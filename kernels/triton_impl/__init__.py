@@ -8,11 +8,11 @@ is compiled or launched until a function is called.
 
 from __future__ import annotations
 
-from megaserve.kernels.triton_impl.attention import paged_attention, write_kv_cache
-from megaserve.kernels.triton_impl.matmul import linear
-from megaserve.kernels.triton_impl.moe import expert_ffn, topk_route
-from megaserve.kernels.triton_impl.rowwise import combine, log_softmax, rms_norm, silu_and_mul
-from megaserve.kernels.triton_impl.sampling import counter_uniform, sample
+from .attention import paged_attention, write_kv_cache
+from .matmul import linear
+from .moe import expert_ffn, topk_route
+from .rowwise import combine, log_softmax, rms_norm, silu_and_mul
+from .sampling import counter_uniform, sample
 
 __all__ = [
     "combine",

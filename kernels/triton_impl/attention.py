@@ -48,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megaserve.kernels.api import KV_SPLIT_SIZE
-from megaserve.kernels.triton_impl.attention_kernels import (
+from ..api import KV_SPLIT_SIZE
+from .attention_kernels import (
     _attention_fold_kernel,
     _attention_parts_kernel,
     _paged_attention_kernel,

@@ -50,7 +50,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from megaserve.kernels.triton_impl import matmul_kernels as mk
+from . import matmul_kernels as mk
 
 # Programs we want in flight for a memory-bound (small M) product: about two per SM of
 # an H100/H200. A constant, so the split length is a function of (N, K) only.

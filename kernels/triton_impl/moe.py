@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megaserve.kernels.triton_impl.rowwise import silu_and_mul
+from .rowwise import silu_and_mul
 
 
 @triton.jit

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megaserve.kernels.filters import filter_row
-from megaserve.kernels.triton_impl.rowwise import log_softmax
+from ..filters import filter_row
+from .rowwise import log_softmax
 
 
 @triton.jit
