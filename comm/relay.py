@@ -142,31 +142,29 @@ class Mailboxes:
         start = self._offsets[j]
         return self.data[i, start: start + s.row_bytes * c].view(s.dtype).view(c, *s.shape)
 
-    def payload(self, i: int) -> list:
-        """What the proxy sends for mailbox ``i``: the header, then each section's rows in
-        use (numpy views; the endpoint concatenates them)."""
+    def count_value(self, i: int) -> int:
+        """Mailbox ``i``'s row count, read on the host (mailboxes in host memory only)."""
         count = int(self._data_np[i, :4].view("int32")[0])
         if not 0 <= count <= self.layout.capacity:
             raise CommError(f"mailbox {i}: row count {count} outside 0..{self.layout.capacity}")
-        parts = [self._data_np[i, :HEADER_BYTES]]
-        for s, start in zip(self.layout.sections, self._offsets):
-            parts.append(self._data_np[i, start: start + count * s.row_bytes])
-        return parts
+        return count
 
-    def fixed_frame(self, i: int) -> list[torch.Tensor]:
-        """Mailbox ``i`` as a fixed-size frame: the header and the first ``rows_value(i)``
-        rows of each section (views of the mailbox, on its device)."""
-        rows = self.rows_value(i)
+    def frame(self, i: int, rows: int) -> list[torch.Tensor]:
+        """What the proxy sends for mailbox ``i``: the header, then the first ``rows`` rows
+        of each section (views of the mailbox on its device; the endpoint concatenates
+        them). ``rows``: the count (host mailboxes), or the size ``put`` noted (fixed)."""
         if not 0 <= rows <= self.layout.capacity:
-            raise CommError(f"mailbox {i}: frame of {rows} rows outside 0..{self.layout.capacity}")
+            raise CommError(f"mailbox {i}: a frame of {rows} rows outside "
+                            f"0..{self.layout.capacity}")
         parts = [self.data[i, :HEADER_BYTES]]
         for s, start in zip(self.layout.sections, self._offsets):
             parts.append(self.data[i, start: start + rows * s.row_bytes])
         return parts
 
-    def land_fixed(self, i: int, frame: torch.Tensor) -> None:
-        """Copy a fixed-size frame into mailbox ``i`` (its row count follows from its
-        size); on a GPU the copy is finished when this returns (the flag may be raised)."""
+    def land(self, i: int, frame: torch.Tensor) -> int:
+        """Copy a received frame into mailbox ``i`` (the completion thread); returns its
+        rows, which follow from its size. On a GPU the copy is finished when this returns
+        (the flag may be raised next)."""
         frame = frame.reshape(-1)
         per_row = sum(s.row_bytes for s in self.layout.sections)
         rows, rest = divmod(frame.numel() - HEADER_BYTES, per_row)
@@ -183,21 +181,7 @@ class Mailboxes:
             offset += size
         if gpu:
             torch.cuda.current_stream(self.device).synchronize()
-
-    def land(self, i: int, frame) -> None:
-        """Copy a received ``payload`` into mailbox ``i`` (the completion thread)."""
-        frame = frame.reshape(-1)
-        count = int(frame[:4].view("int32")[0])
-        if not 0 <= count <= self.layout.capacity or \
-                frame.size != self.layout.payload_bytes(count):
-            raise CommError(f"mailbox {i}: a frame of {frame.size} bytes does not hold "
-                            f"{count} rows of this layout")
-        self._data_np[i, :HEADER_BYTES] = frame[:HEADER_BYTES]
-        offset = HEADER_BYTES
-        for s, start in zip(self.layout.sections, self._offsets):
-            size = count * s.row_bytes
-            self._data_np[i, start: start + size] = frame[offset: offset + size]
-            offset += size
+        return rows
 
 
 def _on_gpu(tensor: torch.Tensor) -> bool:
@@ -309,9 +293,10 @@ class Relay:
             for route in self.routes:
                 if box.flag_value(route.local) >= sf.SET:
                     box.set_flag(route.local, sf.CLEAR)
-                    payload = (box.fixed_frame(route.local) if self.fixed_size
-                               else box.payload(route.local))
-                    self.endpoint.send(route.dst, payload, layer=route.remote, microbatch=0)
+                    rows = (box.rows_value(route.local) if self.fixed_size
+                            else box.count_value(route.local))
+                    self.endpoint.send(route.dst, box.frame(route.local, rows),
+                                       layer=route.remote, microbatch=0)
                     self.frames_sent += 1
                     sent = True
             if not sent:
@@ -327,11 +312,11 @@ class Relay:
             mailbox = completion.layer
             if not 0 <= mailbox < box.n:
                 raise CommError(f"a frame for mailbox {mailbox} of {box.n}")
-            if self.fixed_size:
-                box.land_fixed(mailbox, completion.tensor())
-            else:
-                box.land(mailbox, completion.numpy())
+            rows = box.land(mailbox, completion.tensor())
             self.endpoint.release(completion)
+            if not self.fixed_size and box.count_value(mailbox) != rows:
+                raise CommError(f"mailbox {mailbox}: a frame of {rows} rows says it holds "
+                                f"{box.count_value(mailbox)}")
             box.set_flag(mailbox, sf.SET)
             self.frames_received += 1
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import time
 
-import numpy
 import pytest
 import torch
 
@@ -131,10 +130,11 @@ def test_mailbox_layout_and_frames() -> None:
     box.count(1).fill_(3)
     box.section(1, 0)[:3] = torch.arange(3 * D, dtype=torch.float32).view(3, D)
     box.section(1, 1)[:3] = 7
-    frame = numpy.concatenate(box.payload(1))
-    assert frame.size == dispatch.payload_bytes(3)
+    assert box.count_value(1) == 3
+    frame = torch.cat(box.frame(1, box.count_value(1)))
+    assert frame.numel() == dispatch.payload_bytes(3)
     other = Mailboxes(dispatch, 2)
-    other.land(0, frame)
+    assert other.land(0, frame) == 3
     assert int(other.count(0)) == 3
     assert torch.equal(other.section(0, 0)[:3], box.section(1, 0)[:3])
     assert torch.equal(other.section(0, 1)[:3], box.section(1, 1)[:3])
@@ -142,10 +142,10 @@ def test_mailbox_layout_and_frames() -> None:
         other.land(1, frame[:-4])
     # Fixed-size frames (nccl): the size is the rows put() noted, not the count.
     box.set_rows(1, 5)
-    fixed = torch.cat(box.fixed_frame(1))
+    fixed = torch.cat(box.frame(1, box.rows_value(1)))
     assert fixed.numel() == dispatch.payload_bytes(5)
-    other.land_fixed(1, fixed)
+    assert other.land(1, fixed) == 5
     assert int(other.count(1)) == 3
     assert torch.equal(other.section(1, 0)[:5], box.section(1, 0)[:5])
     with pytest.raises(Exception, match="whole rows"):
-        other.land_fixed(1, fixed[:-4])
+        other.land(1, fixed[:-4])
