@@ -59,6 +59,18 @@ def padded_size(num_seqs: int, sizes: list[int]) -> int | None:
     return None
 
 
+def capture_forward(forward, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Warm ``forward(b)`` up eagerly on the step's real inputs (compiles the kernels; its
+    K/V writes are the same values the replay writes again), then capture it into the
+    graph memory ``pool``: (graph, its output buffer)."""
+    forward(b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward(b)
+    return graph, out
+
+
 class DecodeGraphs:
     """Decode forwards of padded batch sizes over static input buffers.
 
@@ -211,14 +223,7 @@ class DecodeGraphs:
         return kernels.log_softmax(self.attention.logits(hidden))
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up size ``b`` eagerly on the step's real inputs (compiles the kernels; its
-        K/V writes are the same values the replay writes again), then capture it."""
-        self._forward(b)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(b)
-        self._graphs[b] = (graph, out)
+        entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)
         logger.info("captured a decode CUDA graph for batch size %d", b)
-        return graph, out
+        return entry
 

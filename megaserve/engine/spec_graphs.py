@@ -38,7 +38,7 @@ import logging
 import torch
 
 from megaserve import kernels
-from megaserve.engine.cuda_graphs import capture_sizes, padded_size
+from megaserve.engine.cuda_graphs import capture_forward, capture_sizes, padded_size
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.expert_part import ExpertPart
 from megaserve.models.forward import LocalExperts, MicroBatch, run_layers
@@ -163,17 +163,10 @@ class MultiTokenGraphs:
         return kernels.log_softmax(self.attention.logits(hidden))  # [b * Q, V]
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up size ``b`` eagerly on the step's real inputs (compiles the kernels; its
-        K/V writes are the values the replay writes again), then capture it."""
-        self._forward(b)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(b)
-        self._graphs[b] = (graph, out)
+        entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)
         logger.info("captured a CUDA graph of %d query rows per sequence for batch size %d",
                     self.query_len, b)
-        return graph, out
+        return entry
 
 
 def verify_logprobs(graphs: MultiTokenGraphs, scheduled: list, rows: list[int]) -> torch.Tensor | None:
