@@ -16,17 +16,13 @@ with the ratio of every round.
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.util
 import json
 import logging
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +35,6 @@ TINY_MIXTRAL = dict(
     rope_theta=1e6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
 )
 INIT_STD = 0.02  # MixtralConfig.initializer_range
-_TREE_ENV = "MEGASERVE_BENCH_TREE"  # set in a --baseline-tree worker: the tree it runs
 
 
 def tiny_mixtral_path() -> Path:
@@ -153,36 +148,6 @@ def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
                 for _ in range(repeat)]
 
 
-class _TreePackages(importlib.abc.MetaPathFinder):
-    """Imports ``megaserve.<name>`` from ``tree/<name>/`` for every top-level package folder
-    of ``tree`` other than megaserve itself (kernels, comm, planner, deploy: the folders
-    pyproject's package-dir installs under megaserve). Without it a tree's ``megaserve``
-    would pick these up from the editable install, i.e. from this checkout."""
-
-    def __init__(self, tree: Path) -> None:
-        self.folders = {f"megaserve.{d.name}": d for d in tree.iterdir()
-                        if d.name != "megaserve" and (d / "__init__.py").is_file()}
-
-    def find_spec(self, name, path, target=None):
-        folder = self.folders.get(name)
-        if folder is None:
-            return None
-        return importlib.util.spec_from_file_location(
-            name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-
-
-def _in_fresh_process(tree: Path, argv: list[str]) -> dict:
-    """One warm-up and one timed run with ``tree``'s megaserve and kernels."""
-    code = ("import runpy, sys; sys.argv = ['cpu'] + sys.argv[1:]; "
-            f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
-    env = {**os.environ, "PYTHONPATH": str(tree), _TREE_ENV: str(tree)}
-    out = subprocess.run([sys.executable, "-c", code, *argv, "--worker"], env=env,
-                         cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise ValueError(f"run with {tree} failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _row(name: str, res: dict, extra: str = "") -> str:
     return (f"{name:>10} {res['seconds']:>8.2f} {res['tokens_per_s']:>10.1f} "
             f"{res['generated'] / res['cpu_seconds']:>10.1f} {res['tpot_ms']:>13.2f}{extra}")
@@ -190,9 +155,7 @@ def _row(name: str, res: dict, extra: str = "") -> str:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.worker:
-        if os.environ.get(_TREE_ENV):
-            sys.meta_path.insert(0, _TreePackages(Path(os.environ[_TREE_ENV])))
+    if args.worker:  # one run of a --baseline-tree comparison (megaserve.bench.baseline_tree)
         print(json.dumps(_measure(args, 1)[0]))
         return 0
     from megaserve.kernels import cpu_ext
@@ -204,16 +167,17 @@ def main(argv: list[str]) -> int:
     print(f"{'run':>10} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:
         if args.baseline_tree:
-            tree = Path(__file__).resolve().parents[2]
-            passthrough = [a for a in argv if a != "--worker"]
-            skip = {"--baseline-tree", "--repeat"}
-            passthrough = [a for i, a in enumerate(passthrough)
-                           if a not in skip and (i == 0 or passthrough[i - 1] not in skip)]
+            # Imported here: a worker runs this file on a tree that may predate it.
+            from megaserve.bench import baseline_tree
+
+            worker_argv = baseline_tree.passthrough(argv)
             base, this = [], []
-            for r in range(args.repeat):
-                base.append(_in_fresh_process(Path(args.baseline_tree), passthrough))
+            for r in range(args.repeat):  # one warm-up and one timed run per process
+                base.append(baseline_tree.run(Path(args.baseline_tree), __file__, "cpu",
+                                              worker_argv))
                 print(_row(f"base {r}", base[-1]), flush=True)
-                this.append(_in_fresh_process(tree, passthrough))
+                this.append(baseline_tree.run(baseline_tree.CHECKOUT, __file__, "cpu",
+                                              worker_argv))
                 ratio = this[-1]["tokens_per_s"] / base[-1]["tokens_per_s"]
                 print(_row(f"this {r}", this[-1], f"  x{ratio:.2f}"), flush=True)
             results = this

@@ -33,14 +33,11 @@ import platform
 import pstats
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 PHASES = ("schedule", "fill", "device", "runner other", "outputs", "host", "step")
-_TREE_ENV = "MEGASERVE_BENCH_TREE"
 
 
 class _PhaseTimer:
@@ -179,14 +176,10 @@ def _measure(args) -> dict[int, dict]:
 
 
 def _in_fresh_process(tree: Path, argv: list[str]) -> dict[int, dict]:
-    code = ("import runpy, sys; sys.argv = ['host'] + sys.argv[1:]; "
-            f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')")
-    env = {**os.environ, "PYTHONPATH": str(tree), _TREE_ENV: str(tree)}
-    out = subprocess.run([sys.executable, "-c", code, *argv, "--worker"], env=env,
-                         cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise ValueError(f"run with {tree} failed: {out.stderr[-2000:]}")
-    return {int(b): r for b, r in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    # Imported here: a worker runs this file on a tree that may predate it.
+    from megaserve.bench import baseline_tree
+
+    return {int(b): r for b, r in baseline_tree.run(tree, __file__, "host", argv).items()}
 
 
 def _print(name: str, results: dict[int, dict], base: dict[int, dict] | None = None) -> None:
@@ -220,11 +213,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.worker:
-        if os.environ.get(_TREE_ENV):
-            from megaserve.bench.cpu import _TreePackages
-
-            sys.meta_path.insert(0, _TreePackages(Path(os.environ[_TREE_ENV])))
+    if args.worker:  # one run of a --baseline-tree comparison (megaserve.bench.baseline_tree)
         print(json.dumps({b: {p: r[p] for p in PHASES} for b, r in _measure(args).items()}))
         return 0
     device = (f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
@@ -234,14 +223,13 @@ def main(argv: list[str]) -> int:
     print(f"{'run':>8} {'batch':>6} " + " ".join(f"{p:>12}" for p in PHASES))
     try:
         if args.baseline_tree:
-            tree = Path(__file__).resolve().parents[2]
-            skip = {"--baseline-tree", "--repeat"}
-            passthrough = [a for i, a in enumerate(argv)
-                           if a not in skip and (i == 0 or argv[i - 1] not in skip)]
+            from megaserve.bench import baseline_tree
+
+            worker_argv = baseline_tree.passthrough(argv)
             for r in range(args.repeat):
-                base = _in_fresh_process(Path(args.baseline_tree), passthrough)
+                base = _in_fresh_process(Path(args.baseline_tree), worker_argv)
                 _print(f"base {r}", base)
-                _print(f"this {r}", _in_fresh_process(tree, passthrough), base)
+                _print(f"this {r}", _in_fresh_process(baseline_tree.CHECKOUT, worker_argv), base)
             return 0
         for r in range(args.repeat):
             results = _measure(args)

@@ -13,8 +13,8 @@ def test_baseline_tree_worker_imports_the_trees_kernels(tmp_path):
     (tmp_path / "kernels" / "cpu.py").write_text("WHERE = 'tree cpu'\n")
     code = (
         "import sys; from pathlib import Path; "
-        "from megaserve.bench.cpu import _TreePackages; "
-        f"sys.meta_path.insert(0, _TreePackages(Path({str(tmp_path)!r}))); "
+        "from megaserve.bench.baseline_tree import TreePackages; "
+        f"sys.meta_path.insert(0, TreePackages(Path({str(tmp_path)!r}))); "
         "import megaserve.kernels, megaserve.kernels.cpu, megaserve.engine; "
         "print(megaserve.kernels.WHERE, '|', megaserve.kernels.cpu.WHERE)"
     )
