@@ -9,35 +9,14 @@ import torch
 from megaserve.kernels import cpu
 from megaserve.kernels.api import KV_SPLIT_SIZE
 
+from .test_cpu_kernels import _paged_setup
+
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _cache(lengths, heads, head_dim, dtype, block_size=16, seed=0, poison=True):
-    """Caches holding ``lengths`` tokens per sequence in shuffled blocks; every slot no
-    sequence owns (and the tail of each last block) is NaN when ``poison``."""
-    g = torch.Generator().manual_seed(seed)
-    hkv = heads[1]
-    blocks_per = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks_per) + 3
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
-    tables = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
-    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    for s, nb in enumerate(blocks_per):
-        ids = [perm.pop() for _ in range(nb)]
-        tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
-        for p in range(lengths[s]):
-            owned[ids[p // block_size] * block_size + p % block_size] = True
-    if poison:
-        k_cache.view(-1, hkv, head_dim)[~owned] = float("nan")
-        v_cache.view(-1, hkv, head_dim)[~owned] = float("nan")
-    return k_cache, v_cache, tables
 
 
 def _reference(q, k_cache, v_cache, table, positions, scale):
@@ -63,7 +42,8 @@ def test_attention_token_alone_equals_token_in_any_batch(dtype, heads):
     hq, hkv = heads
     dh = 32
     lengths = [1, 17, KV_SPLIT_SIZE, KV_SPLIT_SIZE + 1, 3 * KV_SPLIT_SIZE + 5]
-    k_cache, v_cache, tables = _cache(lengths, heads, dh, dtype)
+    k_cache, v_cache, tables = _paged_setup(lengths, dtype, heads=heads, head_dim=dh,
+                                            poison=True)
     g = torch.Generator().manual_seed(7)
     qs = [torch.randn(n, hq, dh, generator=g).to(dtype) for n in lengths]
     scale = dh ** -0.5
@@ -121,7 +101,7 @@ def test_lanes_change_no_bits():
     w_down = torch.randn(e, d, inter, generator=g) / 8
     ids = torch.randint(0, e, (70,), generator=g)
     lengths = [5, 70, 130]
-    k_cache, v_cache, tables = _cache(lengths, (8, 2), 32, torch.float32)
+    k_cache, v_cache, tables = _paged_setup(lengths, torch.float32, poison=True)
     q = torch.randn(sum(lengths), 8, 32, generator=g)
 
     def run():

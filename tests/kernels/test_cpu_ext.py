@@ -14,7 +14,8 @@ import torch
 from megaserve.kernels import cpu, cpu_ext
 from megaserve.kernels.api import set_cpu_threads
 
-from .test_cpu_batched_kernels import _attend, _cache
+from .test_cpu_batched_kernels import _attend
+from .test_cpu_kernels import _paged_setup
 
 ISA_RANK = {"baseline": 0, "avx2": 1, "avx512": 2}
 
@@ -23,7 +24,7 @@ def _inputs(dtype: torch.dtype = torch.float32) -> dict:
     g = torch.Generator().manual_seed(5)
     e, d, inter, v = 8, 256, 512, 512
     lengths = [1, 17, 64, 65, 130]
-    k_cache, v_cache, tables = _cache(lengths, (8, 2), 32, dtype)
+    k_cache, v_cache, tables = _paged_setup(lengths, dtype, poison=True)
     return dict(
         x=torch.randn(37, d, generator=g).to(dtype),
         res=torch.randn(37, d, generator=g).to(dtype),

@@ -51,18 +51,27 @@ def test_rms_norm_accuracy_invariance_and_residual(dtype):
         assert torch.equal(cpu.rms_norm(x[:m], w, 1e-6, residual=res[:m])[0][m - 1], y[m - 1])
 
 
-def _paged_setup(lengths, dtype, block_size=16, heads=(8, 2), head_dim=32, seed=0):
-    """A KV cache holding `lengths` tokens per sequence in shuffled blocks."""
+def _paged_setup(lengths, dtype, block_size=16, heads=(8, 2), head_dim=32, seed=0,
+                 poison=False):
+    """A KV cache holding `lengths` tokens per sequence in shuffled blocks; with ``poison``
+    every slot no sequence owns (and the tail of each last block) is NaN."""
     g = torch.Generator().manual_seed(seed)
-    hq, hkv = heads
+    hkv = heads[1]
     blocks_per = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks_per) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
     k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, hkv, head_dim, generator=g).to(dtype)
     tables = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for s, nb in enumerate(blocks_per):
-        tables[s, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(lengths[s]):
+            owned[ids[p // block_size] * block_size + p % block_size] = True
+    if poison:
+        k_cache.view(-1, hkv, head_dim)[~owned] = float("nan")
+        v_cache.view(-1, hkv, head_dim)[~owned] = float("nan")
     return k_cache, v_cache, tables
 
 
