@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -11,6 +12,24 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.server.client import build_request, stream_generate
+
+
+@contextlib.contextmanager
+def built_model_cache(path: str, model: str):
+    """``MEGASERVE_CACHE=path`` for this process (its workers inherit it) with ``model``
+    built there first; the old value comes back on exit."""
+    old = os.environ.get("MEGASERVE_CACHE")
+    os.environ["MEGASERVE_CACHE"] = path
+    try:
+        from megaserve.models.builtin import resolve_model
+
+        resolve_model(model)
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("MEGASERVE_CACHE", None)
+        else:
+            os.environ["MEGASERVE_CACHE"] = old
 
 # Long enough that a kill after the first tokens lands mid-stream; seeds fixed so the
 # in-process reference is the same computation.

@@ -21,7 +21,8 @@ from megaserve.sampling_params import SamplingParams  # noqa: E402
 from tests.processes import alive  # noqa: E402
 from tests.server.conftest import ServerProcess, http_get  # noqa: E402
 
-from .serving import REQUESTS, HealthPoller, Stream, kill_mid_stream, wait_for  # noqa: E402
+from .serving import (REQUESTS, HealthPoller, Stream, built_model_cache,  # noqa: E402
+                      kill_mid_stream, wait_for)
 
 MODEL = "builtin:tiny-moe"
 PLAN = """\
@@ -46,30 +47,21 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A head (state API, no CPUs for workers) and one node per GPU type, 2 CPUs each."""
-    cache = str(tmp_path_factory.mktemp("megaserve-cache"))
-    old_cache = os.environ.get("MEGASERVE_CACHE")
-    os.environ["MEGASERVE_CACHE"] = cache
-    from megaserve.models.builtin import resolve_model
-
-    resolve_model(MODEL)
-    dashboard = _free_port()
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": True, "dashboard_port": dashboard})
-    c.add_node(num_cpus=2, resources={"accelerator_type:H100": 1})
-    c.add_node(num_cpus=2, resources={"accelerator_type:L40S": 1})
-    c.wait_for_nodes()
-    ray.init(address=c.address)
-    c.dashboard_url = f"http://127.0.0.1:{dashboard}"
-    c.cache = cache
-    try:
-        yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        if old_cache is None:
-            os.environ.pop("MEGASERVE_CACHE", None)
-        else:
-            os.environ["MEGASERVE_CACHE"] = old_cache
+    with built_model_cache(str(tmp_path_factory.mktemp("megaserve-cache")), MODEL) as cache:
+        dashboard = _free_port()
+        c = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": True, "dashboard_port": dashboard})
+        c.add_node(num_cpus=2, resources={"accelerator_type:H100": 1})
+        c.add_node(num_cpus=2, resources={"accelerator_type:L40S": 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address)
+        c.dashboard_url = f"http://127.0.0.1:{dashboard}"
+        c.cache = cache
+        try:
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()
 
 
 def _worker_actors(c, state: str = "ALIVE") -> list:

@@ -14,24 +14,16 @@ from megaserve.sampling_params import SamplingParams
 from tests.processes import alive, comm, descendants
 from tests.server.conftest import ServerProcess, http_get
 
-from .serving import REQUESTS, HealthPoller, Stream, kill_mid_stream, wait_for
+from .serving import (REQUESTS, HealthPoller, Stream, built_model_cache, kill_mid_stream,
+                      wait_for)
 
 MODEL = "builtin:tiny-moe"
 
 
 @pytest.fixture(scope="module")
 def model_cache(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("megaserve-cache"))
-    old = os.environ.get("MEGASERVE_CACHE")
-    os.environ["MEGASERVE_CACHE"] = cache
-    from megaserve.models.builtin import resolve_model
-
-    resolve_model(MODEL)
-    yield cache
-    if old is None:
-        os.environ.pop("MEGASERVE_CACHE", None)
-    else:
-        os.environ["MEGASERVE_CACHE"] = old
+    with built_model_cache(str(tmp_path_factory.mktemp("megaserve-cache")), MODEL) as cache:
+        yield cache
 
 
 def reference_outputs():
