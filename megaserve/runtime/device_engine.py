@@ -4,9 +4,10 @@ Each attention replica is an :class:`~megaserve.engine.engine.LLMEngine` in this
 on a CUDA stream of its own, whose experts are a
 :class:`~megaserve.runtime.device_plane.DeviceExperts`. Expert workers are threads of this
 process (``transport="inproc"`` with ``disaggregate=True``: each with its own stream; only
-the byte mover is local; one replica) or processes of this host (``transport="cuda_ipc"``:
-the buffers are CUDA IPC mappings). Either way, decode steps are one CUDA graph per role and
-one host message per expert worker (megaserve.runtime.device_plane).
+the byte mover is local; one replica) or processes (``transport="cuda_ipc"``: the buffers
+are CUDA IPC mappings; ``tcp``, ``rdma``, ``nccl``: relayed, megaserve.comm.relay). Either
+way, decode steps are one CUDA graph per role and one host message per expert worker
+(megaserve.runtime.device_plane).
 
 Several replicas step in lockstep: each global step, every replica with requests runs its
 step on a thread of its own, and a :class:`~megaserve.runtime.device_plane.StepBarrier`
@@ -18,8 +19,8 @@ decode graph size at start-up: a capture synchronises the device, which must nev
 while another replica's stream waits for the expert workers.
 
 It has the synchronous engine's interface, so ``LLM`` and ``AsyncLLMEngine`` use it
-unchanged. Raises ``ValueError`` for a layout it does not run (CPU, tcp/nccl/rdma, several
-replicas with in-process expert workers).
+unchanged. Raises ``ValueError`` for a layout it does not run (CPU, nccl with the expert
+workers on the replicas' GPU, several replicas with in-process expert workers).
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ def _mailbox_device(transport: str, device) -> str:
     return str(device) if transport == "nccl" else "cpu"
 
 
+def _front_mailbox(shape: PlaneShape, replica: int, worker: int, microbatch: int) -> int:
+    """The front-end's mailbox of (replica, expert worker, micro-batch), in both directions:
+    the worker's routes name it, and replica r's RelaySlots start at (r, 0, 0)."""
+    return (replica * shape.num_workers + worker) * shape.microbatches + microbatch
+
+
 def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     """Expert worker ``spec.index``'s end of the host-proxied links: its endpoint (rank
     1 + index), mailboxes per (replica, micro-batch) and the relay threads."""
@@ -117,7 +124,7 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     slots = RelaySlots(Mailboxes(combine, shape.num_replicas * m, where),
                        Mailboxes(dispatch, shape.num_replicas * m, where), m)
     routes = [Route(local=slots.index(r, i), dst=0,
-                    remote=(r * shape.num_workers + spec.index) * m + i)
+                    remote=_front_mailbox(shape, r, spec.index, i))
               for r in range(shape.num_replicas) for i in range(m)]
     return Relay(endpoint, slots.outgoing, routes, slots.incoming), slots
 
@@ -198,7 +205,6 @@ class DevicePlaneEngine:
         self._queues: list = []
         self._stop = threading.Event()
         self.replica_inboxes = [ReplicaInbox(self.shape, self.device) for _ in range(num_replicas)]
-        self.replica_inbox = self.replica_inboxes[0]
         self.servers: list[ExpertServer] = []  # in-process workers (for stats and tests)
         self.profile = profile
         self.config = config
@@ -214,20 +220,20 @@ class DevicePlaneEngine:
             else:
                 links = self._start_processes(config, str(path))
             self.barrier = StepBarrier(links) if num_replicas > 1 else None
-            engine_config = config.replica(model=str(path))
+            replica = {"model": str(path)}
             if num_replicas > 1 and config.kv_cache_memory_bytes is None \
                     and config.num_kv_blocks is None:  # the replicas share the GPU's share
-                engine_config = config.replica(model=str(path), gpu_memory_utilization=(
-                    config.gpu_memory_utilization / num_replicas))
+                replica["gpu_memory_utilization"] = config.gpu_memory_utilization / num_replicas
+            engine_config = config.replica(**replica)
             self.experts_by_replica: list[DeviceExperts] = []
             self.engines: list[LLMEngine] = []
             self.streams: list[torch.cuda.Stream] = []
             for r in range(num_replicas):
                 relay = None
                 if self.relay is not None:
-                    m = self.shape.microbatches
-                    relay = RelaySlots(self.relay.outgoing, self.relay.incoming, m,
-                                       base=r * self.shape.num_workers * m)
+                    relay = RelaySlots(self.relay.outgoing, self.relay.incoming,
+                                       self.shape.microbatches,
+                                       base=_front_mailbox(self.shape, r, 0, 0))
                 experts = DeviceExperts(self.shape, links, self.replica_inboxes[r],
                                         placement.owner_table(), timeout_s=timeout_s,
                                         profile=profile, replica=r, barrier=self.barrier,
@@ -304,7 +310,7 @@ class DevicePlaneEngine:
             raise
         dispatch, combine = RelaySlots.layouts(shape)
         n = shape.num_replicas * workers * m
-        routes = [Route(local=(r * workers + e) * m + i, dst=1 + e, remote=r * m + i)
+        routes = [Route(local=_front_mailbox(shape, r, e, i), dst=1 + e, remote=r * m + i)
                   for r in range(shape.num_replicas) for e in range(workers) for i in range(m)]
         where = _mailbox_device(transport, self.device)
         self.relay = Relay(endpoint, Mailboxes(dispatch, n, where), routes,
