@@ -530,27 +530,19 @@ class DeviceExperts:
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:
-        slot = self._slots[e]
+        slot, event = self._slots[e], None
         if self.relay is not None:  # host-proxied: the rows in use go out from host memory
             rl.put(self.relay.outgoing, self.relay.index(e, microbatch),
                    slot.counts[microbatch: microbatch + 1],
                    [slot.rows[microbatch], slot.ids[microbatch]], num_tokens)
-            if not capturing:
-                link.messages.put(Tick(layer, microbatch, num_tokens, None, self.replica))
-                self.stats.host_messages += 1
-                self.stats.eager_ticks += 1
-            return
-        flag = slot.flags[microbatch: microbatch + 1]
-        if capturing:
-            sf.write(flag, sf.SET)
-            return
-        if link.done is not None:  # same process: an event, never a flag (module NOTE)
-            event = torch.cuda.Event()
+        elif link.done is not None and not capturing:
+            event = torch.cuda.Event()  # same process: an event, never a flag (module NOTE)
             event.record()
-            link.messages.put(Tick(layer, microbatch, num_tokens, event, self.replica))
         else:
-            sf.write(flag, sf.SET)
-            link.messages.put(Tick(layer, microbatch, num_tokens, None, self.replica))
+            sf.write(slot.flags[microbatch: microbatch + 1], sf.SET)
+        if capturing:  # the graph step's one message covers every tick
+            return
+        link.messages.put(Tick(layer, microbatch, num_tokens, event, self.replica))
         self.stats.host_messages += 1
         self.stats.eager_ticks += 1
 
