@@ -3,13 +3,29 @@
 Shape legend: T = tokens, E = experts, k = top-k, R = routed rows, D = hidden,
 I = expert intermediate.
 
-NOTE: the grouped GEMM gives every row the same fixed tile config and K loop whatever
-the expert's row count: a row's bits depend on its own input and its expert's weights
-only. Rows are stably sorted by expert; tiles are numbered per expert as
-``offsets[e] // BLOCK_M + e`` onward (a bound, so no host synchronisation is needed).
+NOTE: the expert FFN is three launches, none of which reads a size on the host (decode
+steps are captured in CUDA graphs) and none with a data-dependent grid:
+
+    expert_ids [R] ─ align ─> offsets [E+1], order [R]     rows grouped by expert, stable
+    x [R, D] ─ gate_up GEMM, SwiGLU epilogue ─> hidden [R, I]   grouped order
+    hidden ─ down GEMM, scattered store ─> out [R, D]          row order
+
+A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N columns).
+Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
+BLOCK_M)`` tiles each); the grid is a bound on their number from (R, E) alone and the
+programs past the last tile return at once.
+
+Every output element is one fp32 K loop of ``_BLOCK_K`` steps in ascending K order
+(tensor-core dots), whatever R, the tile shape, warps or stages: the launch (picked from
+R by :func:`plan_launch`) never changes a bit (the hardware fact in matmul.py's NOTE), so
+a row's bits depend on its input and its expert's weights only. The SwiGLU epilogue
+rounds like the unfused GEMM + ``silu_and_mul``: gate and up rounded to the output dtype,
+silu in fp32 of the rounded gate, rounded, times the rounded up.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -68,65 +84,205 @@ def _ordered_sum(w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, rows_ptr, w_ptr, c_ptr, offsets_ptr, num_experts, N, K,
-                         stride_am, stride_we, stride_wn, stride_cm,
-                         GATHER: tl.constexpr, SCATTER: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _align_kernel(ids_ptr, order_ptr, offsets_ptr, R, num_experts, BLOCK_R: tl.constexpr):
+    """Program e: offsets[e] = #ids below e; order[offsets[e] + j] = the j-th row with id e.
+
+    Ids equal to ``num_experts`` (routed nowhere) fall after every expert's rows and get
+    no position.
+    """
+    e = tl.program_id(0)
+    below = tl.zeros([BLOCK_R], dtype=tl.int32)
+    hits = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ids = tl.load(ids_ptr + rows, mask=rows < R, other=num_experts)
+        below += (ids < e).to(tl.int32)
+        hits += (ids == e).to(tl.int32)
+    start = tl.sum(below, axis=0)
+    count = tl.sum(hits, axis=0)
+    tl.store(offsets_ptr + e, start)
+    if e == num_experts - 1:
+        tl.store(offsets_ptr + num_experts, start + count)
+    seen = count * 0
+    r0 = 0
+    while seen < count:  # ascending rows: a stable order
+        rows = r0 + tl.arange(0, BLOCK_R)
+        hit = (tl.load(ids_ptr + rows, mask=rows < R, other=num_experts) == e).to(tl.int32)
+        rank = seen + tl.cumsum(hit, axis=0) - 1
+        tl.store(order_ptr + start + rank, rows, mask=hit > 0)
+        seen += tl.sum(hit, axis=0)
+        r0 += BLOCK_R
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    # Pointers
+    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr,
+    # Shapes
+    num_experts, N, K,
+    # Strides
+    stride_am, stride_we, stride_wn, stride_cm,
+    # Meta-parameters
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``.
+
+    GATHER: position p reads row ``order[p]`` of a (else row p); SCATTER: writes row
+    ``order[p]`` of c (else row p). SWIGLU: N is I, the tile accumulates gate columns n
+    and up columns N + n of w and stores ``silu(gate) * up`` (module NOTE's roundings).
+    """
     pid = tl.program_id(0)
-    # Expert of this tile: the last e with offsets[e] // BLOCK_M + e <= pid.
-    lo = 0
-    hi = num_experts
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(offsets_ptr + mid) // BLOCK_M + mid <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    expert = lo - 1
-    start = tl.load(offsets_ptr + expert)
-    count = tl.load(offsets_ptr + expert + 1) - start
-    local = (pid - (start // BLOCK_M + expert)) * BLOCK_M
-    if local >= count:
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile = pid // tiles_n  # consecutive programs share the rows: one read of them from L2
+    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # This tile's expert: tiles are numbered expert by expert (module NOTE).
+    experts = tl.arange(0, BLOCK_E)
+    lo = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
+    hi = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)  # tiles through expert e
+    expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    if expert >= num_experts:
         return
-    idx = start + local + tl.arange(0, BLOCK_M)  # positions in the sorted order
-    row_ok = local + tl.arange(0, BLOCK_M) < count
-    src = tl.load(rows_ptr + idx, mask=row_ok, other=0) if GATHER else idx
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mine = experts == expert
+    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
+    start = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile - first_tile) * BLOCK_M
+    end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    pos = start + tl.arange(0, BLOCK_M)  # positions in the grouped order
+    row_ok = pos < end
+    col_ok = cols < N
+    src = tl.load(order_ptr + pos, mask=row_ok, other=0) if GATHER else pos
     kk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + src.to(tl.int64)[:, None] * stride_am
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    a_rows = a_ptr + src.to(tl.int64)[:, None] * stride_am
+    g_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+    u_rows = g_rows + N * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + kk < K
-        a = tl.load(a_base + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_base + (k0 + kk)[None, :], mask=(cols[:, None] < N) & k_ok[None, :],
+        a = tl.load(a_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        b = tl.load(g_rows + (k0 + kk)[None, :], mask=w_ok, other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
-    dst = tl.load(rows_ptr + idx, mask=row_ok, other=0) if SCATTER else idx
-    tl.store(c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :],
-             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
+        if SWIGLU:
+            b_up = tl.load(u_rows + (k0 + kk)[None, :], mask=w_ok, other=0.0)
+            acc_up = tl.dot(a, tl.trans(b_up), acc_up)
+    out_ty = c_ptr.dtype.element_ty
+    if SWIGLU:
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty)  # as rowwise._silu_mul_kernel
+        res = act * acc_up.to(out_ty)
+    else:
+        res = acc.to(out_ty)
+    dst = tl.load(order_ptr + pos, mask=row_ok, other=0) if SCATTER else pos
+    tl.store(c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :], res,
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
-_BM, _BN, _BK = 64, 128, 64
+_BLOCK_K = 64  # the K step of every launch: the arithmetic, never a function of R
 
 
-def _grouped_gemm(a: torch.Tensor, order: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                  gather: bool, scatter: bool) -> torch.Tensor:
-    """Rows (sorted by expert) times their expert's `[N, K]` weight; see module NOTE."""
-    r = order.shape[0]
-    num_experts, n, k = w.shape
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tile shape and pipeline of one expert GEMM launch. Never changes a bit (module NOTE).
+
+    block_n counts output columns: for the gate_up GEMM, I columns (each tile reads
+    2 * block_n weight rows, gate and up).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmTiles: {name}={v} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"GemmTiles: bad num_warps={self.num_warps} / "
+                             f"num_stages={self.num_stages}")
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """The launches of one expert FFN: ``up`` (gate_up, SwiGLU epilogue) and ``down``."""
+
+    up: GemmTiles
+    down: GemmTiles
+
+
+# Launches by rows per call, ascending (max_rows, launch); rows beyond the last bucket take
+# the prefill launch. Decode: 16-row tiles and narrow columns put many programs on the
+# weights (batch 1 has one row per expert); prefill: 128-row tensor-core tiles.
+_DECODE = ((64, MoeLaunch(GemmTiles(16, 32, 4, 4), GemmTiles(16, 64, 4, 4))),
+           (2048, MoeLaunch(GemmTiles(16, 64, 4, 4), GemmTiles(16, 64, 4, 4))))
+_PREFILL = MoeLaunch(GemmTiles(128, 64, 8, 3), GemmTiles(128, 128, 8, 3))
+
+
+def plan_launch(num_rows: int) -> MoeLaunch:
+    """The launch for a call of ``num_rows`` routed rows (a speed choice, bit-neutral)."""
+    for max_rows, launch in _DECODE:
+        if num_rows <= max_rows:
+            return launch
+    return _PREFILL
+
+
+def _max_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Bound on sum_e cdiv(count_e, block_m) over counts summing to at most num_rows."""
+    return (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m
+
+
+def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_ids `[R]` → (offsets `[E + 1]` int32, order `[R]` int32), see module NOTE.
+
+    order[offsets[e]:offsets[e + 1]] are the rows with id e, ascending; the positions from
+    offsets[E] on are unspecified (rows with id E).
+    """
+    r = expert_ids.shape[0]
+    ids = expert_ids if expert_ids.stride(0) == 1 else expert_ids.contiguous()
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    order = torch.empty(r, dtype=torch.int32, device=ids.device)
+    block_r = max(16, min(1024, triton.next_power_of_2(r)))
+    _align_kernel[(num_experts,)](ids, order, offsets, r, num_experts, BLOCK_R=block_r,
+                                  num_warps=4)
+    return offsets, order
+
+
+def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                 tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool
+                 ) -> torch.Tensor:
+    """a `[R, K]` times each position's expert `w[e]` `[N', K]` → `[R, N]` (module NOTE).
+
+    N = N' // 2 with ``swiglu`` (silu(gate) * up), else N'.
+    """
+    r = a.shape[0]
+    num_experts, n_w, k = w.shape
+    n = n_w // 2 if swiglu else n_w
     out = torch.empty(r, n, dtype=a.dtype, device=a.device)
-    grid = (r // _BM + num_experts, triton.cdiv(n, _BN))
-    _grouped_gemm_kernel[grid](a, order, w, out, offsets, num_experts, n, k,
-                               a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                               GATHER=gather, SCATTER=scatter, BLOCK_M=_BM, BLOCK_N=_BN,
-                               BLOCK_K=_BK, num_warps=4, num_stages=3)
+    grid = (_max_tiles(r, num_experts, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    _expert_gemm_kernel[grid](
+        a, w, out, order, offsets, num_experts, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=_BLOCK_K, BLOCK_E=triton.next_power_of_2(num_experts),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor) -> torch.Tensor:
-    """x `[R, D]`, expert_ids `[R]`, w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` → `[R, D]`."""
+               w_down: torch.Tensor, *, launch: MoeLaunch | None = None,
+               fused: bool = True) -> torch.Tensor:
+    """x `[R, D]`, expert_ids `[R]`, w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` → `[R, D]`.
+
+    ``launch`` forces the tiles (tests, tuning; default :func:`plan_launch`); ``fused=False``
+    runs the gate_up GEMM and ``silu_and_mul`` apart (the reference the fused epilogue
+    must equal bitwise). Neither changes a bit of the result.
+    """
     r = x.shape[0]
     num_experts = w_gate_up.shape[0]
     if r == 0:
@@ -134,11 +290,15 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     x = x if x.stride(1) == 1 else x.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
-    sorted_ids, order = torch.sort(expert_ids, stable=True)  # order: [R] source row per slot
-    # Rows below expert e, found on the device: no host synchronisation (bincount would
-    # read its size on the host), so decode steps can be captured in CUDA graphs.
-    bounds = torch.arange(num_experts + 1, dtype=sorted_ids.dtype, device=x.device)
-    offsets = torch.searchsorted(sorted_ids, bounds)  # [E + 1] int64
-    gate_up = _grouped_gemm(x, order, w_gate_up, offsets, gather=True, scatter=False)
-    hidden = silu_and_mul(gate_up)  # [R, I], sorted order
-    return _grouped_gemm(hidden, order, w_down, offsets, gather=False, scatter=True)
+    lp = launch or plan_launch(r)
+    offsets, order = _align(expert_ids, num_experts)
+    if fused:
+        hidden = _expert_gemm(x, w_gate_up, order, offsets, lp.up, swiglu=True, gather=True,
+                              scatter=False)  # [R, I], grouped order
+    else:
+        up = GemmTiles(lp.up.block_m, 2 * lp.up.block_n, lp.up.num_warps, lp.up.num_stages)
+        gate_up = _expert_gemm(x, w_gate_up, order, offsets, up, swiglu=False, gather=True,
+                               scatter=False)  # [R, 2I], grouped order
+        hidden = silu_and_mul(gate_up)
+    return _expert_gemm(hidden, w_down, order, offsets, lp.down, swiglu=False, gather=False,
+                        scatter=True)

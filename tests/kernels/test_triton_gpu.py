@@ -212,25 +212,13 @@ def test_paged_attention_exp2_split_equals_serial() -> None:
 
 
 def test_moe_and_sampling() -> None:
-    from megaserve.kernels.triton_impl import expert_ffn, sample, topk_route
+    from megaserve.kernels.triton_impl import sample, topk_route
 
     logits = torch.randn(500, 64, device="cuda")
     ids, w = topk_route(logits, 6, True)
     assert torch.equal(topk_route(logits[10:11], 6, True)[0], ids[10:11])
     ref = torch.sort(torch.softmax(logits.double(), -1), dim=-1, descending=True, stable=True)
     assert torch.equal(ids, ref.indices[:, :6])
-    e, d, i = 8, 1024, 512
-    x = torch.randn(700, d, device="cuda", dtype=BF16)
-    wgu = torch.randn(e, 2 * i, d, device="cuda", dtype=BF16) / d**0.5
-    wd = torch.randn(e, d, i, device="cuda", dtype=BF16) / i**0.5
-    eids = torch.randint(0, e, (700,), device="cuda")
-    out = expert_ffn(x, eids, wgu, wd)
-    assert not out.isnan().any()
-    for r in (0, 350, 699):
-        g, u = (wgu[eids[r]].double() @ x[r].double()).chunk(2)
-        assert _rel_err(out[r], wd[eids[r]].double() @ (g * torch.sigmoid(g) * u)) < 1e-2
-    sub = torch.randperm(700)[:37].cuda()
-    assert torch.equal(expert_ffn(x[sub], eids[sub], wgu, wd), out[sub])
     lp = torch.log_softmax(torch.randn(4, 32000, device="cuda"), -1)
     args = [torch.tensor(a, device="cuda") for a in
             ([0.0, 0.7, 1.0, 1.3], [0, 40, 0, 0], [1.0, 0.95, 0.8, 1.0], [0.0, 0.0, 0.0, 0.1],
@@ -239,3 +227,47 @@ def test_moe_and_sampling() -> None:
     assert int(tokens[0]) == int(lp[0].argmax())
     for r in range(1, 4):
         assert int(sample(lp[r : r + 1], *(a[r : r + 1] for a in args))[0]) == int(tokens[r])
+
+
+@pytest.mark.parametrize("e,d,i,r", [(8, 1024, 512, 3000), (128, 2048, 768, 2048)])
+def test_expert_ffn_reference_launches_and_row_invariance(e: int, d: int, i: int,
+                                                          r: int) -> None:
+    """Float64 reference, routed rows fully written, the fused SwiGLU epilogue equal to
+    GEMM + silu_and_mul, and the same bits for every launch and every subset of rows
+    (decode-sized calls take other tiles than prefill-sized ones: moe.plan_launch)."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+
+    torch.manual_seed(e + r)
+    x = torch.randn(r, d, device="cuda", dtype=BF16)
+    wgu = torch.randn(e, 2 * i, d, device="cuda", dtype=BF16) / d**0.5
+    wd = torch.randn(e, d, i, device="cuda", dtype=BF16) / i**0.5
+    eids = torch.randint(0, e + 1, (r,), device="cuda")  # id e: routed nowhere
+    routed = eids < e
+    offsets, order = moe._align(eids, e)
+    counts = torch.bincount(eids, minlength=e + 1)[:e]
+    assert offsets.tolist() == [0] + counts.cumsum(0).tolist()
+    n = int(routed.sum())
+    assert torch.equal(order[:n].long(), torch.sort(eids, stable=True).indices[:n])
+    out = expert_ffn(x, eids, wgu, wd)
+    assert not out[routed].isnan().any(), "routed rows left unwritten"
+    for row in routed.nonzero()[:4, 0].tolist():
+        g, u = (wgu[eids[row]].double() @ x[row].double()).chunk(2)
+        ref = wd[eids[row]].double() @ (g * torch.sigmoid(g) * u)
+        assert _rel_err(out[row], ref) < 1e-2, row
+    unfused = expert_ffn(x, eids, wgu, wd, fused=False)
+    assert torch.equal(unfused[routed], out[routed]), "fused SwiGLU differs from unfused"
+    T = moe.GemmTiles
+    launches = [moe.plan_launch(m) for m in (1, 64, 2048, 10**6)] + [
+        moe.MoeLaunch(T(16, 16, 2, 4), T(16, 32, 2, 6)),
+        moe.MoeLaunch(T(32, 64, 4, 4), T(64, 128, 4, 3)),
+        moe.MoeLaunch(T(64, 64, 4, 3), T(128, 256, 8, 3)),
+        moe.MoeLaunch(T(128, 32, 4, 4), T(128, 64, 4, 4))]
+    for lp in launches:
+        got = expert_ffn(x, eids, wgu, wd, launch=lp)
+        assert torch.equal(got[routed], out[routed]), f"{lp} changed the bits"
+    gen = torch.Generator().manual_seed(2)
+    for m in (1, 2, 8, 37, 64, 512, r):
+        sub = torch.randperm(r, generator=gen)[:m].cuda()
+        got = expert_ffn(x[sub], eids[sub], wgu, wd)
+        keep = routed[sub]
+        assert torch.equal(got[keep], out[sub][keep]), f"{m} rows: bits changed"

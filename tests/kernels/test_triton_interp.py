@@ -188,18 +188,69 @@ def check_moe(torch, ti) -> None:
     assert torch.allclose(w.sum(-1), torch.ones(7))
     ref_ids = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True).indices
     assert torch.equal(ids, ref_ids[:, :2])
-    e, d, i = 4, 64, 32
-    x = torch.randn(20, d, dtype=torch.float16)
+    _check_expert_ffn(torch, ti)
+
+
+def _check_expert_ffn(torch, ti) -> None:
+    moe = ti.moe
+    e, d, i, r = 6, 96, 48, 45  # K tails (96, 48 vs BLOCK_K 64), I not a multiple of 32
+    x = torch.randn(r, d, dtype=torch.float16)
     wgu = torch.randn(e, 2 * i, d, dtype=torch.float16) / 8
     wd = torch.randn(e, d, i, dtype=torch.float16) / 8
-    eids = torch.randint(0, e, (20,))
-    out = ti.expert_ffn(x, eids, wgu, wd)
-    for r in (0, 7, 19):
-        gu = wgu[eids[r]].double() @ x[r].double()
-        g, u = gu.chunk(2)
-        ref = wd[eids[r]].double() @ (g * torch.sigmoid(g) * u)
-        assert _rel_err(out[r], ref) < 2e-2
-        assert torch.equal(ti.expert_ffn(x[r : r + 1], eids[r : r + 1], wgu, wd)[0], out[r])
+    eids = torch.randint(0, e + 1, (r,))  # id e: routed nowhere
+    eids[:3] = torch.tensor([e, 2, 2])
+    routed = eids < e
+    # The align pass: offsets are the counts' prefix sums, order a stable grouping.
+    offsets, order = moe._align(eids, e)
+    counts = torch.bincount(eids, minlength=e + 1)[:e]
+    assert offsets.tolist() == [0] + counts.cumsum(0).tolist(), offsets
+    stable = torch.sort(eids, stable=True).indices[: int(routed.sum())]
+    assert torch.equal(order[: int(routed.sum())].long(), stable), "order not stably grouped"
+    with _poisoned_empty(torch):  # outputs must be written wherever they are defined
+        out = ti.expert_ffn(x, eids, wgu, wd)
+        assert not out[routed].isnan().any(), "routed rows left unwritten"
+        for row in routed.nonzero()[:, 0].tolist():
+            gu = wgu[eids[row]].double() @ x[row].double()
+            g, u = gu.chunk(2)
+            ref = wd[eids[row]].double() @ (g * torch.sigmoid(g) * u)
+            assert _rel_err(out[row], ref) < 2e-2, row
+        # Fused SwiGLU epilogue == GEMM + silu_and_mul, bitwise; every launch the same bits.
+        unfused = ti.expert_ffn(x, eids, wgu, wd, fused=False)
+        assert torch.equal(unfused[routed], out[routed]), "fused SwiGLU differs"
+        T = moe.GemmTiles
+        launches = [moe.plan_launch(n) for n in (1, 64, 2048, 10**6)] + [
+            moe.MoeLaunch(T(32, 16, 2, 2), T(64, 32, 4, 1)),
+            moe.MoeLaunch(T(128, 128, 8, 3), T(16, 128, 4, 4))]
+        for lp in launches:
+            got = ti.expert_ffn(x, eids, wgu, wd, launch=lp)
+            assert torch.equal(got[routed], out[routed]), f"{lp} changed the bits"
+        # Batch invariance: a row's bits do not depend on the other rows of the call.
+        for rows in ([4], [40, 3, 17], list(range(10, 45)), list(range(r)) * 3):
+            sub = torch.tensor(rows)
+            got = ti.expert_ffn(x[sub], eids[sub], wgu, wd)
+            keep = routed[sub]
+            assert torch.equal(got[keep], out[sub][keep]), f"rows {rows[:5]} changed"
+
+
+class _poisoned_empty:
+    """torch.empty fills floating tensors with NaN while active (gaps show as NaN)."""
+
+    def __init__(self, torch) -> None:
+        self.torch = torch
+
+    def __enter__(self):
+        torch, orig = self.torch, self.torch.empty
+        self.orig = orig
+
+        def poisoned(*args, **kwargs):
+            t = orig(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        torch.empty = poisoned
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.torch.empty = self.orig
 
 
 def check_sampling(torch, ti) -> None:
