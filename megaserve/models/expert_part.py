@@ -35,6 +35,8 @@ class ExpertPart:
         lookup[torch.tensor(expert_ids, dtype=torch.int64)] = torch.arange(len(expert_ids))
         device = next(iter(w_gate_up.values())).device if w_gate_up else lookup.device
         self._local_index = lookup.to(device)  # on the weights' device: no copy per call
+        # Holding every expert in id order (one process): the lookup is the identity.
+        self._identity = self.expert_ids == list(range(num_experts))
 
     @property
     def layers(self) -> list[int]:
@@ -46,7 +48,7 @@ class ExpertPart:
         x: `[R, D]`; expert_ids: `[R]` int64 global expert ids, all held here.
         Returns `[R, D]` in x.dtype. Each row's result is independent of the other rows.
         """
-        local = self._local_index[expert_ids]
+        local = expert_ids if self._identity else self._local_index[expert_ids]
         # Checked on CPU only: on CUDA it would be a host synchronisation per layer (and
         # break CUDA-graph capture); the placement table routes rows to their holders.
         if not local.is_cuda and local.numel() and int(local.max()) >= len(self.expert_ids):

@@ -50,7 +50,8 @@ class LocalExperts:
         self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
-        rows = x.repeat_interleave(top_k, dim=0)  # [T*k, D]
+        d = x.shape[1]
+        rows = x[:, None].expand(num_tokens, top_k, d).reshape(-1, d)  # [T*k, D], one copy
         out = self.experts.forward(layer, rows, topk_ids.reshape(-1))
         return out.view(num_tokens, top_k, -1)
 
