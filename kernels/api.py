@@ -102,6 +102,39 @@ def write_kv_cache(
     _backend(k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+) -> torch.Tensor:
+    """The step between the QKV projection and attention: per-head q/k RMSNorm, rotary,
+    and the K/V cache write, as one pass.
+
+    qkv: `[T, (Hq + 2 Hkv) * Dh]`, q heads then k heads then v heads (the QKV linear's
+    output); positions: `[T]` int64; cos, sin: `[max_positions, Dh]` in qkv.dtype (HF
+    rotate-half tables); q_norm, k_norm: `[Dh]` (Qwen3) or both None; k_cache, v_cache:
+    `[num_blocks, block_size, Hkv, Dh]`, contiguous; slot_mapping: `[T]` int64 as in
+    :func:`write_kv_cache` (negative: a padding token, nothing written).
+    Bitwise the composition it replaces: ``rms_norm`` of each head (if q_norm), then
+    ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to qkv.dtype,
+    then :func:`write_kv_cache` of the rotated k and of v. Returns the rotated q
+    `[T, Hq, Dh]` in qkv.dtype. Raises ``ValueError`` for an odd Dh or a qkv width that
+    is not ``(Hq + 2 Hkv) * Dh``.
+    """
+    return _backend(qkv).rotary_and_cache(
+        qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+        num_q_heads,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -166,6 +199,24 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
     Returns `[T, D]` float32: ``((w0*o0 + w1*o1) + w2*o2) + ...``.
     """
     return _backend(expert_out).combine(expert_out, topk_weights)
+
+
+def combine_residual(
+    expert_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's end and the next layer's input norm, as one pass.
+
+    expert_out: `[T, k, D]`, topk_weights: `[T, k]` float32 as in :func:`combine`;
+    residual: `[T, D]`; weight: `[D]` or None. ``h = residual + combine(expert_out,
+    topk_weights).to(residual.dtype)``, rounded to that dtype. Without ``weight`` returns
+    ``h``; with it returns ``(rms_norm(h, weight, eps), h)``. Bitwise the composition of
+    :func:`combine`, the add and :func:`rms_norm`.
+    """
+    return _backend(expert_out).combine_residual(expert_out, topk_weights, residual, weight, eps)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

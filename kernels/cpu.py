@@ -16,8 +16,9 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
 * **exp / log** are polynomials in the source (libm's pick FMA or non-FMA code by CPU);
   no FMA contraction, no ``-ffast-math``: the ISA flags only change the vector width.
 
-The rest (KV-cache writes, SwiGLU of dense MLPs, sampling) are torch ops, exact per element
-or run one row at a time.
+The rest (KV-cache writes, rotary, SwiGLU of dense MLPs, sampling) are torch ops, exact per
+element or run one row at a time; the fused API calls (rotary_and_cache, combine_residual)
+are compositions of these.
 bfloat16 inputs are computed in float32 and rounded once at the end.
 Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py,
 tests/kernels/test_cpu_ext.py.
@@ -153,6 +154,51 @@ def write_kv_cache(
     v_cache.view(-1, num_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def rotary_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+) -> torch.Tensor:
+    return composed_rotary_and_cache(rms_norm, write_kv_cache, qkv, positions, cos, sin,
+                                     q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+                                     num_q_heads)
+
+
+def composed_rotary_and_cache(norm, write, qkv, positions, cos, sin, q_norm, k_norm, eps,
+                              k_cache, v_cache, slot_mapping, num_q_heads) -> torch.Tensor:
+    """``rotary_and_cache`` (arguments as in the API) composed of a backend's ``norm``
+    (its rms_norm), ``write`` (its write_kv_cache) and torch's elementwise ops, each
+    rounding once: the unfused sequence the fused kernels reproduce bitwise."""
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    if head_dim % 2 or qkv.shape[1] != q_size + 2 * kv_size:
+        raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} does not hold "
+                         f"{num_q_heads} + 2 x {num_kv_heads} heads of an even dim {head_dim}")
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    if q_norm is not None:
+        q = norm(q.reshape(-1, head_dim), q_norm, eps)  # [T*Hq, Dh]
+        k = norm(k.reshape(-1, head_dim), k_norm, eps)
+        qk = torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1)], dim=-1)
+    else:
+        qk = qkv[:, : q_size + kv_size]
+    x = qk.reshape(num_tokens, num_q_heads + num_kv_heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    qk = x * cos[positions][:, None, :] + rotated * sin[positions][:, None, :]
+    q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
+    write(k, v.reshape(num_tokens, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -233,6 +279,19 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
         cpu_ext.load().ms_combine(x.data_ptr(), w.data_ptr(), num_tokens, top_k, hidden,
                                   out.data_ptr(), _lanes)
     return out
+
+
+def combine_residual(
+    expert_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    out = combine(expert_out, topk_weights).to(residual.dtype)
+    if weight is None:
+        return residual + out
+    return rms_norm(out, weight, eps, residual=residual)  # out + residual: the same add
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .cpu import composed_rotary_and_cache
 from .triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
 
 try:  # torch >= 2.10
@@ -25,8 +26,9 @@ except ImportError:  # pragma: no cover - older torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "combine", "counter_uniform", "expert_ffn", "linear", "log_softmax", "paged_attention",
-    "rms_norm", "sample", "silu_and_mul", "topk_route", "write_kv_cache",
+    "combine", "combine_residual", "counter_uniform", "expert_ffn", "linear", "log_softmax",
+    "paged_attention", "rms_norm", "rotary_and_cache", "sample", "silu_and_mul",
+    "topk_route", "write_kv_cache",
 ]
 
 
@@ -56,6 +58,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     h, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, h, d)[slot_mapping] = k.to(k_cache.dtype)
     v_cache.view(-1, h, d)[slot_mapping] = v.to(v_cache.dtype)
+
+
+def rotary_and_cache(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache,
+                     slot_mapping, num_q_heads) -> torch.Tensor:
+    """Per-head norm, rotary and the cache write as separate torch ops (the unfused
+    sequence); qkv `[T, (Hq + 2 Hkv) * Dh]` → rotated q `[T, Hq, Dh]`."""
+    return composed_rotary_and_cache(rms_norm, write_kv_cache, qkv, positions, cos, sin,
+                                     q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+                                     num_q_heads)
 
 
 def _varlen_kwargs() -> dict:
@@ -206,3 +217,9 @@ def _expert_ffn_loop(x, expert_ids, w_gate_up, w_down) -> torch.Tensor:
 def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """`[T, k, D]` × `[T, k]` → `[T, D]` float32."""
     return (expert_out.float() * topk_weights[..., None]).sum(1)
+
+
+def combine_residual(expert_out, topk_weights, residual, weight=None, eps=0.0):
+    """``residual + combine(...)`` and, with ``weight``, its RMSNorm: separate torch ops."""
+    h = residual + combine(expert_out, topk_weights).to(residual.dtype)
+    return h if weight is None else (rms_norm(h, weight, eps), h)

@@ -1,4 +1,5 @@
-"""Paged attention (prefill, chunked prefill and decode) and the KV write.
+"""Paged attention (prefill, chunked prefill and decode), the KV write, and the fused
+per-head q/k RMSNorm + rotary + KV write that feeds it.
 
 Shape legend: T = new tokens, S = sequences, Hq / Hkv = query / KV heads, G = Hq / Hkv,
 Dh = head dim, C = KV_SPLIT_SIZE keys per split.
@@ -49,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ..api import KV_SPLIT_SIZE
+from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd
 from .attention_kernels import (
     _attention_fold_kernel,
     _attention_parts_kernel,
@@ -155,6 +157,97 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping.contiguous(),
                                k.stride(0), v.stride(0), ROW=row,
                                BLOCK=triton.next_power_of_2(row), num_warps=4)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+        # Pointers
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+        # Shapes and strides
+        Dh, eps, stride_qkv, stride_cos, stride_sin, stride_qt,
+        # Meta-parameters
+        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+        HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < Dh
+    src = qkv_ptr + tok * stride_qkv + head * Dh
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    cache_row = slot * (NUM_KV_HEADS * Dh)
+    kv_mask = mask & (slot >= 0)  # negative slots: padding tokens, nothing written
+    if head >= NUM_Q_HEADS + NUM_KV_HEADS:
+        v = tl.load(src + cols, mask=kv_mask)
+        v_head = head - NUM_Q_HEADS - NUM_KV_HEADS
+        tl.store(vc_ptr + cache_row + v_head * Dh + cols, v.to(vc_ptr.dtype.element_ty),
+                 mask=kv_mask)
+    else:
+        dtype = qkv_ptr.dtype.element_ty
+        lo = cols < HALF
+        hi = mask & (cols >= HALF)
+        # rotate_half's partner of column j: j + HALF in the first half, j - HALF after
+        # (two contiguous loads, laid out like the row itself)
+        x = tl.load(src + cols, mask=mask, other=0.0)
+        xp = tl.where(lo, tl.load(src + cols + HALF, mask=lo, other=0.0),
+                      tl.load(src + cols - HALF, mask=hi, other=0.0))
+        if HAS_NORM:  # the per-head RMSNorm of rms_norm, its partner column alike
+            if head < NUM_Q_HEADS:
+                w_ptr = qw_ptr
+            else:
+                w_ptr = kw_ptr
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            wp = tl.where(lo, tl.load(w_ptr + cols + HALF, mask=lo, other=0.0),
+                          tl.load(w_ptr + cols - HALF, mask=hi, other=0.0))
+            h = x.to(tl.float32)
+            rstd = rms_rstd(h, Dh, eps)
+            x = rms_apply(h, rstd, w, dtype)
+            xp = rms_apply(xp.to(tl.float32), rstd, wp, dtype)
+        pos = tl.load(pos_ptr + tok)
+        c = tl.load(cos_ptr + pos * stride_cos + cols, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + pos * stride_sin + cols, mask=mask, other=0.0)
+        rot = tl.where(lo, -xp, xp)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype
+        a = mul_rounded(x.to(tl.float32), c.to(tl.float32), NO_CONTRACT).to(dtype)
+        b = mul_rounded(rot.to(tl.float32), s.to(tl.float32), NO_CONTRACT).to(dtype)
+        y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+        if head < NUM_Q_HEADS:
+            tl.store(q_ptr + tok * stride_qt + head * Dh + cols, y, mask=mask)
+        else:
+            k_head = head - NUM_Q_HEADS
+            tl.store(kc_ptr + cache_row + k_head * Dh + cols, y.to(kc_ptr.dtype.element_ty),
+                     mask=kv_mask)
+
+
+def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     num_q_heads: int) -> torch.Tensor:
+    """See ``megaserve.kernels.api.rotary_and_cache``: one program per (token, head), the
+    norm with :func:`rms_norm`'s block and warps, no host synchronisation."""
+    t = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if head_dim % 2 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"rotary_and_cache: qkv {tuple(qkv.shape)} does not hold "
+                         f"{num_q_heads} + 2 x {num_kv_heads} heads of an even dim {head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotary_and_cache: caches must be contiguous")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("rotary_and_cache: pass both q_norm and k_norm, or neither")
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    cos = cos if cos.stride(1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(1) == 1 else sin.contiguous()
+    q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    block_d = triton.next_power_of_2(head_dim)
+    if t:
+        norm_w = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)
+        _rotary_cache_kernel[(t, num_q_heads + 2 * num_kv_heads)](
+            qkv, positions.contiguous(), cos, sin, *norm_w, q, k_cache, v_cache,
+            slot_mapping.contiguous(), head_dim, float(eps), qkv.stride(0), cos.stride(0),
+            sin.stride(0), q.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
+            HALF=head_dim // 2, HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(),
+            BLOCK_D=block_d, num_warps=norm_warps(block_d))
+    return q
 
 
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,

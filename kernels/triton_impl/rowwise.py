@@ -1,4 +1,5 @@
-"""Row-wise Triton kernels: RMSNorm (+ residual), SwiGLU, combine, log-softmax.
+"""Row-wise Triton kernels: RMSNorm (+ residual), SwiGLU, combine (+ residual and the next
+RMSNorm), log-softmax.
 
 Shape legend: T = tokens, D = hidden, I = intermediate, k = experts per token, V = vocab.
 
@@ -9,11 +10,37 @@ order) is a function of the row length only, never of the number of rows.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _MAX_ROW_BLOCK = 4096  # longer rows are reduced in chunks of this many elements
+
+
+@triton.jit
+def rms_rstd(h, D, eps):
+    """``1 / sqrt(mean(h * h) + eps)`` of one row ``h`` (fp32, zero past ``D``): the one
+    reduction of RMSNorm. Every RMSNorm kernel calls this on a row loaded whole, with the
+    warps of :func:`norm_warps`, so the fused kernels reduce in the order rms_norm does."""
+    var = tl.sum(h * h, axis=0) / D
+    return tl.math.rsqrt(var + eps)
+
+
+@triton.jit
+def rms_apply(h, rstd, w, DTYPE: tl.constexpr):
+    """``w * (h * rstd).to(DTYPE)`` rounded to DTYPE: the normalised value is cast before
+    the weight multiply, as in HF. Elementwise, so a rotary partner loaded apart gets the
+    bits its own column gets."""
+    return (w * (h * rstd).to(DTYPE)).to(DTYPE)
+
+
+def norm_warps(block_d: int) -> int:
+    """Warps of a one-row RMSNorm program over ``block_d`` columns (part of the bits: the
+    reduction's layout)."""
+    return min(16, max(1, block_d // 512))
 
 
 @triton.jit
@@ -29,10 +56,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
         x = (x + r).to(x_ptr.dtype.element_ty)  # h = x + residual, in x.dtype
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
     h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / D
-    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = rms_apply(h, rms_rstd(h, D, eps), w, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -52,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(t,)](x, res, weight, out, h, d, float(eps),
                                x.stride(0), res.stride(0), out.stride(0), h.stride(0),
                                HAS_RES=residual is not None, BLOCK_D=block_d,
-                               num_warps=min(16, max(1, block_d // 512)))
+                               num_warps=norm_warps(block_d))
     return (out, h) if residual is not None else out
 
 
@@ -107,6 +133,77 @@ def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
             expert_out, w, out, d, expert_out.stride(0), expert_out.stride(1), w.stride(0),
             TOP_K=k, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def mul_rounded(a, b, NO_CONTRACT: tl.constexpr):
+    """``a * b`` in fp32, rounded on its own: never contracted into an FMA with the add
+    that consumes it (torch rounds every op; the compiler would fuse ``x * c + y``).
+    NO_CONTRACT off only where libdevice is absent (the Triton interpreter, whose numpy
+    ops round each op anyway)."""
+    if NO_CONTRACT:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+def no_contract() -> bool:
+    """Whether kernels can call libdevice's ``mul_rn`` (not under TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+@triton.jit
+def _combine_residual_kernel(eo_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, h_ptr, D, eps,
+                             stride_et, stride_ek, stride_wt, stride_r, stride_o, stride_h,
+                             TOP_K: tl.constexpr, HAS_NORM: tl.constexpr,
+                             NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    # combine: _combine_kernel's expression, term by term, in ascending rank order
+    w0 = tl.load(w_ptr + row * stride_wt)
+    o0 = tl.load(eo_ptr + row * stride_et + cols, mask=mask, other=0.0).to(tl.float32)
+    if TOP_K == 1:  # a lone product would contract with the residual add below
+        acc = mul_rounded(w0, o0, NO_CONTRACT)
+    else:
+        acc = w0 * o0
+    for rank in tl.static_range(1, TOP_K):
+        w = tl.load(w_ptr + row * stride_wt + rank)
+        o = tl.load(eo_ptr + row * stride_et + rank * stride_ek + cols, mask=mask, other=0.0)
+        acc = acc + w * o.to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    x = (r + acc.to(dtype)).to(dtype)  # h = residual + combine, in the residual's dtype
+    tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+    if HAS_NORM:
+        h = x.to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=mask, other=0.0)
+        y = rms_apply(h, rms_rstd(h, D, eps), nw, dtype)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def combine_residual(expert_out: torch.Tensor, topk_weights: torch.Tensor,
+                     residual: torch.Tensor, weight: torch.Tensor | None = None,
+                     eps: float = 0.0):
+    """See ``megaserve.kernels.api.combine_residual``: one row per program, the combine of
+    :func:`combine`, the add of ``residual + out.to(dtype)``, the reduction of
+    :func:`rms_norm` (same block and warps)."""
+    t, k, d = expert_out.shape
+    block_d = triton.next_power_of_2(d)
+    if block_d > 65536:
+        raise ValueError(f"combine_residual: hidden size {d} too large (max 65536)")
+    expert_out = expert_out if expert_out.stride(2) == 1 else expert_out.contiguous()
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    w = topk_weights.float().contiguous()
+    h = torch.empty(t, d, dtype=residual.dtype, device=residual.device)
+    out = torch.empty_like(h) if weight is not None else h
+    if t:
+        _combine_residual_kernel[(t,)](
+            expert_out, w, residual, weight if weight is not None else h, out, h, d,
+            float(eps), expert_out.stride(0), expert_out.stride(1), w.stride(0),
+            residual.stride(0), out.stride(0), h.stride(0), TOP_K=k,
+            HAS_NORM=weight is not None, NO_CONTRACT=no_contract(), BLOCK_D=block_d,
+            num_warps=norm_warps(block_d))
+    return (out, h) if weight is not None else h
 
 
 @triton.jit

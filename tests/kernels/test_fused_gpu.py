@@ -1,0 +1,45 @@
+"""The fused decode-path kernels on a CUDA GPU: the interpreter checks of
+tests/kernels/test_fused_interp.py (float64 reference, poisoned outputs and caches, row
+invariance, bitwise equality with the unfused kernels) in bfloat16, float16 and float32,
+at Qwen3-30B-A3B's shapes and at odd ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import test_fused_interp as checks
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_cache_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    # (Hq, Hkv, Dh): Qwen3-30B-A3B, Mixtral, odd head dims, one KV head
+    shapes = [(32, 4, 128), (32, 8, 128), (8, 2, 48), (4, 4, 16), (14, 2, 64), (16, 1, 80)]
+    checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], shapes, t=37)
+    checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=700)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_residual_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    # (k, D): Qwen3-30B-A3B, Mixtral, Qwen2-MoE, top-1, odd hidden sizes
+    shapes = [(8, 2048), (2, 4096), (4, 2048), (1, 2048), (1, 64), (3, 200), (8, 7168)]
+    checks.check_combine_residual(torch, ti, "cuda", [dtype], shapes, t=37)
+    checks.check_combine_residual(torch, ti, "cuda", [dtype], [(8, 2048)], t=600)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_rms_norm_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    checks.check_residual_rms_norm(torch, ti, "cuda", [dtype], (2048, 4096, 7168, 64, 200),
+                                   t=300)
