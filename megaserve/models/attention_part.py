@@ -83,43 +83,42 @@ class AttentionPart:
         """input_ids `[T]` int64 → hidden states `[T, D]`."""
         return self.embed_tokens[input_ids]
 
+    def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The input RMSNorm of ``layer``: h `[T, D]` → x `[T, D]` (layer 0's, or where no
+        fused finish computed it)."""
+        return kernels.rms_norm(h, self.layers[layer].input_norm, self.config.rms_norm_eps)
+
     def attention(
         self,
         layer: int,
         h: torch.Tensor,
+        x: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention block with its residual, then the post-attention norm.
 
-        h: `[T, D]` residual stream. Writes this batch's K/V into ``kv_cache`` (the layer's
-        `[num_blocks, block_size, Hkv, Dh]` pair) before attending. Returns
-        ``(h + attn(norm(h)), post_norm(that))``, both `[T, D]`.
+        h: `[T, D]` residual stream; x: its input norm `[T, D]` (:meth:`input_norm`, or
+        the previous layer's :meth:`finish_moe` / :meth:`dense_mlp`). Writes this batch's
+        K/V into ``kv_cache`` (the layer's `[num_blocks, block_size, Hkv, Dh]` pair) before
+        attending. Returns ``(h + attn(x), post_norm(that))``, both `[T, D]`.
         """
         cfg, w = self.config, self.layers[layer]
         num_tokens = h.shape[0]
-        x = kernels.rms_norm(h, w.input_norm, cfg.rms_norm_eps)
         qkv = kernels.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2Hkv) * Dh]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = kernels.rms_norm(q.reshape(-1, cfg.head_dim), w.q_norm, cfg.rms_norm_eps)
-            k = kernels.rms_norm(k.reshape(-1, cfg.head_dim), w.k_norm, cfg.rms_norm_eps)
-            qk = torch.cat([q.view(num_tokens, -1), k.view(num_tokens, -1)], dim=-1)
-        else:
-            qk = qkv[:, : cfg.q_size + cfg.kv_size]
-        # q and k heads rotated in one pass (elementwise: the same bits as one at a time).
-        qk = self._rotate(qk.reshape(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                          meta.positions)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # q/k norm, rotary, and the K/V write of this batch: one pass
+        q = kernels.rotary_and_cache(
+            qkv, meta.positions, self.cos, self.sin, w.q_norm, w.k_norm, cfg.rms_norm_eps,
+            k_cache, v_cache, meta.slot_mapping, cfg.num_heads,
+        )  # [T, Hq, Dh]
         attn = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens,
             meta.query_start_loc, self.scale,
         )  # [T, Hq, Dh]
-        h = h + kernels.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)
-        return h, kernels.rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+        out = kernels.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)  # [T, D]
+        x, h = kernels.rms_norm(out, w.post_norm, cfg.rms_norm_eps, residual=h)
+        return h, x
 
     def is_moe(self, layer: int) -> bool:
         return self.layers[layer].router is not None
@@ -129,10 +128,14 @@ class AttentionPart:
         logits = kernels.linear(x, self.layers[layer].router)  # [T, E]
         return kernels.topk_route(logits, self.config.top_k, self.config.norm_topk_prob)
 
-    def dense_mlp(self, layer: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """A dense layer's MLP with its residual: `h + mlp(x)`, `[T, D]`."""
+    def dense_mlp(
+        self, layer: int, h: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A dense layer's MLP with its residual, and the next layer's input norm:
+        returns ``(h + mlp(x), input_norm(that))``, `[T, D]` each; the norm is None after
+        the last layer."""
         w = self.layers[layer]
-        return h + _swiglu(x, w.dense_gate_up, w.dense_down)
+        return self._add_and_norm(layer + 1, h, _swiglu(x, w.dense_gate_up, w.dense_down))
 
     def finish_moe(
         self,
@@ -141,31 +144,46 @@ class AttentionPart:
         x: torch.Tensor,
         expert_out: torch.Tensor,
         topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """Combine routed outputs (fixed rank order, fp32), add the shared expert and residual.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Combine routed outputs (fixed rank order, fp32), add the shared expert and
+        residual, then the next layer's input norm.
 
         h, x: `[T, D]`; expert_out: `[T, k, D]` in rank order; topk_weights: `[T, k]` fp32.
+        Returns ``(h', input_norm(h'))``, `[T, D]` each; the norm is None after the last
+        layer.
         """
         w = self.layers[layer]
+        if w.shared_gate_up is None:
+            norm = self._next_input_norm(layer + 1)
+            if norm is None:
+                return kernels.combine_residual(expert_out, topk_weights, h), None
+            x_next, h = kernels.combine_residual(expert_out, topk_weights, h, norm,
+                                                 self.config.rms_norm_eps)
+            return h, x_next
         out = kernels.combine(expert_out, topk_weights)  # [T, D] fp32
-        if w.shared_gate_up is not None:
-            shared = _swiglu(x, w.shared_gate_up, w.shared_down)
-            gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
-            out = out + gate * shared.float()
-        return h + out.to(h.dtype)
+        shared = _swiglu(x, w.shared_gate_up, w.shared_down)
+        gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
+        out = out + gate * shared.float()
+        return self._add_and_norm(layer + 1, h, out.to(h.dtype))
+
+    def _next_input_norm(self, layer: int) -> torch.Tensor | None:
+        """``layer``'s input-norm weight, None past the last layer."""
+        return self.layers[layer].input_norm if layer < self.config.num_layers else None
+
+    def _add_and_norm(
+        self, layer: int, h: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``h + delta`` and ``layer``'s input norm of it (None past the last layer)."""
+        norm = self._next_input_norm(layer)
+        if norm is None:
+            return h + delta, None
+        x, h = kernels.rms_norm(delta, norm, self.config.rms_norm_eps, residual=h)
+        return h, x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: h `[B, D]` → logits `[B, V]` float32."""
         x = kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
         return kernels.linear(x, self.lm_head).float()
-
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding (HF rotate-half convention). x: `[T, H, Dh]`."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, Dh]
-        sin = self.sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -79,24 +79,32 @@ def run_layers(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> list[torch.Tensor]:
     """Run every decoder layer over the micro-batches; returns each one's final hidden
-    states `[T_i, D]` (before the final norm)."""
-    hidden = [attention.embed(mb.input_ids) for mb in micro_batches]
+    states `[T_i, D]` (before the final norm).
+
+    Each layer's end (expert combine or dense MLP, residual add) and the next layer's
+    input norm are one step (:meth:`AttentionPart.finish_moe`), so ``inputs[i]`` carries
+    the normed input of the layer about to run."""
+    hidden = [attention.embed(mb.input_ids) for mb in micro_batches]  # [T_i, D] each
+    inputs = [attention.input_norm(0, h) for h in hidden]
     pending: list[_Pending | None] = [None] * len(micro_batches)
     num_layers = attention.config.num_layers
     for layer in range(num_layers):
         for i, mb in enumerate(micro_batches):
-            hidden[i] = _finish(attention, layer - 1, hidden[i], pending[i], experts)
-            pending[i] = None
-            h, x = attention.attention(layer, hidden[i], mb.meta, kv_caches[layer])
+            if pending[i] is not None:
+                hidden[i], inputs[i] = _finish(attention, layer - 1, hidden[i], pending[i],
+                                               experts)
+                pending[i] = None
+            h, x = attention.attention(layer, hidden[i], inputs[i], mb.meta, kv_caches[layer])
             if not attention.is_moe(layer):
-                hidden[i] = attention.dense_mlp(layer, h, x)
+                hidden[i], inputs[i] = attention.dense_mlp(layer, h, x)
                 continue
             hidden[i] = h
             topk_ids, topk_weights = attention.route(layer, x)
             handle = experts.dispatch(layer, i, x, topk_ids)
             pending[i] = _Pending(x, topk_weights, handle)
     return [
-        _finish(attention, num_layers - 1, hidden[i], pending[i], experts)
+        _finish(attention, num_layers - 1, hidden[i], pending[i], experts)[0]
+        if pending[i] is not None else hidden[i]
         for i in range(len(micro_batches))
     ]
 
@@ -105,10 +113,10 @@ def _finish(
     attention: AttentionPart,
     layer: int,
     h: torch.Tensor,
-    pending: _Pending | None,
+    pending: _Pending,
     experts: ExpertClient,
-) -> torch.Tensor:
-    if pending is None:
-        return h
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Wait for ``layer``'s experts; returns (h after the layer, the next layer's input
+    norm of it, None after the last layer)."""
     expert_out = experts.combine(pending.handle)  # [T, k, D]
     return attention.finish_moe(layer, h, pending.x, expert_out, pending.topk_weights)
