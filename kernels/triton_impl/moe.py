@@ -216,17 +216,18 @@ class MoeLaunch:
     down: GemmTiles
 
 
-# Launches by rows per call, ascending (max_rows, launch); rows beyond the last bucket take
-# the prefill launch. Decode: 16-row tiles and narrow columns put many programs on the
-# weights (batch 1 has one row per expert); prefill: 128-row tensor-core tiles.
-_DECODE = ((64, MoeLaunch(GemmTiles(16, 32, 4, 4), GemmTiles(16, 64, 4, 4))),
-           (2048, MoeLaunch(GemmTiles(16, 64, 4, 4), GemmTiles(16, 64, 4, 4))))
-_PREFILL = MoeLaunch(GemmTiles(128, 64, 8, 3), GemmTiles(128, 128, 8, 3))
+# Launches by rows per call, ascending (max_rows, launch); larger calls take _PREFILL.
+# Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's expert shape): up to
+# 512 rows, 16-row tiles put the most programs on the weights (batch 1 has one row per
+# expert); then 64-row tiles; prefill 128-row tiles.
+_BY_ROWS = ((512, MoeLaunch(GemmTiles(16, 32, 4, 6), GemmTiles(16, 64, 4, 4))),
+            (8192, MoeLaunch(GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4))))
+_PREFILL = MoeLaunch(GemmTiles(128, 64, 4, 3), GemmTiles(128, 128, 4, 3))
 
 
 def plan_launch(num_rows: int) -> MoeLaunch:
     """The launch for a call of ``num_rows`` routed rows (a speed choice, bit-neutral)."""
-    for max_rows, launch in _DECODE:
+    for max_rows, launch in _BY_ROWS:
         if num_rows <= max_rows:
             return launch
     return _PREFILL
@@ -247,9 +248,9 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     ids = expert_ids if expert_ids.stride(0) == 1 else expert_ids.contiguous()
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
     order = torch.empty(r, dtype=torch.int32, device=ids.device)
-    block_r = max(16, min(1024, triton.next_power_of_2(r)))
+    block_r = max(16, min(4096, triton.next_power_of_2(r)))
     _align_kernel[(num_experts,)](ids, order, offsets, r, num_experts, BLOCK_R=block_r,
-                                  num_warps=4)
+                                  num_warps=4 if block_r <= 1024 else 8)
     return offsets, order
 
 

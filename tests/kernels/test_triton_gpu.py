@@ -243,11 +243,12 @@ def test_expert_ffn_reference_launches_and_row_invariance(e: int, d: int, i: int
     wd = torch.randn(e, d, i, device="cuda", dtype=BF16) / i**0.5
     eids = torch.randint(0, e + 1, (r,), device="cuda")  # id e: routed nowhere
     routed = eids < e
-    offsets, order = moe._align(eids, e)
-    counts = torch.bincount(eids, minlength=e + 1)[:e]
-    assert offsets.tolist() == [0] + counts.cumsum(0).tolist()
-    n = int(routed.sum())
-    assert torch.equal(order[:n].long(), torch.sort(eids, stable=True).indices[:n])
+    for ids in (eids, torch.randint(0, e + 1, (20000,), device="cuda")):  # 5 scan blocks
+        offsets, order = moe._align(ids, e)
+        counts = torch.bincount(ids, minlength=e + 1)[:e]
+        assert offsets.tolist() == [0] + counts.cumsum(0).tolist()
+        n = int((ids < e).sum())
+        assert torch.equal(order[:n].long(), torch.sort(ids, stable=True).indices[:n])
     out = expert_ffn(x, eids, wgu, wd)
     assert not out[routed].isnan().any(), "routed rows left unwritten"
     for row in routed.nonzero()[:4, 0].tolist():

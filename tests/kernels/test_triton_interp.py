@@ -200,12 +200,15 @@ def _check_expert_ffn(torch, ti) -> None:
     eids = torch.randint(0, e + 1, (r,))  # id e: routed nowhere
     eids[:3] = torch.tensor([e, 2, 2])
     routed = eids < e
-    # The align pass: offsets are the counts' prefix sums, order a stable grouping.
-    offsets, order = moe._align(eids, e)
-    counts = torch.bincount(eids, minlength=e + 1)[:e]
-    assert offsets.tolist() == [0] + counts.cumsum(0).tolist(), offsets
-    stable = torch.sort(eids, stable=True).indices[: int(routed.sum())]
-    assert torch.equal(order[: int(routed.sum())].long(), stable), "order not stably grouped"
+    # The align pass: offsets are the counts' prefix sums, order a stable grouping (9000
+    # rows: several blocks of the scan).
+    for ids in (eids, torch.randint(0, e + 1, (9000,))):
+        offsets, order = moe._align(ids, e)
+        counts = torch.bincount(ids, minlength=e + 1)[:e]
+        assert offsets.tolist() == [0] + counts.cumsum(0).tolist(), offsets
+        n = int((ids < e).sum())
+        stable = torch.sort(ids, stable=True).indices[:n]
+        assert torch.equal(order[:n].long(), stable), "order not stably grouped"
     with _poisoned_empty(torch):  # outputs must be written wherever they are defined
         out = ti.expert_ffn(x, eids, wgu, wd)
         assert not out[routed].isnan().any(), "routed rows left unwritten"
