@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "megaserve.entrypoints.llm",
     "SamplingParams": "megaserve.sampling_params",
+    "RequestOutputKind": "megaserve.sampling_params",
     "RequestOutput": "megaserve.outputs",
     "CompletionOutput": "megaserve.outputs",
     "AsyncLLMEngine": "megaserve.runtime.async_engine",

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """Which ``RequestOutput``s a request gets (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: one after every step that advanced it, with everything generated so far.
+    DELTA: one after every step that advanced it, with only what that step added (the
+    prompt logprobs in the first one). FINAL_ONLY: one when it finishes (``LLM.generate``).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -29,6 +43,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -58,6 +73,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -128,6 +128,14 @@ class EngineConfig:
     cores), and on a machine shared with other work a second thread gains little.
     cuda_graphs: run decode steps on CUDA through captured CUDA graphs (padded batch
     sizes; results are bitwise those of eager execution). Ignored on CPU.
+    async_scheduling: overlap the host with the device in steady decode (vLLM's
+    ``--async-scheduling``): while the device runs decode step n, the host reads step
+    n-1's tokens, makes its outputs and schedules step n+1, whose input tokens come from
+    step n's sampled tokens on the device. A request that stops on a token (EOS, stop
+    string) is found one step late and its extra token dropped; outputs are bitwise the
+    same as without it. Applies to decode steps on the decode graphs with in-process
+    experts and no speculative decoding; other steps run synchronously. Off by default,
+    as in vLLM.
     """
 
     model: str = "builtin:tiny-moe"
@@ -154,6 +162,7 @@ class EngineConfig:
     # Expert ids held by each expert worker (default: an even contiguous split).
     expert_placement: tuple[tuple[int, ...], ...] | None = None
     cuda_graphs: bool = True
+    async_scheduling: bool = False
     # Reuse the K/V of full blocks shared with earlier requests (megaserve.engine.prefix_cache).
     enable_prefix_caching: bool = True
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (vLLM's keys).
@@ -232,8 +241,9 @@ class EngineConfig:
             raise ValueError(
                 f"expert_placement lists {len(self.expert_placement)} workers but "
                 f"expert_workers={self.expert_workers}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES or (
                 self.device.startswith(("auto", "cpu")) and ":" in self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,5 +1,5 @@
 """CUDA graphs for decode steps: captured forwards (embedding .. log-softmax) replayed
-with the batch padded up to the next captured size.
+with the batch padded up to the next captured size, and the sampling of their tokens.
 
 Shape legend: n = sequences of the step (one new token each), b = captured batch size
 (>= n), W = block-table width (blocks of a ``max_model_len`` sequence), V = vocab.
@@ -8,8 +8,16 @@ NOTE: static inputs, one int32 row per batch slot, copied host → device in one
 
     col   0       1          2       3          4 .. 4+W-1
           token   position   slot    context    block table (zero past the sequence)
+    col   4+W     source: row of the previous step's sampled tokens holding this row's
+                  input token (async scheduling: the host has not read it), or -1 (token)
+          +1      top_k      +2 logprobs (host only: -1 = none)
+          +3..+5  temperature, top_p, min_p (float32 bits)
+          +6..+7  seed (int64: low word first; the row width is even, so it is aligned)
     rows 0..n-1   the step's sequences
     rows n..b-1   padding: a copy of row 0 with slot = -1
+
+The sampling columns (source to seed) and the block table are kept between steps: a row
+still holding the same sequence gets only its new blocks written (``_fill``).
 
 A padding row writes no K/V (the KV write skips negative slots), reads only row 0's
 blocks, and its inputs are finite, so it routes like row 0 and cannot send NaN into the
@@ -19,12 +27,16 @@ execution; their results are all that is read back.
 
 Host synchronisations and data-chosen launch grids break capture; the decode path has
 none (the expert FFN finds its group offsets with ``torch.searchsorted`` on the device).
-Sampling stays outside the graph (it reads temperatures on the host).
+Sampling stays outside the graph (``kernels.sample`` reads temperatures on the host; a
+step of greedy rows only takes the argmax without it): :meth:`DecodeGraphs.sample` writes
+the tokens to a static device buffer, which the next step's graph reads for rows whose
+source is set, and copies them to the host with one transfer (:class:`DecodeStep`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,6 +50,32 @@ from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run
 logger = logging.getLogger(__name__)
 
 _TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
+# Columns after the block table (offsets from 4 + W; module NOTE).
+_SOURCE, _TOP_K, _LOGPROBS, _TEMPERATURE, _TOP_P, _MIN_P, _SEED = range(7)
+_NUM_SAMPLING_COLS = 8  # the seed takes two int32 columns
+
+
+@dataclass
+class DecodeStep:
+    """A decode step whose sampled tokens are on their way to the host.
+
+    ``token_ids()`` waits for the copy (the only synchronisation of a greedy decode step)
+    and returns one token per scheduled sequence. ``token_logprobs``: one dict per
+    sequence (None for those not asking), or None where none asks; the model runner fills
+    them at sampling time, since the next replay overwrites the graph's log-probs.
+    """
+
+    scheduled: list[ScheduledSeq]
+    tokens: torch.Tensor  # `[n]` int64 on the host (pinned on CUDA)
+    copied: torch.cuda.Event | None  # recorded after the copy (None on CPU)
+    # (row, number of top logprobs) of each sequence asking for logprobs
+    logprob_rows: list[tuple[int, int]]
+    token_logprobs: list[dict[int, float] | None] | None = None
+
+    def token_ids(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tokens.tolist()
 
 
 def capture_sizes(max_batch: int, multiple: int = 1) -> list[int]:
@@ -94,14 +132,30 @@ class DecodeGraphs:
         self.capture = capture
         device = attention.device
         max_batch = self.sizes[-1]
-        cols = _TABLE + self.table_width
+        self._extra = _TABLE + self.table_width + (self.table_width % 2)  # even: seed aligned
+        cols = self._extra + _NUM_SAMPLING_COLS
         self._static = torch.zeros(max_batch, cols, dtype=torch.int32, device=device)
         pin = device.type == "cuda"
         self._staging = torch.zeros(max_batch, cols, dtype=torch.int32, pin_memory=pin)
         self._host = self._staging.numpy()
-        # Per staging row: the block_ids list whose first _row_lens[i] blocks it holds.
+        self._host_f32 = self._host.view(np.float32)
+        self._host_i64 = self._host.view(np.int64)
+        # Per staging row: the block_ids list whose first _row_lens[i] blocks it holds, and
+        # the sequence whose sampling parameters it holds.
         self._row_lists: list[list[int] | None] = [None] * max_batch
         self._row_lens: list[int] = [0] * max_batch
+        self._row_seqs: list[object | None] = [None] * max_batch
+        # The last sampled step's tokens (read by the next graph through the source
+        # column), the row of each of its sequences, and two host buffers the tokens are
+        # copied to in turn (a step's copy never overwrites the one before, which the
+        # host may still be reading).
+        self._sampled = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._sampled_rows: dict[object, int] = {}
+        self._tokens_host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
+                             for _ in range(2)]
+        self._tokens_copied = [torch.cuda.Event() for _ in range(2)] if capture else None
+        self._next_host = 0
+        self._out: torch.Tensor | None = None  # the last run's `[b, V]` log-probs
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -132,7 +186,8 @@ class DecodeGraphs:
         self._static[:b].copy_(self._staging[:b], non_blocking=True)
         if not self.capture:
             self.num_steps += 1
-            return self._forward(b)[:n]
+            self._out = self._forward(b)
+            return self._out[:n]
         self._copied.record()
         entry = self._graphs.get(b)
         if entry is None:
@@ -146,7 +201,46 @@ class DecodeGraphs:
         if finish_step is not None:  # bounded: a dead expert worker raises, never hangs
             finish_step()
         self.num_steps += 1
+        self._out = out
         return out[:n]
+
+    def sample(self, scheduled: list[ScheduledSeq]) -> DecodeStep:
+        """Sample the next token of each sequence of the last :meth:`run` (``scheduled``
+        must be its list) from its log-probs and the rows' sampling columns, on the
+        device, and start copying the tokens to the host. Synchronises only where a row
+        samples (``kernels.sample`` reads its parameters on the host).
+        """
+        n = len(scheduled)
+        rows = self._host[:n]  # this step's staging rows (the next _fill has not run)
+        extra = self._extra
+        self._sampled[:n].copy_(self._sample_tokens(n))
+        self._sampled_rows = {s.seq: i for i, s in enumerate(scheduled)}
+        host = self._tokens_host[self._next_host][:n]
+        host.copy_(self._sampled[:n], non_blocking=True)
+        copied = None
+        if self.capture:
+            copied = self._tokens_copied[self._next_host]
+            copied.record()
+        self._next_host ^= 1
+        wanted = np.flatnonzero(rows[:, extra + _LOGPROBS] >= 0).tolist()
+        return DecodeStep(scheduled, host, copied,
+                          [(i, int(rows[i, extra + _LOGPROBS])) for i in wanted])
+
+    def _sample_tokens(self, n: int) -> torch.Tensor:
+        """`[n]` int64 tokens of the last run's rows ``[:n]`` (device work only)."""
+        logprobs, extra = self._out[:n], self._extra  # [n, V] fp32
+        if (self._host_f32[:n, extra + _TEMPERATURE] > 0).any():
+            floats = self._static[:n, extra + _TEMPERATURE:extra + _MIN_P + 1].view(torch.float32)
+            seeds = self._static[:n, extra + _SEED:extra + _SEED + 2].view(torch.int64)[:, 0]
+            return kernels.sample(
+                logprobs, floats[:, 0], self._static[:n, extra + _TOP_K].long(), floats[:, 1],
+                floats[:, 2], seeds, self._static[:n, _POSITION].long() + 1)
+        # kernels.sample's rule for greedy rows, without its host reads: argmax, first maximum.
+        return logprobs.argmax(dim=-1)
+
+    def last_logprobs(self, n: int) -> torch.Tensor:
+        """The last run's log-probs `[n, V]` float32 (valid until the next run)."""
+        return self._out[:n]
 
     def capture_all(self) -> None:
         """Capture every size now, over padding rows only (slot -1: no K/V is written)."""
@@ -156,6 +250,7 @@ class DecodeGraphs:
         self._forget_rows(0)
         self._host[:, _SLOT] = -1
         self._host[:, _CONTEXT] = 1
+        self._host[:, self._extra + _SOURCE] = -1
         for b in self.sizes:
             if b not in self._graphs:
                 self._static[:b].copy_(self._staging[:b])
@@ -171,19 +266,28 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the staging rows
         host, bs, n = self._host, self.block_size, len(scheduled)
-        row_lists, row_lens = self._row_lists, self._row_lens
+        row_lists, row_lens, row_seqs = self._row_lists, self._row_lens, self._row_seqs
+        sampled_rows = self._sampled_rows
         positions = [0] * n
         tokens = [0] * n
+        sources = [-1] * n
         for i, s in enumerate(scheduled):
             seq = s.seq
             pos = positions[i] = seq.num_computed_tokens
             num_prompt = len(seq.prompt_token_ids)
-            tokens[i] = (seq.output_token_ids[pos - num_prompt] if pos >= num_prompt
-                         else seq.prompt_token_ids[pos])
+            if pos < num_prompt:
+                tokens[i] = seq.prompt_token_ids[pos]
+            elif pos - num_prompt < len(seq.output_token_ids):
+                tokens[i] = seq.output_token_ids[pos - num_prompt]
+            else:  # sampled by the last step, not read by the host yet
+                sources[i] = sampled_rows[seq]
+            if row_seqs[i] is not seq:
+                self._write_sampling(i, seq)
+                row_seqs[i] = seq
             blocks, done = seq.block_ids, row_lens[i]
             if row_lists[i] is not blocks or done > len(blocks):
                 host[i, _TABLE:_TABLE + len(blocks)] = blocks
-                host[i, _TABLE + len(blocks):] = 0
+                host[i, _TABLE + len(blocks):_TABLE + self.table_width] = 0
                 row_lists[i], row_lens[i] = blocks, len(blocks)
             elif done < len(blocks):
                 host[i, _TABLE + done:_TABLE + len(blocks)] = blocks[done:]
@@ -191,6 +295,7 @@ class DecodeGraphs:
         pos = np.array(positions, dtype=np.int32)  # [n]
         rows = host[:n]
         rows[:, _TOKEN] = tokens
+        rows[:, self._extra + _SOURCE] = sources
         rows[:, _POSITION] = pos
         rows[:, _SLOT] = rows[np.arange(n), _TABLE + pos // bs] * bs + pos % bs
         rows[:, _CONTEXT] = pos + 1
@@ -198,10 +303,21 @@ class DecodeGraphs:
         host[n:b, _SLOT] = -1
         self._forget_rows(n)
 
+    def _write_sampling(self, i: int, seq) -> None:
+        """Staging row ``i``'s sampling columns from ``seq``'s parameters."""
+        params, col = seq.params, self._extra
+        self._host[i, col + _TOP_K] = params.top_k
+        self._host[i, col + _LOGPROBS] = -1 if params.logprobs is None else params.logprobs
+        self._host_f32[i, col + _TEMPERATURE:col + _MIN_P + 1] = (
+            params.temperature, params.top_p, params.min_p)
+        self._host_i64[i, (col + _SEED) // 2] = seq.seed
+
     def _forget_rows(self, start: int) -> None:
-        """Rows ``start..`` no longer hold a sequence's block table (padding overwrote them)."""
+        """Rows ``start..`` no longer hold a sequence's block table or sampling parameters
+        (padding overwrote them)."""
         self._row_lists[start:] = [None] * (len(self._row_lists) - start)
         self._row_lens[start:] = [0] * (len(self._row_lens) - start)
+        self._row_seqs[start:] = [None] * (len(self._row_seqs) - start)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The decode forward over static rows ``[:b]``: `[b, V]` float32 log-probs."""
@@ -209,12 +325,15 @@ class DecodeGraphs:
         m = self.microbatches
         part = b // m  # captured sizes are multiples of m
         batches = []
+        source = rows[:, self._extra + _SOURCE].long()  # [b]
+        tokens = torch.where(source >= 0, self._sampled[source.clamp(min=0)],
+                             rows[:, _TOKEN].long())  # [b]
         for i in range(m):
             r = rows[i * part:(i + 1) * part]
-            batches.append(MicroBatch(r[:, _TOKEN].long(), AttentionMetadata(
+            batches.append(MicroBatch(tokens[i * part:(i + 1) * part], AttentionMetadata(
                 positions=r[:, _POSITION].long(),
                 slot_mapping=r[:, _SLOT].long(),
-                block_tables=r[:, _TABLE:].contiguous(),
+                block_tables=r[:, _TABLE:_TABLE + self.table_width].contiguous(),
                 context_lens=r[:, _CONTEXT].contiguous(),
                 query_start_loc=self._query_start_loc[: part + 1],
             )))

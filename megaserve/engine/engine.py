@@ -1,4 +1,21 @@
-"""LLMEngine: the synchronous engine. ``step()`` = schedule, execute, make outputs."""
+"""LLMEngine: the engine of one attention worker. ``step()`` = schedule, execute, make
+outputs.
+
+Decode steps on the decode graphs run in two halves (launch the forward, then sample and
+copy the tokens to the host). With ``async_scheduling`` a step's tokens are read one step
+later, so the host's work overlaps the device's:
+
+    host:    schedule n+1 | launch n+1 | read n's tokens, outputs | sample n+1 | schedule n+2 ...
+    device:  ... step n (forward, sample, copy) | step n+1 forward (inputs: n's tokens) ...
+
+A decode step of a sequence whose last token is still on the device (``num_pending_tokens``)
+takes it from step n's sampled tokens on the device (megaserve.engine.cuda_graphs). A
+sequence that stops on step n's token (EOS, a stop string) was already in step n+1: that
+step's token is dropped and its K/V write lands in blocks freed meanwhile, harmlessly,
+since every later use of a block is ordered after it on the device stream. Any other step
+(prefill, mixed, drafts, prompt logprobs, eager) first reads the step in flight and then
+runs synchronously.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +29,13 @@ import torch
 from megaserve.kernels import api as kernels_api
 from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from megaserve.engine.cuda_graphs import DecodeStep
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
 from megaserve.engine.model_runner import ModelRunner
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.prefix_cache import root_hash
 from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from megaserve.engine.sequence import Sequence
+from megaserve.engine.sequence import Sequence, SeqStatus
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.forward import ExpertClient, LocalExperts
@@ -82,10 +100,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            cache_root=cache_root(path, model.attention.dtype, config.block_size)),
+                            cache_root=cache_root(path, model.attention.dtype, config.block_size),
+                            max_model_len=self.max_model_len),
             self.pool,
             num_drafts=self.proposer.num_proposals if self.proposer is not None else None,
         )
+        self.async_scheduling = self._async_applies(experts)
         kv = allocate_kv_tensors(
             model.config.num_layers, num_blocks, config.block_size, model.config.num_kv_heads,
             model.config.head_dim, model.attention.dtype, model.attention.device,
@@ -96,6 +116,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             num_speculative_tokens=(config.speculative_config.num_speculative_tokens
                                     if config.speculative_config is not None else 0),
+            cpu_decode_graphs=self.async_scheduling,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.outputs = OutputProcessor(
@@ -107,8 +128,27 @@ class LLMEngine:
         self._generation_tokens = 0
         self._draft_tokens = 0
         self._accepted_tokens = 0
+        # The decode step whose tokens the host has not read yet (async scheduling).
+        self._inflight: DecodeStep | None = None
         if self.proposer is not None:
             self.proposer.attach(self)
+
+    def _async_applies(self, experts: ExpertClient) -> bool:
+        """Whether ``config.async_scheduling`` can overlap steps here (logs why not)."""
+        config = self.config
+        if not config.async_scheduling:
+            return False
+        why = None
+        if config.speculative_config is not None:
+            why = "speculative decoding"
+        elif not isinstance(experts, LocalExperts):
+            why = "experts outside this engine"
+        elif config.device != "cpu" and not config.cuda_graphs:
+            why = "cuda_graphs off"
+        if why is not None:
+            logger.info("async scheduling does not apply with %s: steps run synchronously", why)
+            return False
+        return True
 
     def _make_proposer(self):
         """The speculative proposer of ``config.speculative_config`` (None when off)."""
@@ -187,9 +227,8 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq)
-        self.outputs.release(seq)
-        seq.finish_reason = "abort"
-        return self.outputs.make_output(seq)
+        self.outputs.abort(seq)
+        return self.outputs.step_output(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -197,11 +236,52 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns a snapshot of every request that advanced."""
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return []
-        scheduled = self._fill_drafts(plan.scheduled)
+        """Run one scheduled batch; returns the outputs (by each request's output kind)
+        of the requests that advanced. With async scheduling a decode step's requests
+        advance when the next step reads its tokens (module docstring)."""
+        prev, self._inflight = self._inflight, None
+        scheduled = self._fill_drafts(self.scheduler.schedule().scheduled)
+        if self.runner.launch_decode(scheduled):
+            for item in scheduled:
+                seq = item.seq
+                if seq.num_computed_tokens < seq.num_prompt_tokens:  # its last prompt token
+                    self._prompt_tokens += 1
+                self.scheduler.advance(item, 0)
+                seq.num_pending_tokens += 1
+            outputs = self._decode_outputs(prev) if prev is not None else []
+            step = self.runner.sample_decode(scheduled)
+            if self.async_scheduling:
+                self._inflight = step
+                return outputs
+            return outputs + self._decode_outputs(step)
+        outputs = []
+        if prev is not None:
+            outputs = self._decode_outputs(prev)
+            scheduled = [s for s in scheduled if not s.seq.is_finished]
+        if scheduled:
+            outputs += self._execute(scheduled)
+        return outputs
+
+    def _decode_outputs(self, step: DecodeStep) -> list[RequestOutput]:
+        """Read a decode step's tokens into its sequences; their outputs. A sequence
+        that finished since the step was launched (aborted, or stopped by the token
+        before) drops its token."""
+        tokens = step.token_ids()
+        logprobs = step.token_logprobs
+        outputs: list[RequestOutput] = []
+        for i, item in enumerate(step.scheduled):
+            seq = item.seq
+            seq.num_pending_tokens -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            self.outputs.append_token(seq, tokens[i], None if logprobs is None else logprobs[i])
+            self._generation_tokens += 1
+            self.scheduler.register_blocks(seq)
+            self._advanced(seq, outputs)
+        return outputs
+
+    def _execute(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
+        """Run a step synchronously (any kind of step): its outputs."""
         results = self.runner.execute(scheduled)
         outputs: list[RequestOutput] = []
         for item, result in zip(scheduled, results):
@@ -220,13 +300,19 @@ class LLMEngine:
             self.scheduler.postprocess(item, result.num_accepted)
             self._draft_tokens += item.num_draft_tokens
             self._accepted_tokens += result.num_accepted
-            if not result.token_ids:
-                continue
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self._seqs.pop(seq.request_id, None)
-            outputs.append(self.outputs.make_output(seq))
+            if result.token_ids:
+                self._advanced(seq, outputs)
         return outputs
+
+    def _advanced(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
+        """``seq`` got tokens: end it if they finished it; its output (if its kind
+        wants one now) goes to ``outputs``."""
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self._seqs.pop(seq.request_id, None)
+        out = self.outputs.step_output(seq)
+        if out is not None:
+            outputs.append(out)
 
     def _fill_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """The scheduled steps with their planned draft tokens proposed."""

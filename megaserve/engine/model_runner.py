@@ -15,7 +15,7 @@ import torch
 from megaserve import kernels
 from megaserve.comm import CommError
 from megaserve.engine import spec_decode, spec_graphs
-from megaserve.engine.cuda_graphs import DecodeGraphs
+from megaserve.engine.cuda_graphs import DecodeGraphs, DecodeStep
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run_layers
@@ -58,7 +58,13 @@ class ModelRunner:
     ``cuda_graphs``: on CUDA with in-process experts, decode steps of up to
     ``max_num_seqs`` sequences replay captured CUDA graphs (megaserve.engine.cuda_graphs);
     the outputs are bitwise those of eager execution. A public attribute: setting it to
-    False switches back to eager steps (the captured graphs are kept).
+    False switches back to eager steps (the captured graphs are kept). ``cpu_decode_graphs``:
+    on CPU, run decode steps through the same padded forward, uncaptured (async
+    scheduling needs its split of launch and sampling).
+
+    Decode steps on the graphs run in two calls, :meth:`launch_decode` (the forward) and
+    :meth:`sample_decode` (tokens on their way to the host), so that the host can work
+    between them and while the tokens copy; :meth:`execute` runs any step at once.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_num_seqs: int = 64,
         num_speculative_tokens: int = 0,
+        cpu_decode_graphs: bool = False,
     ) -> None:
         self.attention = attention
         self.experts = experts
@@ -80,6 +87,7 @@ class ModelRunner:
         self.device = attention.device
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs = max_num_seqs
+        self.cpu_decode_graphs = cpu_decode_graphs
         # Built on the first eager-capable decode step; tests may set one (capture=False).
         self.decode_graphs: DecodeGraphs | None = None
         # Speculative verification steps (k + 1 rows per sequence) replay graphs of their
@@ -90,9 +98,15 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
+        if self.launch_decode(scheduled):
+            step = self.sample_decode(scheduled)
+            logprobs = step.token_logprobs
+            return [SeqResult([token], None if logprobs is None or logprobs[i] is None
+                              else [logprobs[i]])
+                    for i, token in enumerate(step.token_ids())]
         rows, row_owner = self._logit_rows(scheduled)
         results = [SeqResult() for _ in scheduled]
-        logprobs = self._graph_logprobs(scheduled, rows)  # [B, V] fp32, or None
+        logprobs = self._verify_graph_logprobs(scheduled, rows)  # [B, V] fp32, or None
         if logprobs is None:
             groups = split_microbatches(scheduled, self.microbatches)
             self.experts.begin_step(len(groups))
@@ -111,24 +125,16 @@ class ModelRunner:
         self._prompt_logprobs(scheduled, row_owner, logprobs, results)
         return results
 
-    def _graph_logprobs(
-        self, scheduled: list[ScheduledSeq], rows: list[int]
-    ) -> torch.Tensor | None:
-        """Log-probs `[S, V]` from the decode graphs when the step is a decode step whose
-        logit rows are exactly its S tokens, or `[B, V]` from the verify graphs for a
-        verification step; None where the eager path must run."""
-        if not self.cuda_graphs or self._graphs_failed:
-            return None
-        if any(s.num_draft_tokens for s in scheduled):
-            return self._verify_logprobs(scheduled, rows)
-        if rows != list(range(len(scheduled))):
-            return None
-        if self.decode_graphs is None and not self._build_decode_graphs():
-            return None
-        if not self.decode_graphs.can_run(scheduled):
-            return None
+    def launch_decode(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Start a decode step on the decode graphs (its forward; inputs of sequences
+        with a pending token come from the last sampled step on the device); False, with
+        nothing run, where the step is not one (drafts, prefill rows, prompt logprobs,
+        too large) or the graphs are off: then :meth:`execute` runs it eagerly. Follow a
+        True with :meth:`sample_decode` before the next launch."""
+        if not self._is_graph_decode(scheduled):
+            return False
         try:
-            return self.decode_graphs.run(scheduled)
+            self.decode_graphs.run(scheduled)
         except CommError:
             raise  # a lost expert worker is not a capture failure
         except RuntimeError as e:
@@ -136,7 +142,43 @@ class ModelRunner:
             # values the eager step writes again, so falling back is safe.
             logger.warning("decode CUDA graph capture failed, running eagerly: %s", e)
             self._graphs_failed = True
+            return False
+        return True
+
+    def sample_decode(self, scheduled: list[ScheduledSeq]) -> DecodeStep:
+        """Sample the launched decode step's tokens (its logprobs too, where asked: that
+        waits for the tokens) and start copying them to the host."""
+        step = self.decode_graphs.sample(scheduled)
+        if step.logprob_rows:
+            token_ids = step.token_ids()
+            logprobs = self.decode_graphs.last_logprobs(len(scheduled))
+            step.token_logprobs = [None] * len(scheduled)
+            for i, num in step.logprob_rows:
+                step.token_logprobs[i] = _top_logprobs(logprobs[i], num, token_ids[i])
+        return step
+
+    def _is_graph_decode(self, scheduled: list[ScheduledSeq]) -> bool:
+        """True for a step the decode graphs run: every sequence samples after one new
+        token (no drafts, no prompt rows), within the graphs' sizes."""
+        if not scheduled or not self.cuda_graphs or self._graphs_failed:
+            return False
+        for s in scheduled:
+            if not s.samples or s.num_new_tokens != 1 or s.num_draft_tokens:
+                return False
+        if self.decode_graphs is None and not self._build_decode_graphs():
+            return False
+        return self.decode_graphs.can_run(scheduled)
+
+    def _verify_graph_logprobs(
+        self, scheduled: list[ScheduledSeq], rows: list[int]
+    ) -> torch.Tensor | None:
+        """Log-probs `[B, V]` from the verify graphs for a verification step; None where
+        the eager path must run."""
+        if not self.cuda_graphs or self._graphs_failed:
             return None
+        if any(s.num_draft_tokens for s in scheduled):
+            return self._verify_logprobs(scheduled, rows)
+        return None
 
     def _verify_logprobs(
         self, scheduled: list[ScheduledSeq], rows: list[int]
@@ -183,12 +225,14 @@ class ModelRunner:
             client, microbatches = self.experts, self.microbatches
         else:
             return False
-        if self.device.type != "cuda":
+        capture = self.device.type == "cuda"
+        if not capture and not self.cpu_decode_graphs:
             return False
         try:
             self.decode_graphs = DecodeGraphs(
                 self.attention, client, self.kv_caches, self.block_size,
-                self.max_num_seqs, int(self.attention.cos.shape[0]), microbatches=microbatches,
+                self.max_num_seqs, int(self.attention.cos.shape[0]), capture=capture,
+                microbatches=microbatches,
             )
         except ValueError as e:  # e.g. max_num_seqs < 1
             logger.info("decode CUDA graphs off: %s", e)

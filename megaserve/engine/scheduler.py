@@ -12,6 +12,11 @@ Each step runs in two phases:
    first takes the longest run of cached full blocks of its tokens (at most all but its
    last token, which must run to give logits) and starts computing after them.
 
+With async scheduling a running sequence may have a token sampled by a step still in
+flight (``Sequence.num_pending_tokens``): it counts as one of the sequence's tokens (its
+input comes from the device), and a sequence whose pending tokens already reach its
+length limit (``max_tokens``, ``max_model_len``) is not scheduled again.
+
 A step that reaches the end of a sequence's tokens samples; with speculative decoding it
 also carries the sequence's draft tokens (``num_draft_tokens``, a pure function of the
 sequence, never cut to fit the budget: where they do not fit, the chunk stops one token
@@ -40,6 +45,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     # Start of every block-hash chain: names the model, dtype and block size.
     cache_root: bytes = b""
+    # Tokens per sequence (prompt + output): a sequence whose pending tokens reach it is
+    # done once they are read, so it is not scheduled again. None: no limit known here.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -122,6 +130,9 @@ class Scheduler:
         kept: list[Sequence] = []
         while remaining:
             seq = remaining.popleft()
+            if seq.num_pending_tokens and self._ends_by_length(seq):
+                kept.append(seq)  # done once its pending tokens are read
+                continue
             plan = self._plan(seq, budget)
             if plan is None:
                 kept.append(seq)
@@ -169,7 +180,7 @@ class Scheduler:
         A chunk reaching the end of the tokens carries all of the sequence's drafts; where
         they do not fit it stops one token short (no sampling this step)."""
         computed = seq.num_computed_tokens if num_computed is None else num_computed
-        remaining = seq.num_tokens - computed
+        remaining = seq.num_tokens_with_pending - computed
         num_new = min(remaining, budget)
         if num_new <= 0:
             return None
@@ -181,6 +192,14 @@ class Scheduler:
         if remaining > 1:
             return remaining - 1, 0
         return None
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """True when the tokens sampled so far (pending ones included) reach the
+        sequence's ``max_tokens`` or ``max_model_len``: it needs no further step."""
+        num_output = len(seq.output_token_ids) + seq.num_pending_tokens
+        limit = self.config.max_model_len
+        return (num_output >= seq.params.max_tokens
+                or (limit is not None and seq.num_tokens_with_pending >= limit))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of ``seq``'s longest cached prefix (no changes). Never all of its
@@ -216,16 +235,28 @@ class Scheduler:
               out: list[ScheduledSeq]) -> None:
         if need:
             seq.block_ids.extend(self.pool.allocate(need))
-        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens_with_pending
         out.append(ScheduledSeq(seq, num_new, samples, num_draft))
 
     def postprocess(self, item: ScheduledSeq, num_accepted: int) -> None:
         """After a step: ``item``'s new tokens and ``num_accepted`` of its drafts have
-        their K/V in the cache. Registers the blocks that became full and computed in the
-        prefix cache. Call after the step's tokens were appended to the sequence."""
+        their K/V in the cache (:meth:`advance`), and full blocks are registered
+        (:meth:`register_blocks`). Call after the step's tokens were appended."""
+        self.advance(item, num_accepted)
+        self.register_blocks(item.seq)
+
+    def advance(self, item: ScheduledSeq, num_accepted: int) -> None:
+        """Count ``item``'s new tokens and ``num_accepted`` of its drafts as computed.
+        A decode step launched ahead of its predecessor's results (async scheduling)
+        calls it at launch: the step's K/V writes are ordered on the device stream
+        before anything a later step reads, so the host may count them early."""
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens + num_accepted
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Put ``seq``'s blocks that are full of computed, known tokens in the prefix
+        cache (none without prefix caching)."""
         if not self.config.enable_prefix_caching:
             return
         bs = self.config.block_size

@@ -30,6 +30,11 @@ class Sequence:
     (speculative decoding with a draft model); it never exceeds ``num_computed_tokens``
     after a step.
 
+    ``num_pending_tokens`` counts tokens sampled by decode steps still in flight on the
+    device (async scheduling, megaserve.engine.engine): they follow ``output_token_ids``
+    but the host has not read them yet. Such a step already counted its input token in
+    ``num_computed_tokens``, which may therefore exceed ``num_tokens`` by the pending ones.
+
     NOTE: ``block_ids`` only grows in place (``extend``) while the sequence holds its
     blocks; freeing them (finish, abort, preemption) or taking prefix-cache hits assigns a
     new list. ``DecodeGraphs`` relies on this to keep block tables between steps.
@@ -56,10 +61,16 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_draft_computed: int = 0
+    num_pending_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens including those sampled by steps still in flight."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,9 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                              "(frames), auto (device where it applies)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="overlap the host's scheduling and output processing with the "
+                             "device in steady decode, as vLLM (default: off)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes "
                         "(bitwise invisible in outputs; default: on)")
@@ -93,7 +96,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
         attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
         microbatches=args.microbatches, transport=args.transport,
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs, async_scheduling=args.async_scheduling,
         disaggregate=args.disaggregate, data_plane=args.data_plane,
     )
     options.update(enable_prefix_caching=args.enable_prefix_caching,

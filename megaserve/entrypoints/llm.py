@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.factory import make_engine
 from megaserve.outputs import RequestOutput
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptInput = str | dict[str, Any]
 
@@ -56,7 +57,9 @@ class LLM:
         prompts: a str, a list of str, or a list of ``{"prompt_token_ids": [...]}``.
         sampling_params: one for all prompts or a list of the same length (default
         ``SamplingParams()``). Every prompt is validated before any runs, so a bad one
-        raises ``ValueError`` (naming the field) and nothing is queued.
+        raises ``ValueError`` (naming the field) and nothing is queued. Requests of the
+        default output kind run as FINAL_ONLY (as in vLLM): only the final output is
+        built.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -71,6 +74,10 @@ class LLM:
         inputs = [_prompt_of(p) for p in prompts]
         for prompt, params in zip(inputs, sampling_params):
             self.engine.validate(prompt, params)
+        sampling_params = [
+            dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            if p.output_kind is RequestOutputKind.CUMULATIVE else p
+            for p in sampling_params]
         request_ids = [f"llm-{next(self._ids)}" for _ in inputs]
         for request_id, prompt, params in zip(request_ids, inputs, sampling_params):
             self.engine.add_request(request_id, prompt, params)

@@ -86,10 +86,25 @@ def _reference_rows(graphs: DecodeGraphs, scheduled, b: int) -> np.ndarray:
     return rows
 
 
+def _check_rows(graphs: DecodeGraphs, scheduled, b: int) -> None:
+    """The staging rows equal the layout built from scratch: the input and block-table
+    columns, and each sequence's sampling columns (module NOTE)."""
+    width = 4 + graphs.table_width
+    np.testing.assert_array_equal(graphs._host[:b, :width], _reference_rows(graphs, scheduled, b))
+    col = graphs._extra
+    for i, s in enumerate(scheduled):
+        p = s.seq.params
+        assert graphs._host[i, col + 1] == p.top_k
+        assert graphs._host[i, col + 2] == (-1 if p.logprobs is None else p.logprobs)
+        assert tuple(graphs._host_f32[i, col + 3:col + 6]) == tuple(
+            np.float32([p.temperature, p.top_p, p.min_p]))
+        assert graphs._host_i64[i, (col + 6) // 2] == s.seq.seed
+
+
 def test_fill_keeps_block_tables_across_steps_preemption_and_aborts() -> None:
-    """The incrementally kept staging rows equal rows built from scratch at every decode
-    step, while sequences grow blocks, finish, get aborted and get preempted (a KV pool
-    too small for all of them) and rows change hands."""
+    """The incrementally kept staging rows (block tables, sampling parameters) equal rows
+    built from scratch at every decode step, while sequences grow blocks, finish, get
+    aborted and get preempted (a KV pool too small for all of them) and rows change hands."""
     engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
                                     block_size=4, num_kv_blocks=40))
     runner = engine.runner
@@ -101,14 +116,16 @@ def test_fill_keeps_block_tables_across_steps_preemption_and_aborts() -> None:
 
     def checked_fill(scheduled, b):
         fill(scheduled, b)
-        np.testing.assert_array_equal(graphs._host[:b], _reference_rows(graphs, scheduled, b))
+        _check_rows(graphs, scheduled, b)
         checked.append(len(scheduled))
 
     graphs._fill = checked_fill
     rng = random.Random(3)
     for i in range(24):
         prompt = [rng.randrange(engine.vocab_size) for _ in range(rng.randrange(2, 12))]
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(3, 30), ignore_eos=True))
+        engine.add_request(f"r{i}", prompt, SamplingParams(
+            max_tokens=rng.randrange(3, 30), ignore_eos=True, temperature=rng.choice([0.0, 0.7]),
+            top_k=rng.randrange(4), top_p=rng.choice([1.0, 0.9]), logprobs=rng.choice([None, 2])))
     step = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -135,4 +152,4 @@ def test_fill_rewrites_a_row_that_padding_overwrote() -> None:
         scheduled = [ScheduledSeq(s, 1, True) for s in batch]
         b = padded_size(len(batch), graphs.sizes)
         graphs._fill(scheduled, b)
-        np.testing.assert_array_equal(graphs._host[:b], _reference_rows(graphs, scheduled, b))
+        _check_rows(graphs, scheduled, b)
