@@ -6,7 +6,10 @@ In one process, on one device:
    and the bf16 matmul rate of ``torch.matmul`` at 8192^3 (cuBLAS), both measured here;
 2. per batch size B of ``--batches``: B requests are prefilled, ``--warmup-steps`` decode
    steps run (CUDA graphs are captured here), then ``--steps`` decode steps are timed one
-   by one (median reported). The step must move :func:`roofline.decode_bytes` (attention
+   by one, each synchronised (median reported), then ``--steps`` more back to back with one
+   synchronisation at the end (``steady ms`` = their wall time / steps: what a serving loop
+   sees, where the host's work between steps may overlap the device's, e.g. with
+   ``--async-scheduling``). The step must move :func:`roofline.decode_bytes` (attention
    weights, the experts hit, KV read and written, LM head); time at the roofline =
    bytes / measured bandwidth; achieved = roofline time / median step time;
 3. ``--profile-steps`` more decode steps under ``torch.profiler`` (Chrome trace reduced by
@@ -108,7 +111,8 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
     # one running through the timed and profiled steps (a finishing one would shrink the
     # batch and capture new graph sizes inside the window); they are aborted afterwards.
     margin = 8 + -(-batch * input_len // engine.config.max_num_batched_tokens)
-    ids = _add(engine, rng, batch, input_len, margin + warmup + steps + extra_steps, f"b{batch}")
+    max_tokens = margin + warmup + 2 * steps + extra_steps
+    ids = _add(engine, rng, batch, input_len, max_tokens, f"b{batch}")
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked by the scheduler) until every request has a token
         started.update(out.request_id for out in engine.step())
@@ -122,11 +126,17 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
         _sync(device)
         times.append(time.perf_counter() - t0)
         short += len(outs) != batch
+    t0 = time.perf_counter()
+    for _ in range(steps):  # back to back: the host's work may overlap the device's
+        engine.step()
+    _sync(device)
+    steady = (time.perf_counter() - t0) / steps
     graphs = getattr(getattr(engine, "runner", None), "decode_graphs", None)
     return {"batch": batch, "steps": steps, "step_ms_median": statistics.median(times) * 1e3,
             "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
+            "steady_step_ms": steady * 1e3,
             "steps_not_full_batch": short,
-            # KV tokens each sequence attends to, averaged over the timed steps
+            # KV tokens each sequence attends to, averaged over the synchronised steps
             "mean_context": input_len + 1 + warmup + (steps - 1) / 2,
             "cuda_graph_sizes": list(graphs.captured_sizes) if graphs is not None else []}, ids
 
@@ -254,7 +264,7 @@ def main(argv: list[str]) -> int:
     from megaserve.planner.catalog import DEFAULT_GPUS
 
     spec = DEFAULT_GPUS.get(catalog_gpu(name) or "")
-    max_ctx = args.input_len + 2 + args.warmup_steps + args.steps + args.profile_steps
+    max_ctx = args.input_len + 2 + args.warmup_steps + 2 * args.steps + args.profile_steps
     options["max_num_seqs"] = max(batches)
     options["max_model_len"] = options.get("max_model_len") or max(max_ctx, args.prefill_len + 1)
     options["max_num_batched_tokens"] = max(options["max_num_batched_tokens"], max(batches))
@@ -277,7 +287,7 @@ def main(argv: list[str]) -> int:
           f"bf16 matmul {args.matmul_n}^3 {matmul / 1e12:,.0f} TFLOP/s"
           + (f"; datasheet {spec.hbm_tbps * 1e3:,.0f} GB/s, {spec.bf16_tflops:,.0f} TFLOP/s" if spec else ""))
     print(f"{'batch':>5} {'active E':>8} {'MB/step':>8} {'roof ms':>8} {'step ms':>8} {'achieved':>8} "
-          f"{'tok/s':>9} {'graphs':>6} {'GPU busy':>8} {'gaps ms':>7}")
+          f"{'tok/s':>9} {'steady ms':>9} {'graphs':>6} {'GPU busy':>8} {'gaps ms':>7}")
     rng = random.Random(0)
     for batch in batches:
         trace = str(Path(args.trace_dir) / f"decode-b{batch}.json") if args.trace_dir else None
@@ -310,7 +320,8 @@ def main(argv: list[str]) -> int:
         gaps = f"{prof['host_gaps']['total_us_per_step'] / 1e3:.2f}" if "host_gaps" in prof else "-"
         print(f"{batch:>5} {need.active_experts_per_layer:>8.1f} {need.total / 1e6:>8.0f} {r['roofline_ms']:>8.3f} "
               f"{r['step_ms_median']:>8.3f} {r['achieved']:>8.1%} {r['tok_s']:>9.1f} "
-              f"{'on' if r['cuda_graph_sizes'] else 'off':>6} {busy:>8} {gaps:>7}")
+              f"{r['steady_step_ms']:>9.3f} {'on' if r['cuda_graph_sizes'] else 'off':>6} "
+              f"{busy:>8} {gaps:>7}")
     for r in report["decode"]:
         for k in r.get("profile", {}).get("top_kernels", [])[:6]:
             print(f"  b{r['batch']}: {k['us_per_step']:9.1f} us/step {k['share_of_gpu_time']:6.1%} "

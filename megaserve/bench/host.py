@@ -10,10 +10,17 @@ phases of ``LLMEngine.step()`` for pure decode steps at batch sizes ``--batches`
 * phases are timed with ``perf_counter`` around stable entry points, once per step (no
   per-sequence wrappers): ``schedule`` (``Scheduler.schedule``), ``fill`` (the decode
   graph's static rows, ``DecodeGraphs._fill``), ``device`` (the padded forward and the
-  sampling kernel, synchronised on CUDA: not host time), ``runner other`` (the rest of
-  ``ModelRunner.execute``: sampling inputs and results), ``outputs`` (the rest of
-  ``step()``: appending tokens, stop checks, detokenisation, ``RequestOutput``s);
+  sampling of the tokens, synchronised on CUDA: not host time), ``runner other`` (the
+  rest of the model runner's calls: ``ModelRunner.launch_decode`` and ``sample_decode``,
+  or ``execute`` on a tree that predates them), ``outputs`` (the rest of ``step()``:
+  appending tokens, stop checks, detokenisation, ``RequestOutput``s);
 * ``host`` = step − device, reported in µs per sequence (median over steps).
+
+``--output-kind`` sets the requests' ``SamplingParams.output_kind`` (cumulative: an
+output per request per step, the default; delta: streaming; final_only: ``LLM.generate``),
+where the tree has it (a tree that predates output kinds always builds cumulative
+outputs). ``--async-scheduling`` turns the engine's overlap on where the tree has it (on
+CPU nothing runs concurrently; the host work is what it measures).
 
 On CPU the decode graph runs uncaptured (``DecodeGraphs(capture=False)``, the function a
 graph captures), so the host path is the one a GPU step takes. ``--profile`` prints the
@@ -78,10 +85,13 @@ def _engine(args):
 
         model = str(random_model.resolve_random_model(model))
     max_len = args.input_len + args.warmup_steps + 2 * args.steps + 8
+    options = {}
+    if args.async_scheduling and "async_scheduling" in EngineConfig.__dataclass_fields__:
+        options["async_scheduling"] = True
     config = EngineConfig(model=model, dtype=args.dtype, device=args.device,
                           max_num_seqs=max(args.batches), max_model_len=max_len,
                           max_num_batched_tokens=max(4096, max(args.batches)),
-                          num_kv_blocks=args.num_kv_blocks)
+                          num_kv_blocks=args.num_kv_blocks, **options)
     engine = LLMEngine(config)
     runner = engine.runner
     if args.device == "cpu" and runner.decode_graphs is None:
@@ -102,16 +112,22 @@ def _instrument(engine, device: str) -> _PhaseTimer:
         runner.capture_decode_graphs()
     graphs = runner.decode_graphs
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(runner, "execute", "execute")
     timer.wrap(graphs, "_fill", "fill")
     if graphs.capture:
         # Replays go through run(); time the whole of it minus _fill as device time.
         timer.wrap(graphs, "run", "graph run", sync=True)
     else:
         timer.wrap(graphs, "_forward", "device", sync=True)
-    sample = kernels.sample
-    timer.wrap(kernels, "sample", "sample kernel", sync=True)
-    timer.restore = lambda: setattr(kernels, "sample", sample)
+    timer.restore = lambda: None
+    if hasattr(runner, "launch_decode"):
+        timer.wrap(runner, "launch_decode", "execute")
+        timer.wrap(runner, "sample_decode", "execute")
+        timer.wrap(graphs, "_sample_tokens", "sample kernel", sync=True)
+    else:  # a tree that predates them
+        timer.wrap(runner, "execute", "execute")
+        sample = kernels.sample
+        timer.wrap(kernels, "sample", "sample kernel", sync=True)
+        timer.restore = lambda: setattr(kernels, "sample", sample)
     return timer
 
 
@@ -130,8 +146,16 @@ def measure_batch(engine, timer: _PhaseTimer, batch: int, args, profile: bool) -
     from megaserve.sampling_params import SamplingParams
 
     rng = random.Random(args.seed + batch)
+    kind = {}
+    if "output_kind" in SamplingParams.__dataclass_fields__:
+        from megaserve.sampling_params import RequestOutputKind
+
+        kind["output_kind"] = RequestOutputKind[args.output_kind.upper()]
     params = SamplingParams(max_tokens=args.warmup_steps + 2 * args.steps + 4,
-                            temperature=args.temperature, ignore_eos=True)
+                            temperature=args.temperature, ignore_eos=True, **kind)
+    # Requests advancing in a step: each gets an output, except FINAL_ONLY (none while
+    # running).
+    expected = 0 if kind and args.output_kind == "final_only" else batch
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in ids:
         prompt = [rng.randrange(engine.vocab_size) for _ in range(args.input_len)]
@@ -147,8 +171,8 @@ def measure_batch(engine, timer: _PhaseTimer, batch: int, args, profile: bool) -
         t0 = time.perf_counter()
         outs = engine.step()
         step = time.perf_counter() - t0
-        if len(outs) != batch:
-            raise ValueError(f"batch {batch}: a step advanced {len(outs)} requests")
+        if len(outs) != expected:
+            raise ValueError(f"batch {batch}: a step gave {len(outs)} outputs, not {expected}")
         per_step.append(_phases(timer.take(), step))
     report = {p: 1e6 * statistics.median(s[p] for s in per_step) / batch for p in PHASES}
     if profile:
@@ -202,6 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--output-kind", default="cumulative",
+                        choices=["cumulative", "delta", "final_only"])
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megaserve.bench import host
 
 
-def test_host_bench_reports_every_phase_per_sequence() -> None:
-    args = host._parser().parse_args(["--batches", "4,8", "--steps", "3", "--warmup-steps", "1"])
+@pytest.mark.parametrize("extra", [[], ["--output-kind", "final_only", "--async-scheduling"]])
+def test_host_bench_reports_every_phase_per_sequence(extra: list[str]) -> None:
+    args = host._parser().parse_args(["--batches", "4,8", "--steps", "3", "--warmup-steps", "1",
+                                      *extra])
     results = host._measure(args)
     assert sorted(results) == [4, 8]
     for r in results.values():

@@ -169,6 +169,7 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     assert [r["batch"] for r in report["decode"]] == [1, 3]
     for r in report["decode"]:
         assert r["steps_not_full_batch"] == 0
+        assert r["steady_step_ms"] > 0
         assert r["roofline_ms"] > 0 and 0 < r["achieved"]
         assert r["bytes"]["total"] > r["bytes"]["expert_weights"] > 0
         assert r["profile"]["cpu_self_top"]
