@@ -34,8 +34,10 @@ length): a dot over 128 of K is the same chain of eight k16 steps as two dots ov
 The split length, the config's BLOCK_K and the fold order never depend on M.
 
 Families with small K (K <= ``SmallKRule.max_k``) take their split length and decode
-launches from one measured rule (``SMALL_K_RULE``, round 5 in docs/benchmarks.md): with
-only 16-32 K steps, fewer, longer splits beat the generic rule's many short ones.
+launches from one measured rule (``SMALL_K_RULE``; scripts/matmul_smallk.py and
+scripts/linear_decode.py measure it):
+with only 16-64 K steps, fewer, longer splits (at most one program per SM) beat the
+generic rule's many short ones.
 ``plan_launch`` picks the launch from (M, N, K) with measured rules (docs/benchmarks.md).
 """
 
@@ -118,10 +120,13 @@ class Launch:
 class SmallKRule:
     """Split length and decode (M <= 64) launches of the families with K <= ``max_k``.
 
-    splits = max(1, min(cdiv(target_programs, cdiv(N, 64)), cdiv(K, 64) // min_steps));
-    split_len = cdiv(K, splits) rounded up to ``quantum`` (a multiple of 64); BLOCK_K 64.
-    A function of (N, K) only. ``swap``: ascending ``(max_m, Launch)`` buckets; M <= 64
-    takes the first bucket with M <= max_m whose K step divides the split length.
+    splits = max(1, min(P, cdiv(K, 64) // min_steps)) with P = cdiv(target_programs,
+    cdiv(N, 64)), or P = target_programs // cdiv(N, 64) where ``at_most_target`` (the
+    (tile, split) programs of 64 weight rows never exceed target_programs: one wave of
+    one program per SM); split_len = cdiv(K, splits) rounded up to ``quantum`` (a multiple
+    of 64); BLOCK_K 64. A function of (N, K) only. ``swap``: ascending ``(max_m, Launch)``
+    buckets; M <= 64 takes the first bucket with M <= max_m whose K step divides the split
+    length.
     """
 
     max_k: int
@@ -129,6 +134,7 @@ class SmallKRule:
     min_steps: int = 4
     quantum: int = 128
     swap: tuple[tuple[int, Launch], ...] = ()
+    at_most_target: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_k, self.target_programs, self.min_steps) < 1:
@@ -140,8 +146,10 @@ class SmallKRule:
             raise ValueError("SmallKRule: swap must be ascending (max_m, swap Launch) buckets")
 
     def config(self, n: int, k: int) -> MatmulConfig:
-        splits = max(1, min(triton.cdiv(self.target_programs, triton.cdiv(n, 64)),
-                            triton.cdiv(k, 64) // self.min_steps))
+        tiles = triton.cdiv(n, 64)
+        per_tile = (self.target_programs // tiles if self.at_most_target
+                    else triton.cdiv(self.target_programs, tiles))
+        splits = max(1, min(per_tile, triton.cdiv(k, 64) // self.min_steps))
         return MatmulConfig(64, triton.cdiv(triton.cdiv(k, splits), self.quantum) * self.quantum)
 
     def to_json(self) -> str:
@@ -156,15 +164,20 @@ class SmallKRule:
         return cls(**d)
 
 
-# The measured rule (round 5, scripts/matmul_smallk.py on an H200, docs/benchmarks.md):
-# about 64 programs of 64 weight rows, i.e. one split for N >= 4096 (no workspace, no fold),
-# swap launch with 64-row weight tiles, K step 128, 3 stages at every M <= 64. It won over
-# the generic rule and 2-4 splits on (K, N) = (2048, 7168), (2048, 4096), (1024, 7168):
-# geomean 0.95 vs 0.70 over M in {1, 8, 32, 64, 128, 512}, bitwise equal to fold mode.
+# The measured rule (scripts/linear_decode.py on an H100, weights cycled past the L2):
+# K <= 4096; as many splits as keep the programs of 64 weight rows within 132 (one per SM
+# of an H100/H200): one split for qkv [5120, 2048] and lm_head, 4 for o_proj [2048, 4096],
+# 8 (min_steps) for the [128, 2048] router; swap launch with 64-row weight tiles, K step
+# 256 (else 128), 3 stages at every M <= 64. More programs than SMs (2-8 splits for qkv,
+# 16 for o_proj) or 16/32/128-row tiles were slower at M = 1, 8, 64: the bytes a program
+# has in flight bound decode. Per call at M = 1: qkv 10.96 -> 9.67 us, o_proj 10.12 ->
+# 9.32 us; the router (4.3 us) and lm_head (205 us, 3.0 TB/s) unchanged.
 # MEGASERVE_MATMUL_SMALL_K (a SmallKRule JSON, or "none") overrides it for tuning runs;
 # it changes the bits of the families with K <= max_k.
 SMALL_K_RULE: SmallKRule | None = SmallKRule(
-    2048, 64, swap=((64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=128)),))
+    4096, 132, at_most_target=True,
+    swap=((64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=256)),
+          (64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=128))))
 _RULE_ENV = "MEGASERVE_MATMUL_SMALL_K"
 
 

@@ -81,6 +81,12 @@ def _check_linear(torch, ti) -> None:
     assert mm.SmallKRule.from_json(rule.to_json()) == rule
     assert rule.config(7168, 2048) == mm.MatmulConfig(64, 1024)
     assert rule.config(96, 1024) == mm.MatmulConfig(64, 256)
+    # at_most_target: (tile, split) programs of 64 rows within target_programs.
+    wave = mm.SmallKRule(4096, 132, at_most_target=True)
+    assert mm.SmallKRule.from_json(wave.to_json()) == wave
+    assert wave.config(5120, 2048) == mm.MatmulConfig(64, 2048)  # 80 tiles: one split
+    assert wave.config(2048, 4096) == mm.MatmulConfig(64, 1024)  # 32 tiles x 4 splits
+    assert wave.config(128, 2048) == mm.MatmulConfig(64, 256)  # min_steps bounds it: 8
     cfg = rule.config(7168, 2048)
     assert mm.plan_launch(8, 7168, 2048, cfg) != rule.swap[0][1]  # another rule in force
     import os
