@@ -242,12 +242,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         scheduled = self._fill_drafts(self.scheduler.schedule().scheduled)
         if self.runner.launch_decode(scheduled):
-            for item in scheduled:
-                seq = item.seq
-                if seq.num_computed_tokens < seq.num_prompt_tokens:  # its last prompt token
-                    self._prompt_tokens += 1
-                self.scheduler.advance(item, 0)
-                seq.num_pending_tokens += 1
+            self._prompt_tokens += self.scheduler.launched(scheduled)
             outputs = self._decode_outputs(prev) if prev is not None else []
             step = self.runner.sample_decode(scheduled)
             if self.async_scheduling:

@@ -129,34 +129,35 @@ class OutputProcessor:
         kind = seq.params.output_kind
         finished = seq.finish_reason is not None
         if kind is RequestOutputKind.CUMULATIVE:
-            out = self.make_output(seq)
+            out = self._snapshot(seq, 0, 0, True)
         elif kind is RequestOutputKind.FINAL_ONLY:
-            out = self.make_output(seq) if finished else None
+            out = self._snapshot(seq, 0, 0, True) if finished else None
         else:
             state = self._state(seq)
             start, chars = state.num_emitted_tokens, state.num_emitted_chars
-            out = self._snapshot(seq, start, chars, with_prompt_logprobs=start == 0)
+            out = self._snapshot(seq, start, chars, start == 0)
             state.num_emitted_tokens = len(seq.output_token_ids)
             state.num_emitted_chars = chars + len(out.outputs[0].text)
         if finished:
-            self.release(seq)
+            self._text.pop(seq, None)
         return out
 
     def make_output(self, seq: Sequence) -> RequestOutput:
         """A cumulative snapshot of the request (lists copied, so later steps do not
         mutate it)."""
-        return self._snapshot(seq, 0, 0, with_prompt_logprobs=True)
+        return self._snapshot(seq, 0, 0, True)
 
     def _snapshot(self, seq: Sequence, start: int, chars: int,
                   with_prompt_logprobs: bool) -> RequestOutput:
         """The request's output from generated token ``start`` and visible character
         ``chars`` on."""
-        if seq.finish_reason is None:
-            self._detokenize(seq)
         text = seq.text
-        if seq.finish_reason is None and seq.params.stop:
-            hold = max(len(s) for s in seq.params.stop) - 1
-            text = text[: max(0, len(text) - hold)]
+        if seq.finish_reason is None:
+            if self._detokenize(seq):
+                text = seq.text
+            if seq.params.stop:
+                hold = max(len(s) for s in seq.params.stop) - 1
+                text = text[: max(0, len(text) - hold)]
         completion = CompletionOutput(
             index=0,
             text=text[chars:] if chars else text,
@@ -165,15 +166,14 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
-        prompt_logprobs = None
-        if with_prompt_logprobs and seq.prompt_logprobs is not None:
-            prompt_logprobs = list(seq.prompt_logprobs)
+        prompt_logprobs = seq.prompt_logprobs
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[completion],
             finished=seq.finish_reason is not None,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=(list(prompt_logprobs) if with_prompt_logprobs
+                             and prompt_logprobs is not None else None),
             num_cached_tokens=seq.num_cached_tokens or 0,
         )

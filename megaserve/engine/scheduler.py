@@ -254,6 +254,19 @@ class Scheduler:
         seq.num_computed_tokens += item.num_new_tokens + num_accepted
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
 
+    def launched(self, scheduled: list[ScheduledSeq]) -> int:
+        """A decode step of ``scheduled`` (one new token each, sampling) was launched:
+        each input token counts as computed (see :meth:`advance`) and each sequence's
+        next token is pending until the host reads it. Returns how many of the input
+        tokens were prompt tokens (a prompt's last token after a prefix-cache hit)."""
+        num_prompt = 0
+        for item in scheduled:
+            seq = item.seq
+            num_prompt += seq.num_computed_tokens < len(seq.prompt_token_ids)
+            seq.num_computed_tokens += 1
+            seq.num_pending_tokens += 1
+        return num_prompt
+
     def register_blocks(self, seq: Sequence) -> None:
         """Put ``seq``'s blocks that are full of computed, known tokens in the prefix
         cache (none without prefix caching)."""
