@@ -11,7 +11,8 @@ In one process, on one device:
    sees, where the host's work between steps may overlap the device's, e.g. with
    ``--async-scheduling``). The step must move :func:`roofline.decode_bytes` (attention
    weights, the experts hit, KV read and written, LM head); time at the roofline =
-   bytes / measured bandwidth; achieved = roofline time / median step time;
+   bytes / measured bandwidth; achieved = roofline time / median step time, and
+   ``steady`` the same for the back-to-back steps (their bytes at their longer context);
 3. ``--profile-steps`` more decode steps under ``torch.profiler`` (Chrome trace reduced by
    :mod:`megaserve.bench.gpu_profile`: top kernels, GPU busy fraction, host gaps);
 4. prefill: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens (one generated
@@ -100,6 +101,20 @@ def _add(engine, rng: random.Random, num: int, prompt_len: int, max_tokens: int,
     return ids
 
 
+def decode_tokens(batch: int, input_len: int, max_num_batched_tokens: int, warmup: int,
+                  steps: int, extra_steps: int) -> int:
+    """``max_tokens`` of a decode run's requests.
+
+    Requests prefilled early decode during the later prefill steps: the margin keeps every
+    one running through the timed and profiled steps (a finishing one would shrink the
+    batch and capture new graph sizes inside the window); they are aborted afterwards. The
+    engine's ``max_model_len`` must hold ``input_len`` + this many tokens, or the earliest
+    requests stop at that length inside the window instead.
+    """
+    margin = 8 + -(-batch * input_len // max_num_batched_tokens)
+    return margin + warmup + 2 * steps + extra_steps
+
+
 def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, steps: int,
                extra_steps: int, rng: random.Random) -> tuple[dict, list[str]]:
     """Prefill ``batch`` requests, then time decode steps of all of them together.
@@ -107,11 +122,8 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
     Returns the timings and the request ids, which stay running for ``extra_steps`` more
     steps (profile_decode) until the caller aborts them.
     """
-    # Requests prefilled early decode during the later prefill steps: the margin keeps every
-    # one running through the timed and profiled steps (a finishing one would shrink the
-    # batch and capture new graph sizes inside the window); they are aborted afterwards.
-    margin = 8 + -(-batch * input_len // engine.config.max_num_batched_tokens)
-    max_tokens = margin + warmup + 2 * steps + extra_steps
+    max_tokens = decode_tokens(batch, input_len, engine.config.max_num_batched_tokens,
+                               warmup, steps, extra_steps)
     ids = _add(engine, rng, batch, input_len, max_tokens, f"b{batch}")
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked by the scheduler) until every request has a token
@@ -138,6 +150,8 @@ def decode_run(engine, device: str, batch: int, input_len: int, warmup: int, ste
             "steps_not_full_batch": short,
             # KV tokens each sequence attends to, averaged over the synchronised steps
             "mean_context": input_len + 1 + warmup + (steps - 1) / 2,
+            # the same for the back-to-back steps, which follow the synchronised ones
+            "mean_context_steady": input_len + 1 + warmup + steps + (steps - 1) / 2,
             "cuda_graph_sizes": list(graphs.captured_sizes) if graphs is not None else []}, ids
 
 
@@ -264,10 +278,12 @@ def main(argv: list[str]) -> int:
     from megaserve.planner.catalog import DEFAULT_GPUS
 
     spec = DEFAULT_GPUS.get(catalog_gpu(name) or "")
-    max_ctx = args.input_len + 2 + args.warmup_steps + 2 * args.steps + args.profile_steps
     options["max_num_seqs"] = max(batches)
-    options["max_model_len"] = options.get("max_model_len") or max(max_ctx, args.prefill_len + 1)
     options["max_num_batched_tokens"] = max(options["max_num_batched_tokens"], max(batches))
+    max_ctx = args.input_len + max(
+        decode_tokens(b, args.input_len, options["max_num_batched_tokens"], args.warmup_steps,
+                      args.steps, args.profile_steps) for b in batches)
+    options["max_model_len"] = options.get("max_model_len") or max(max_ctx, args.prefill_len + 1)
     from megaserve import LLM
 
     t0 = time.perf_counter()
@@ -287,7 +303,7 @@ def main(argv: list[str]) -> int:
           f"bf16 matmul {args.matmul_n}^3 {matmul / 1e12:,.0f} TFLOP/s"
           + (f"; datasheet {spec.hbm_tbps * 1e3:,.0f} GB/s, {spec.bf16_tflops:,.0f} TFLOP/s" if spec else ""))
     print(f"{'batch':>5} {'active E':>8} {'MB/step':>8} {'roof ms':>8} {'step ms':>8} {'achieved':>8} "
-          f"{'tok/s':>9} {'steady ms':>9} {'graphs':>6} {'GPU busy':>8} {'gaps ms':>7}")
+          f"{'tok/s':>9} {'steady ms':>9} {'steady':>7} {'graphs':>6} {'GPU busy':>8} {'gaps ms':>7}")
     rng = random.Random(0)
     for batch in batches:
         trace = str(Path(args.trace_dir) / f"decode-b{batch}.json") if args.trace_dir else None
@@ -297,8 +313,11 @@ def main(argv: list[str]) -> int:
                             args.profile_steps, rng)
         need = roofline.decode_bytes(cfg, batch, r["mean_context"], elt)
         step_s = r["step_ms_median"] / 1e3
+        steady = roofline.decode_bytes(cfg, batch, r["mean_context_steady"], elt)
         r |= {"bytes": {**need.__dict__, "total": need.total}, "roofline_ms": need.total / copy_bw * 1e3,
-              "achieved": need.total / copy_bw / step_s, "tok_s": batch / step_s}
+              "achieved": need.total / copy_bw / step_s, "tok_s": batch / step_s,
+              "achieved_steady": steady.total / copy_bw / (r["steady_step_ms"] / 1e3),
+              "tok_s_steady": batch / (r["steady_step_ms"] / 1e3)}
         if spec:
             r["achieved_vs_datasheet"] = need.total / (spec.hbm_tbps * 1e12) / step_s
         report["decode"].append(r)
@@ -320,7 +339,7 @@ def main(argv: list[str]) -> int:
         gaps = f"{prof['host_gaps']['total_us_per_step'] / 1e3:.2f}" if "host_gaps" in prof else "-"
         print(f"{batch:>5} {need.active_experts_per_layer:>8.1f} {need.total / 1e6:>8.0f} {r['roofline_ms']:>8.3f} "
               f"{r['step_ms_median']:>8.3f} {r['achieved']:>8.1%} {r['tok_s']:>9.1f} "
-              f"{r['steady_step_ms']:>9.3f} {'on' if r['cuda_graph_sizes'] else 'off':>6} "
+              f"{r['steady_step_ms']:>9.3f} {r['achieved_steady']:>7.1%} {'on' if r['cuda_graph_sizes'] else 'off':>6} "
               f"{busy:>8} {gaps:>7}")
     for r in report["decode"]:
         for k in r.get("profile", {}).get("top_kernels", [])[:6]:
