@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel's programs start while
+the kernel before it on the stream is finishing, and wait for it in hardware.
+
+A decode step at batch 1 is ~12 short kernels per layer; most of each boundary is the
+next grid's launch and ramp-up, not work. With PDL the next grid is launched as soon as
+every program of the current one has started (``gdc_launch_dependents``), and each of its
+programs blocks in ``gdc_wait`` until the previous grid has completed and its memory is
+visible. Nothing changes a single bit: every kernel still reads its inputs only after
+``gdc_wait``, so the order of all memory operations is the stream order.
+
+Usage, in every kernel a PDL launch may start early::
+
+    @triton.jit
+    def _kernel(..., PDL: tl.constexpr):
+        pdl.wait_then_release(PDL)  # first statement: no load or store before it
+        ...
+
+    _kernel[grid](..., **pdl.launch_args(device))
+
+NOTE: only kernels that call :func:`wait_then_release` before touching memory may be
+launched with ``launch_pdl``; a grid launched early that read or wrote first would race
+with its predecessor. Kernels of other libraries (torch) never get the attribute: they
+start after their predecessor completes, as always.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "MEGASERVE_PDL"  # "0" turns PDL off (A/B runs); on by default where supported
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """Wait for the previous grid on the stream, then let the next one launch (PDL only)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` use PDL: CUDA, compute capability 9.0 or later, not
+    under the Triton interpreter, and ``$MEGASERVE_PDL`` is not "0"."""
+    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments of a launch of a kernel that calls :func:`wait_then_release`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
+
+
+__all__ = ["ENV", "enabled", "launch_args", "wait_then_release"]
