@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from ..api import KV_SPLIT_SIZE
+from . import pdl
 from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd
 from .attention_kernels import (
     _attention_fold_kernel,
@@ -167,7 +168,9 @@ def _rotary_cache_kernel(
         Dh, eps, stride_qkv, stride_cos, stride_sin, stride_qt,
         # Meta-parameters
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-        HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr):
+        HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     cols = tl.arange(0, BLOCK_D)
@@ -246,7 +249,7 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
             slot_mapping.contiguous(), head_dim, float(eps), qkv.stride(0), cos.stride(0),
             sin.stride(0), q.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
             HALF=head_dim // 2, HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(),
-            BLOCK_D=block_d, num_warps=norm_warps(block_d))
+            BLOCK_D=block_d, num_warps=norm_warps(block_d), **pdl.launch_args(q.device))
     return q
 
 
@@ -369,14 +372,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
             NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
             BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
-            num_stages=launch.num_stages, **common, **loop)
+            num_stages=launch.num_stages, **common, **loop, **pdl.launch_args(q.device))
     else:
         _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
             q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
             num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *kv_args, NUM_Q_HEADS=num_q_heads, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1],
             CHUNK=CHUNK_SPLITS, L_BY_DOT=l_by_dot, PARTS=launch.mode == "chunk",
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop)
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop,
+            **pdl.launch_args(q.device))
     if launch.mode != "serial" and not parts_only:
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
@@ -385,5 +389,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, CHUNK=CHUNK_SPLITS,
             UNROLL=min(launch.fold_unroll, CHUNK_SPLITS), EXP2=exp2,
-            PER_SPLIT=launch.mode == "split", num_warps=launch.fold_warps, **common)
+            PER_SPLIT=launch.mode == "split", num_warps=launch.fold_warps, **common,
+            **pdl.launch_args(q.device))
     return out

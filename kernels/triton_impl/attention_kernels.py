@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
@@ -188,12 +190,13 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             BLOCK_D: tl.constexpr, L_BY_DOT: tl.constexpr,
                             MASK_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
                             LONG_FIRST: tl.constexpr, EXP2: tl.constexpr,
-                            PARTS: tl.constexpr):
+                            PARTS: tl.constexpr, PDL: tl.constexpr):
     """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), folds
     each chunk's splits from the empty state, merges the chunks into the row's state and
     writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
     is stored unnormalised at ws_m / ws_l `[chunks, T, Hq]` and ws_o `[chunks, T, Hq, Dh]`
     for the fold kernel (rows that reach the chunk only)."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     pid = tl.program_id(0)
     if LONG_FIRST:
@@ -300,11 +303,12 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
                             PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr):
+                            EXP2: tl.constexpr, PDL: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
     `[splits, T, Hq, Dh]`."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     first = tl.program_id(2) * SPLITS_PER_PROG
     pid = tl.program_id(0)
@@ -357,7 +361,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, EXP2: tl.constexpr,
-                           PER_SPLIT: tl.constexpr):
+                           PER_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """Split and chunk modes, step 2: merge the stored parts exactly as the serial kernel
     merges in registers (same :func:`_merge`, same order). ``PER_SPLIT``: the parts are
     single splits, folded from the empty state per chunk of CHUNK splits, then the chunks
@@ -367,6 +371,7 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     loaded per step (independent loads in flight), then merged one by one. Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
         ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)

@@ -53,6 +53,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import matmul_kernels as mk
+from . import pdl
 
 # Programs we want in flight for a memory-bound (small M) product: about two per SM of
 # an H100/H200. A constant, so the split length is a function of (N, K) only.
@@ -297,7 +298,7 @@ def _fold_parts(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
     mk.fold_parts_kernel[(triton.cdiv(numel, block),)](
         ws, out, bias if bias is not None else out, numel, inner, stride_outer, stride_inner,
         NUM_SPLITS=ws.shape[0], HAS_BIAS=bias is not None, BIAS_INNER=bias_inner,
-        BLOCK=block, num_warps=4)
+        BLOCK=block, num_warps=4, **pdl.launch_args(out.device))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -334,7 +335,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{cfg.split_len}")
     bias_arg = bias if bias is not None else out
     num_splits = triton.cdiv(k, cfg.split_len)
-    warps = dict(num_warps=lp.num_warps, num_stages=lp.num_stages)
+    warps = dict(num_warps=lp.num_warps, num_stages=lp.num_stages, **pdl.launch_args(x.device))
     if lp.mode == "swap":
         if m > SWAP_MAX_M:
             raise ValueError(f"linear: swap mode takes at most {SWAP_MAX_M} rows, got {m}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _split_part(a_desc, b_desc, off_m, off_n, k_lo, k_hi,
@@ -55,8 +57,10 @@ def _store_out(total, c_ptr, bias_ptr, off_m, off_n, M, N, stride_cm,
 def linear_fold_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm,
                        SPLIT_LEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLAT: tl.constexpr,
+                       PDL: tl.constexpr):
     """Fold mode: one program per output tile walks all of K."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     off_m, off_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if FLAT == 0:
         # One pipelined loop per split (the pipeline drains at every split boundary).
@@ -92,9 +96,10 @@ def linear_persist_kernel(a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm,
                           SPLIT_LEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, num_progs,
-                          FLATTEN: tl.constexpr):
+                          FLATTEN: tl.constexpr, PDL: tl.constexpr):
     """Fold mode (flat loop, as FLAT == 2 above) on a persistent grid: program p takes
     tiles p, p + num_progs, ... (the next tile's loads can overlap this one's epilogue)."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     STEPS: tl.constexpr = SPLIT_LEN // BLOCK_K
     num_steps = tl.cdiv(K, BLOCK_K)
@@ -118,10 +123,11 @@ def linear_split_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N
                         NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
                         HAS_BIAS: tl.constexpr, FOLD_LAST: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """Split mode: one program per (tile, split) stores its fp32 part in ws `[S, M, N]`.
     FOLD_LAST: the last program of a tile (atomic counter) folds the parts; otherwise
     :func:`fold_parts_kernel` does, in a second launch."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     tile = tl.program_id(0)
     split = tl.program_id(1)
     off_m, off_n = _tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -151,11 +157,12 @@ def linear_split_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N
 def linear_swap_kernel(w_desc, x_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N, K, stride_cm,
                        NUM_SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr, HAS_BIAS: tl.constexpr,
                        FOLD_LAST: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Split mode with the operands swapped, for M <= BLOCK_T (decode): the weight tile
     `[BLOCK_F, BLOCK_K]` is the MMA's A operand and the few token rows its B operand, so
     no MMA rows are wasted on padding. Parts go to ws `[S, N, M]` (feature-major, so the
     MMA layout's neighbouring token columns are neighbouring addresses)."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     tile = tl.program_id(0)
     split = tl.program_id(1)
     off_n = tile * BLOCK_F
@@ -202,10 +209,11 @@ def _store_swapped(total, c_ptr, bias_ptr, feats, toks, mask, N, stride_cm,
 @triton.jit
 def fold_parts_kernel(ws_ptr, c_ptr, bias_ptr, numel, inner, stride_outer, stride_inner,
                       NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BIAS_INNER: tl.constexpr, BLOCK: tl.constexpr):
+                      BIAS_INNER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Fold of stored parts, fully parallel: ws `[S, outer, inner]` fp32, element
     e = (i, j) goes to ``c[i * stride_outer + j * stride_inner]``; the bias index is j
     (``BIAS_INNER``) or i. Same ascending adds as the in-kernel folds."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     total = tl.load(ws_ptr + offs, mask=mask, other=0.0)

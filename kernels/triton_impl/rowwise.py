@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import pdl
+
 _MAX_ROW_BLOCK = 4096  # longer rows are reduced in chunks of this many elements
 
 
@@ -46,7 +48,8 @@ def norm_warps(block_d: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
                      stride_x, stride_r, stride_o, stride_h,
-                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -78,7 +81,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(t,)](x, res, weight, out, h, d, float(eps),
                                x.stride(0), res.stride(0), out.stride(0), h.stride(0),
                                HAS_RES=residual is not None, BLOCK_D=block_d,
-                               num_warps=norm_warps(block_d))
+                               num_warps=norm_warps(block_d), **pdl.launch_args(x.device))
     return (out, h) if residual is not None else out
 
 
@@ -155,7 +158,9 @@ def no_contract() -> bool:
 def _combine_residual_kernel(eo_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, h_ptr, D, eps,
                              stride_et, stride_ek, stride_wt, stride_r, stride_o, stride_h,
                              TOP_K: tl.constexpr, HAS_NORM: tl.constexpr,
-                             NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr):
+                             NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr,
+                             PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -202,12 +207,14 @@ def combine_residual(expert_out: torch.Tensor, topk_weights: torch.Tensor,
             float(eps), expert_out.stride(0), expert_out.stride(1), w.stride(0),
             residual.stride(0), out.stride(0), h.stride(0), TOP_K=k,
             HAS_NORM=weight is not None, NO_CONTRACT=no_contract(), BLOCK_D=block_d,
-            num_warps=norm_warps(block_d))
+            num_warps=norm_warps(block_d), **pdl.launch_args(h.device))
     return (out, h) if weight is not None else h
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr):
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -236,5 +243,5 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     block = min(_MAX_ROW_BLOCK, triton.next_power_of_2(v))
     if b and v:
         _log_softmax_kernel[(b,)](logits, out, v, logits.stride(0), out.stride(0),
-                                  BLOCK=block, num_warps=8)
+                                  BLOCK=block, num_warps=8, **pdl.launch_args(out.device))
     return out
