@@ -212,36 +212,57 @@ def combine_residual(expert_out: torch.Tensor, topk_weights: torch.Tensor,
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+def _softmax_parts_kernel(x_ptr, m_ptr, s_ptr, V, stride_x, NUM_CHUNKS, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Chunk c of row r: m = max, s = sum(exp(x - m)) over its BLOCK columns."""
     pdl.wait_then_release(PDL)  # first: no memory access before it
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    run_max = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < V,
-                    other=float("-inf")).to(tl.float32)
-        run_max = tl.maximum(run_max, x)
-    row_max = tl.max(run_max, axis=0)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < V,
-                    other=float("-inf")).to(tl.float32)
-        acc += tl.exp(x - row_max)
-    log_z = tl.log(tl.sum(acc, axis=0))
-    for start in range(0, V, BLOCK):
-        mask = start + cols < V
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + start + cols, (x - row_max) - log_z, mask=mask)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # an all -inf chunk: s = 0, no NaN
+    tl.store(m_ptr + row * NUM_CHUNKS + chunk, m)
+    tl.store(s_ptr + row * NUM_CHUNKS + chunk, tl.sum(tl.exp(x - m_safe), axis=0))
+
+
+@triton.jit
+def _softmax_out_kernel(x_ptr, m_ptr, s_ptr, out_ptr, V, stride_x, stride_o, NUM_CHUNKS,
+                        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Chunk c of row r: ``(x - max) - log(sum_c s_c * exp(m_c - max))``; every chunk of a
+    row folds the same parts the same way, so they agree on the row's max and log-sum."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, BLOCK_C)
+    ok = parts < NUM_CHUNKS
+    ms = tl.load(m_ptr + row * NUM_CHUNKS + parts, mask=ok, other=float("-inf"))
+    ss = tl.load(s_ptr + row * NUM_CHUNKS + parts, mask=ok, other=0.0)
+    row_max = tl.max(ms, axis=0)
+    scale = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - row_max))
+    log_z = tl.log(tl.sum(ss * scale, axis=0))
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (x - row_max) - log_z, mask=mask)
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits `[B, V]` → `[B, V]` float32, one row per program, chunked fixed by V."""
+    """logits `[B, V]` → `[B, V]` float32: each row in chunks of ``_MAX_ROW_BLOCK`` columns,
+    one program per (row, chunk) in two launches (chunk max and exp-sum, then the output),
+    so a lone row (batch-1 decode over a 152k vocabulary) runs on many SMs. The chunking
+    and every reduction's shape are functions of V only: row-invariant."""
     b, v = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     out = torch.empty(b, v, dtype=torch.float32, device=logits.device)
+    if not (b and v):
+        return out
     block = min(_MAX_ROW_BLOCK, triton.next_power_of_2(v))
-    if b and v:
-        _log_softmax_kernel[(b,)](logits, out, v, logits.stride(0), out.stride(0),
-                                  BLOCK=block, num_warps=8, **pdl.launch_args(out.device))
+    chunks = triton.cdiv(v, block)
+    parts = torch.empty(2, b, chunks, dtype=torch.float32, device=logits.device)
+    launch = dict(num_warps=8, **pdl.launch_args(out.device))
+    _softmax_parts_kernel[(b, chunks)](logits, parts[0], parts[1], v, logits.stride(0), chunks,
+                                       BLOCK=block, **launch)
+    _softmax_out_kernel[(b, chunks)](logits, parts[0], parts[1], out, v, logits.stride(0),
+                                     out.stride(0), chunks, BLOCK=block,
+                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), **launch)
     return out
