@@ -180,16 +180,21 @@ def expert_ffn(
     expert_ids: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """SwiGLU expert MLP over rows grouped by expert; each row's result is independent of
     how many rows each expert received.
 
-    x: `[R, D]`; expert_ids: `[R]` int64 indices into the local expert stack, or ``E`` for
-    a row routed nowhere (it is never computed; its output row is unspecified);
-    w_gate_up: `[E, 2I, D]` (gate rows then up rows); w_down: `[E, D, I]`.
-    Returns `[R, D]` in x.dtype: ``down_e(silu(gate_e x) * up_e x)`` for each row.
+    x: `[R / rows_per_token, D]`; expert_ids: `[R]` int64 indices into the local expert
+    stack, or ``E`` for a row routed nowhere (it is never computed; its output row is
+    unspecified); routed row r reads x row ``r // rows_per_token`` (a token's top-k rows
+    share its x row: no expanded copy); w_gate_up: `[E, 2I, D]` (gate rows then up rows);
+    w_down: `[E, D, I]`. Returns `[R, D]` in x.dtype: ``down_e(silu(gate_e x) * up_e x)``
+    for each routed row, the same bits as the call with x's rows repeated.
     """
-    return _backend(x).expert_ffn(x, expert_ids, w_gate_up, w_down)
+    return _backend(x).expert_ffn(x, expert_ids, w_gate_up, w_down,
+                                  rows_per_token=rows_per_token)
 
 
 def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

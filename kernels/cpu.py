@@ -253,12 +253,23 @@ def expert_ffn(
     expert_ids: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """Rows grouped by expert (stable), EXPERT_ROW_TILE rows per task; each row's GEMMs
-    accumulate in a fixed order, so its bits never depend on the other rows."""
+    accumulate in a fixed order, so its bits never depend on the other rows. The
+    extension reads one x row per routed row: with ``rows_per_token`` > 1 the float32 copy
+    of x (made anyway) is expanded to `[R, D]` here."""
     num_experts, two_inter, hidden = w_gate_up.shape
-    num_rows = x.shape[0]
+    num_rows = expert_ids.shape[0]
+    if rows_per_token < 1 or x.shape[0] * rows_per_token != num_rows:
+        raise ValueError(f"expert_ffn: x has {x.shape[0]} rows, expert_ids {num_rows}; need "
+                         f"x rows * rows_per_token ({rows_per_token}) == expert_ids rows")
     xf = _f32(x)
+    if rows_per_token != 1:
+        # [R, D]; contiguous: at one token the reshape is a view with row stride 0.
+        xf = xf[:, None].expand(-1, rows_per_token, hidden).reshape(num_rows, hidden)
+        xf = xf.contiguous()
     ids = expert_ids.to(torch.int64).contiguous()
     out = _output(num_rows, hidden)
     if num_rows and cpu_ext.load().ms_expert_ffn(

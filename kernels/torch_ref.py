@@ -167,18 +167,19 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return ids, w
 
 
-def expert_ffn(x, expert_ids, w_gate_up, w_down) -> torch.Tensor:
+def expert_ffn(x, expert_ids, w_gate_up, w_down, *, rows_per_token: int = 1) -> torch.Tensor:
     """SwiGLU over rows sorted by expert: two grouped cuBLAS/CUTLASS calls
     (``torch._grouped_mm``) for all experts, no host sync; one ``F.linear`` pair per expert
     present where this torch or GPU has no grouped GEMM.
 
-    x `[R, D]`; expert_ids `[R]` int64 in [0, E); w_gate_up `[E, 2I, D]`; w_down `[E, D, I]`.
+    x `[R / rows_per_token, D]`; expert_ids `[R]` int64 in [0, E) (row r reads x row
+    r // rows_per_token); w_gate_up `[E, 2I, D]`; w_down `[E, D, I]`.
     Returns `[R, D]` in x.dtype.
     """
     global _grouped_ok
     if _grouped_ok is not False and x.is_cuda and hasattr(torch, "_grouped_mm"):
         try:
-            out = _expert_ffn_grouped(x, expert_ids, w_gate_up, w_down)
+            out = _expert_ffn_grouped(x, expert_ids, w_gate_up, w_down, rows_per_token)
             _grouped_ok = True
             return out
         except RuntimeError as err:  # unsupported dtype / GPU / layout in this torch
@@ -186,20 +187,23 @@ def expert_ffn(x, expert_ids, w_gate_up, w_down) -> torch.Tensor:
                 raise
             _grouped_ok = False
             logger.warning("torch._grouped_mm unusable (%s); one cuBLAS call per expert", err)
+    if rows_per_token != 1:
+        x = x.repeat_interleave(rows_per_token, dim=0)  # [R, D]
     return _expert_ffn_loop(x, expert_ids, w_gate_up, w_down)
 
 
 _grouped_ok: bool | None = None  # None: not tried yet
 
 
-def _expert_ffn_grouped(x, expert_ids, w_gate_up, w_down) -> torch.Tensor:
+def _expert_ffn_grouped(x, expert_ids, w_gate_up, w_down, rows_per_token=1) -> torch.Tensor:
     num_experts = w_gate_up.shape[0]
     order = torch.argsort(expert_ids, stable=True)  # rows grouped by expert
     sorted_ids = expert_ids[order]
     # offs[e] = end of expert e's rows in the sorted order (int32, cumulative).
     offs = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device),
                               right=True).int()
-    h = torch._grouped_mm(x[order], w_gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
+    rows = x[order // rows_per_token]  # [R, D], grouped
+    h = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
     y = torch._grouped_mm(silu_and_mul(h), w_down.transpose(1, 2), offs=offs)  # [R, D]
     out = torch.empty_like(y)
     out[order] = y

@@ -7,36 +7,44 @@ NOTE: the expert FFN is three launches, none of which reads a size on the host (
 steps are captured in CUDA graphs) and none with a data-dependent grid:
 
     expert_ids [R] ─ align ─> offsets [E+1], order [R]     rows grouped by expert, stable
-    x [R, D] ─ gate_up GEMM, SwiGLU epilogue ─> hidden [R, I]   grouped order
+    x [R/k', D] ─ gate_up GEMM, SwiGLU epilogue ─> hidden [R, I]   grouped order
     hidden ─ down GEMM, scattered store ─> out [R, D]          row order
+
+k' = ``rows_per_token``: routed row r reads token row r // k' of x (a token's k routed
+rows share one x row; no [R, D] copy of it).
 
 A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N columns).
 Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
 BLOCK_M)`` tiles each); the grid is a bound on their number from (R, E) alone and the
 programs past the last tile return at once.
 
-Every output element is one fp32 K loop of ``_BLOCK_K`` steps in ascending K order
-(tensor-core dots), whatever R, the tile shape, warps or stages: the launch (picked from
-R by :func:`plan_launch`) never changes a bit (the hardware fact in matmul.py's NOTE), so
-a row's bits depend on its input and its expert's weights only. The SwiGLU epilogue
+Every output element is one fp32 chain of tensor-core k16 steps in ascending K order,
+whatever R, the tile shape, warps, stages or the launch's K step (``GemmTiles.block_k``:
+a dot over 128 of K is the same chain of k16 steps as two dots over 64; a K tail is
+zero-padded, and a k16 step of zeros adds exact zeros): the launch (picked from R by
+:func:`plan_launch`) never changes a bit (the hardware fact in matmul.py's NOTE), so a
+row's bits depend on its input and its expert's weights only. The SwiGLU epilogue
 rounds like the unfused GEMM + ``silu_and_mul``: gate and up rounded to the output dtype,
 silu in fp32 of the rounded gate, rounded, times the rounded up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rowwise import silu_and_mul
 
 
 @triton.jit
 def _topk_kernel(logit_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                 RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+                 RENORM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logit_ptr + row * stride_l + cols, mask=cols < E, other=float("-inf"))
@@ -72,7 +80,8 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
         _topk_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOP_K=top_k,
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=1)
+                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                           **pdl.launch_args(logits.device))
     return ids, w
 
 
@@ -84,12 +93,14 @@ def _ordered_sum(w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _align_kernel(ids_ptr, order_ptr, offsets_ptr, R, num_experts, BLOCK_R: tl.constexpr):
+def _align_kernel(ids_ptr, order_ptr, offsets_ptr, R, num_experts, BLOCK_R: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program e: offsets[e] = #ids below e; order[offsets[e] + j] = the j-th row with id e.
 
     Ids equal to ``num_experts`` (routed nowhere) fall after every expert's rows and get
     no position.
     """
+    pdl.wait_then_release(PDL)
     e = tl.program_id(0)
     below = tl.zeros([BLOCK_R], dtype=tl.int32)
     hits = tl.zeros([BLOCK_R], dtype=tl.int32)
@@ -124,15 +135,18 @@ def _expert_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_cm,
     # Meta-parameters
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``.
 
-    GATHER: position p reads row ``order[p]`` of a (else row p); SCATTER: writes row
-    ``order[p]`` of c (else row p). SWIGLU: N is I, the tile accumulates gate columns n
-    and up columns N + n of w and stores ``silu(gate) * up`` (module NOTE's roundings).
+    GATHER: position p reads row ``order[p] // ROWS_PER_TOKEN`` of a (else row p);
+    SCATTER: writes row ``order[p]`` of c (else row p). SWIGLU: N is I, the tile
+    accumulates gate columns n and up columns N + n of w and stores ``silu(gate) * up``
+    (module NOTE's roundings).
     """
+    pdl.wait_then_release(PDL)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     tile = pid // tiles_n  # consecutive programs share the rows: one read of them from L2
@@ -153,7 +167,10 @@ def _expert_gemm_kernel(
     pos = start + tl.arange(0, BLOCK_M)  # positions in the grouped order
     row_ok = pos < end
     col_ok = cols < N
-    src = tl.load(order_ptr + pos, mask=row_ok, other=0) if GATHER else pos
+    if GATHER:
+        src = tl.load(order_ptr + pos, mask=row_ok, other=0) // ROWS_PER_TOKEN
+    else:
+        src = pos
     kk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + src.to(tl.int64)[:, None] * stride_am
     g_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
@@ -182,7 +199,7 @@ def _expert_gemm_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-_BLOCK_K = 64  # the K step of every launch: the arithmetic, never a function of R
+_K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of it
 
 
 @dataclass(frozen=True)
@@ -190,19 +207,24 @@ class GemmTiles:
     """Tile shape and pipeline of one expert GEMM launch. Never changes a bit (module NOTE).
 
     block_n counts output columns: for the gate_up GEMM, I columns (each tile reads
-    2 * block_n weight rows, gate and up).
+    2 * block_n weight rows, gate and up). block_k: K per dot of the launch's K loop, a
+    power-of-two multiple of 64 (the same chain of k16 steps whatever it is).
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
+    block_k: int = _K_QUANTUM
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmTiles: {name}={v} must be a power of two >= 16")
+        if self.block_k < _K_QUANTUM or self.block_k & (self.block_k - 1):
+            raise ValueError(f"GemmTiles: block_k={self.block_k} must be a power of two >= "
+                             f"{_K_QUANTUM}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"GemmTiles: bad num_warps={self.num_warps} / "
                              f"num_stages={self.num_stages}")
@@ -219,9 +241,10 @@ class MoeLaunch:
 # Launches by rows per call, ascending (max_rows, launch); larger calls take _PREFILL.
 # Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's expert shape): up to
 # 512 rows, 16-row tiles put the most programs on the weights (batch 1 has one row per
-# expert); then 64-row tiles; prefill 128-row tiles.
-_BY_ROWS = ((512, MoeLaunch(GemmTiles(16, 32, 4, 6), GemmTiles(16, 64, 4, 4))),
-            (8192, MoeLaunch(GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4))))
+# expert), K step 128 and 3 stages; then 64-row tiles, K step 128, 4 stages; prefill
+# 128-row tiles.
+_BY_ROWS = ((512, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
+            (8192, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
 _PREFILL = MoeLaunch(GemmTiles(128, 64, 4, 3), GemmTiles(128, 128, 4, 3))
 
 
@@ -250,18 +273,21 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     order = torch.empty(r, dtype=torch.int32, device=ids.device)
     block_r = max(16, min(4096, triton.next_power_of_2(r)))
     _align_kernel[(num_experts,)](ids, order, offsets, r, num_experts, BLOCK_R=block_r,
-                                  num_warps=4 if block_r <= 1024 else 8)
+                                  num_warps=4 if block_r <= 1024 else 8,
+                                  **pdl.launch_args(ids.device))
     return offsets, order
 
 
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
-                 tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool
-                 ) -> torch.Tensor:
-    """a `[R, K]` times each position's expert `w[e]` `[N', K]` → `[R, N]` (module NOTE).
+                 tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool,
+                 rows_per_token: int = 1) -> torch.Tensor:
+    """a `[R / rows_per_token, K]` times each position's expert `w[e]` `[N', K]` → `[R, N]`
+    (module NOTE); R = order's length.
 
-    N = N' // 2 with ``swiglu`` (silu(gate) * up), else N'.
+    N = N' // 2 with ``swiglu`` (silu(gate) * up), else N'. ``rows_per_token`` > 1 only
+    with ``gather``.
     """
-    r = a.shape[0]
+    r = order.shape[0]
     num_experts, n_w, k = w.shape
     n = n_w // 2 if swiglu else n_w
     out = torch.empty(r, n, dtype=a.dtype, device=a.device)
@@ -269,23 +295,28 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets:
     _expert_gemm_kernel[grid](
         a, w, out, order, offsets, num_experts, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=_BLOCK_K, BLOCK_E=triton.next_power_of_2(num_experts),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl.launch_args(a.device))
     return out
 
 
 def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, *, launch: MoeLaunch | None = None,
-               fused: bool = True) -> torch.Tensor:
-    """x `[R, D]`, expert_ids `[R]`, w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` → `[R, D]`.
+               w_down: torch.Tensor, *, rows_per_token: int = 1,
+               launch: MoeLaunch | None = None, fused: bool = True) -> torch.Tensor:
+    """x `[R / rows_per_token, D]`, expert_ids `[R]`, w_gate_up `[E, 2I, D]`, w_down
+    `[E, D, I]` → `[R, D]`; routed row r reads x row ``r // rows_per_token``.
 
     ``launch`` forces the tiles (tests, tuning; default :func:`plan_launch`); ``fused=False``
     runs the gate_up GEMM and ``silu_and_mul`` apart (the reference the fused epilogue
     must equal bitwise). Neither changes a bit of the result.
     """
-    r = x.shape[0]
+    r = expert_ids.shape[0]
     num_experts = w_gate_up.shape[0]
+    if rows_per_token < 1 or x.shape[0] * rows_per_token != r:
+        raise ValueError(f"expert_ffn: x has {x.shape[0]} rows, expert_ids {r}; need "
+                         f"x rows * rows_per_token ({rows_per_token}) == expert_ids rows")
     if r == 0:
         return torch.empty(0, w_down.shape[1], dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -295,11 +326,11 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     offsets, order = _align(expert_ids, num_experts)
     if fused:
         hidden = _expert_gemm(x, w_gate_up, order, offsets, lp.up, swiglu=True, gather=True,
-                              scatter=False)  # [R, I], grouped order
+                              scatter=False, rows_per_token=rows_per_token)  # [R, I] grouped
     else:
-        up = GemmTiles(lp.up.block_m, 2 * lp.up.block_n, lp.up.num_warps, lp.up.num_stages)
+        up = dataclasses.replace(lp.up, block_n=2 * lp.up.block_n)
         gate_up = _expert_gemm(x, w_gate_up, order, offsets, up, swiglu=False, gather=True,
-                               scatter=False)  # [R, 2I], grouped order
+                               scatter=False, rows_per_token=rows_per_token)  # [R, 2I]
         hidden = silu_and_mul(gate_up)
     return _expert_gemm(hidden, w_down, order, offsets, lp.down, swiglu=False, gather=False,
                         scatter=True)

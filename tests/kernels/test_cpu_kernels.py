@@ -139,6 +139,16 @@ def test_expert_ffn_accuracy_and_invariance(dtype):
     assert rel_err(out, ref) < 2 * TOL[dtype]
     for r in (0, 13, 29):
         assert torch.equal(cpu.expert_ffn(x[r:r + 1], ids[r:r + 1], w_gate_up, w_down)[0], out[r])
+    # rows_per_token: row r reads token row r // k; the expanded call's bits.
+    for num_tokens, k in ((10, 1), (10, 3), (1, 2)):
+        ids_k = torch.randint(0, e + 1, (num_tokens * k,), generator=g)  # e: routed nowhere
+        keep = ids_k < e
+        tokens = x[:num_tokens]
+        want = cpu.expert_ffn(tokens.repeat_interleave(k, 0), ids_k, w_gate_up, w_down)
+        got = cpu.expert_ffn(tokens, ids_k, w_gate_up, w_down, rows_per_token=k)
+        assert got.shape == want.shape and torch.equal(got[keep], want[keep])
+    with pytest.raises(ValueError, match="rows_per_token"):
+        cpu.expert_ffn(x[:4], ids[:9], w_gate_up, w_down, rows_per_token=2)
 
 
 def test_combine_fixed_order_fp32():

@@ -227,12 +227,35 @@ def _check_expert_ffn(torch, ti) -> None:
         unfused = ti.expert_ffn(x, eids, wgu, wd, fused=False)
         assert torch.equal(unfused[routed], out[routed]), "fused SwiGLU differs"
         T = moe.GemmTiles
+        # K steps 128 and 256 over K = 96 and 48 (zero-padded tails): the same bits.
         launches = [moe.plan_launch(n) for n in (1, 64, 2048, 10**6)] + [
             moe.MoeLaunch(T(32, 16, 2, 2), T(64, 32, 4, 1)),
-            moe.MoeLaunch(T(128, 128, 8, 3), T(16, 128, 4, 4))]
+            moe.MoeLaunch(T(128, 128, 8, 3), T(16, 128, 4, 4)),
+            moe.MoeLaunch(T(16, 32, 4, 4, 128), T(16, 64, 4, 4, 256)),
+            moe.MoeLaunch(T(64, 16, 4, 3, 256), T(32, 32, 4, 3, 128))]
         for lp in launches:
             got = ti.expert_ffn(x, eids, wgu, wd, launch=lp)
             assert torch.equal(got[routed], out[routed]), f"{lp} changed the bits"
+            unfused_lp = ti.expert_ffn(x, eids, wgu, wd, launch=lp, fused=False)
+            assert torch.equal(unfused_lp[routed], out[routed]), f"{lp} unfused"
+        # rows_per_token: routed row r reads token row r // k, the bits of the expanded call.
+        for k in (1, 3, 5):
+            tokens = x[: r // k]
+            ids_k = eids[: tokens.shape[0] * k]
+            keep = ids_k < e
+            expanded = ti.expert_ffn(tokens.repeat_interleave(k, 0), ids_k, wgu, wd)
+            for lp in (None, launches[-2], launches[-1]):
+                got = ti.expert_ffn(tokens, ids_k, wgu, wd, rows_per_token=k, launch=lp)
+                assert got.shape == expanded.shape
+                assert torch.equal(got[keep], expanded[keep]), f"rows_per_token={k} {lp}"
+            assert torch.equal(ti.expert_ffn(tokens, ids_k, wgu, wd, rows_per_token=k,
+                                             fused=False)[keep], expanded[keep])
+        try:
+            ti.expert_ffn(x[:4], eids[:9], wgu, wd, rows_per_token=2)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("x rows * rows_per_token != ids rows accepted")
         # Batch invariance: a row's bits do not depend on the other rows of the call.
         for rows in ([4], [40, 3, 17], list(range(10, 45)), list(range(r)) * 3):
             sub = torch.tensor(rows)

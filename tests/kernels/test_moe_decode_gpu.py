@@ -1,0 +1,137 @@
+"""The expert FFN's decode paths on a CUDA GPU: a launch's K step (block_k 64/128/256, K
+tails included), rows_per_token against the expanded rows, and PDL on/off, all bitwise.
+
+Shape legend: T = tokens, k = top-k, R = T * k routed rows, E = experts, D = hidden,
+I = expert intermediate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _poison_allocator():
+    """Poison freshly allocated memory: outputs must be fully written (NaN shows gaps)."""
+    orig = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = orig(*args, **kwargs)
+        if t.is_cuda and t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = orig
+
+
+def _weights(e: int, d: int, i: int):
+    wgu = torch.randn(e, 2 * i, d, device="cuda", dtype=BF16) / d**0.5
+    wd = torch.randn(e, d, i, device="cuda", dtype=BF16) / i**0.5
+    return wgu, wd
+
+
+# (E, D, I): Qwen3-30B-A3B's experts, and K tails (D = 1000, I = 200: not multiples of 64).
+SHAPES = [(128, 2048, 768), (8, 1000, 200)]
+
+
+@pytest.mark.parametrize("e,d,i", SHAPES)
+@pytest.mark.parametrize("r", [8, 64, 512, 2048])
+def test_k_step_keeps_the_bits(e: int, d: int, i: int, r: int) -> None:
+    """Each GEMM at block_k 128 and 256 equals the same tile at block_k 64 bitwise (and the
+    planned launch), fused and unfused; float64 reference on a few rows."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+
+    torch.manual_seed(e + d + r)
+    wgu, wd = _weights(e, d, i)
+    x = torch.randn(r, d, device="cuda", dtype=BF16)
+    eids = torch.randint(0, e + 1, (r,), device="cuda")  # id e: routed nowhere
+    routed = eids < e
+    out = expert_ffn(x, eids, wgu, wd)
+    assert not out[routed].isnan().any(), "routed rows left unwritten"
+    for row in routed.nonzero()[:3, 0].tolist():
+        g, u = (wgu[eids[row]].double() @ x[row].double()).chunk(2)
+        ref = wd[eids[row]].double() @ (g * torch.sigmoid(g) * u)
+        assert float((out[row].double() - ref).norm() / ref.norm()) < 1e-2, row
+    T = moe.GemmTiles
+    for up, down in [((16, 32, 4, 4), (16, 64, 4, 4)), ((64, 64, 4, 3), (64, 64, 4, 3)),
+                     ((16, 64, 4, 3), (16, 128, 4, 3))]:
+        k64 = expert_ffn(x, eids, wgu, wd, launch=moe.MoeLaunch(T(*up), T(*down)))
+        assert torch.equal(k64[routed], out[routed]), f"{up} {down} at block_k 64"
+        for bk in (128, 256):
+            stages = 2 if bk == 256 else None  # shared memory: 2 stages of 256 of K
+            lp = moe.MoeLaunch(T(*up[:3], stages or up[3], bk),
+                               T(*down[:3], stages or down[3], bk))
+            for fused in (True, False):
+                got = expert_ffn(x, eids, wgu, wd, launch=lp, fused=fused)
+                assert torch.equal(got[routed], k64[routed]), f"{lp} fused={fused}"
+
+
+@pytest.mark.parametrize("top_k", [1, 8])
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300])
+def test_rows_per_token_equals_expanded_rows(top_k: int, num_tokens: int) -> None:
+    """expert_ffn(x [T, D], ids [T*k], rows_per_token=k) == the call on x's rows repeated
+    k times, bitwise, every routed row written; LocalExperts.dispatch the same bits."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+    from megaserve.models.expert_part import ExpertPart
+    from megaserve.models.forward import LocalExperts
+
+    e, d, i = 128, 2048, 768
+    torch.manual_seed(num_tokens * 10 + top_k)
+    wgu, wd = _weights(e, d, i)
+    x = torch.randn(num_tokens, d, device="cuda", dtype=BF16)
+    topk_ids = torch.stack([torch.randperm(e, device="cuda")[:top_k]
+                            for _ in range(num_tokens)])  # [T, k] distinct per token
+    ids = topk_ids.reshape(-1)  # [R]
+    expanded = x[:, None].expand(num_tokens, top_k, d).reshape(-1, d)  # [R, D]
+    want = expert_ffn(expanded, ids, wgu, wd)
+    got = expert_ffn(x, ids, wgu, wd, rows_per_token=top_k)
+    assert got.shape == (num_tokens * top_k, d) and not got.isnan().any()
+    assert torch.equal(got, want)
+    for lp in (moe.plan_launch(10**6), moe.plan_launch(1)):
+        assert torch.equal(expert_ffn(x, ids, wgu, wd, rows_per_token=top_k, launch=lp), want)
+    assert torch.equal(expert_ffn(x, ids, wgu, wd, rows_per_token=top_k, fused=False), want)
+    part = ExpertPart(list(range(e)), e, {0: wgu}, {0: wd})
+    assert torch.equal(LocalExperts(part).dispatch(0, 0, x, topk_ids),
+                       want.view(num_tokens, top_k, d))
+
+
+def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE launches with and without PDL (captured back to back in a CUDA graph,
+    layer after layer, as decode runs them) give the same bits as eager launches."""
+    from megaserve.kernels.triton_impl import expert_ffn, pdl, topk_route
+
+    e, d, i, t, k = 128, 2048, 768, 8, 8
+    torch.manual_seed(3)
+    layers = [_weights(e, d, i) for _ in range(3)]
+    x = torch.randn(t, d, device="cuda", dtype=BF16)
+    logits = torch.randn(t, e, device="cuda")
+
+    def step():
+        h = x
+        for wgu, wd in layers:
+            ids, _ = topk_route(logits, k, True)
+            h = expert_ffn(h, ids.reshape(-1), wgu, wd, rows_per_token=k).view(t, k, d)[:, 0]
+        return h
+
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(pdl.ENV, on)
+        eager = step().clone()
+        step()  # compiled outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"PDL={on}: graph replay differs from eager"
+        results[on] = eager
+    assert torch.equal(results["1"], results["0"])
