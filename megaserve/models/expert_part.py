@@ -42,11 +42,13 @@ class ExpertPart:
     def layers(self) -> list[int]:
         return sorted(self.w_gate_up)
 
-    def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Run each row through its expert.
+    def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                *, rows_per_token: int = 1) -> torch.Tensor:
+        """Run each routed row through its expert.
 
-        x: `[R, D]`; expert_ids: `[R]` int64 global expert ids, all held here.
-        Returns `[R, D]` in x.dtype. Each row's result is independent of the other rows.
+        x: `[R / rows_per_token, D]`; expert_ids: `[R]` int64 global expert ids, all held
+        here; routed row r reads x row ``r // rows_per_token``. Returns `[R, D]` in
+        x.dtype. Each row's result is independent of the other rows.
         """
         local = expert_ids if self._identity else self._local_index[expert_ids]
         # Checked on CPU only: on CUDA it would be a host synchronisation per layer (and
@@ -56,4 +58,5 @@ class ExpertPart:
                 f"layer {layer}: rows routed to experts not held by this worker "
                 f"(holds {self.expert_ids})"
             )
-        return kernels.expert_ffn(x, local, self.w_gate_up[layer], self.w_down[layer])
+        return kernels.expert_ffn(x, local, self.w_gate_up[layer], self.w_down[layer],
+                                  rows_per_token=rows_per_token)

@@ -50,10 +50,9 @@ class LocalExperts:
         self, layer: int, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
-        d = x.shape[1]
-        rows = x[:, None].expand(num_tokens, top_k, d).reshape(-1, d)  # [T*k, D], one copy
-        out = self.experts.forward(layer, rows, topk_ids.reshape(-1))
-        return out.view(num_tokens, top_k, -1)
+        # Routed row t*k + j reads token row t: no [T*k, D] copy of x.
+        out = self.experts.forward(layer, x, topk_ids.reshape(-1), rows_per_token=top_k)
+        return out.view(num_tokens, top_k, -1)  # [T, k, D]
 
     def combine(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
