@@ -31,6 +31,7 @@ silu in fp32 of the rounded gate, rounded, times the rounded up.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -238,21 +239,37 @@ class MoeLaunch:
     down: GemmTiles
 
 
-# Launches by rows per call, ascending (max_rows, launch); larger calls take _PREFILL.
-# Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's expert shape): up to
-# 512 rows, 16-row tiles put the most programs on the weights (batch 1 has one row per
-# expert), K step 128 and 3 stages; then 64-row tiles, K step 128, 4 stages; prefill
-# 128-row tiles.
-_BY_ROWS = ((512, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
-            (8192, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
+# Launches by mean rows per expert (rows per call / experts held), ascending (max, launch);
+# more take _PREFILL. Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's
+# expert shape, 128 experts): up to 4 rows per expert (512 rows), 16-row tiles put the most
+# programs on the weights (batch 1 has one row per expert), K step 128 and 3 stages; then
+# 64-row tiles, K step 128, 4 stages; prefill 128-row tiles. Keyed per expert, not per
+# call, so a model with few big experts (Mixtral: 8) leaves 16-row tiles, which re-read
+# each expert's weights once per 16 rows, as soon as its experts get more rows (batch 256:
+# 64 rows each; 16-row tiles there made its decode step 2.4x slower).
+_BY_ROWS_PER_EXPERT = (
+    (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
+    (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
 _PREFILL = MoeLaunch(GemmTiles(128, 64, 4, 3), GemmTiles(128, 128, 4, 3))
+# Tuning runs: "m,n,warps,stages,k_step;m,n,warps,stages,k_step" (up; down) replaces the
+# first bucket's launch (a speed choice: the bits never change).
+_DECODE_ENV = "MEGASERVE_MOE_DECODE_TILES"
 
 
-def plan_launch(num_rows: int) -> MoeLaunch:
-    """The launch for a call of ``num_rows`` routed rows (a speed choice, bit-neutral)."""
-    for max_rows, launch in _BY_ROWS:
-        if num_rows <= max_rows:
-            return launch
+def _decode_launch() -> MoeLaunch:
+    text = os.environ.get(_DECODE_ENV)
+    if not text:
+        return _BY_ROWS_PER_EXPERT[0][1]
+    up, down = ([int(v) for v in part.split(",")] for part in text.split(";"))
+    return MoeLaunch(GemmTiles(*up), GemmTiles(*down))
+
+
+def plan_launch(num_rows: int, num_experts: int = 128) -> MoeLaunch:
+    """The launch for a call of ``num_rows`` routed rows over ``num_experts`` experts (a
+    speed choice, bit-neutral)."""
+    for max_per_expert, launch in _BY_ROWS_PER_EXPERT:
+        if num_rows <= max_per_expert * num_experts:
+            return _decode_launch() if launch is _BY_ROWS_PER_EXPERT[0][1] else launch
     return _PREFILL
 
 
@@ -322,7 +339,7 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     x = x if x.stride(1) == 1 else x.contiguous()
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
-    lp = launch or plan_launch(r)
+    lp = launch or plan_launch(r, num_experts)
     offsets, order = _align(expert_ids, num_experts)
     if fused:
         hidden = _expert_gemm(x, w_gate_up, order, offsets, lp.up, swiglu=True, gather=True,
