@@ -129,16 +129,6 @@ DECODE_CHUNK_TILE = dict(DECODE_SPLIT_TILE, num_warps=4)
 DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_warps=4, num_stages=4)
 PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
-# Decode over short contexts (at most this many splits per row) runs serial whatever the
-# grid: with two or three splits to share, split mode's parallelism cannot pay for its
-# second kernel and fp32 round trip (batch-1 decode at ~100 tokens: parts + fold are two
-# ~3 us kernels per layer). $MEGASERVE_ATTN_SERIAL_SPLITS overrides it (0: off).
-SERIAL_MAX_SPLITS = 4
-
-
-def serial_max_splits() -> int:
-    """The short-context bound in force: ``$MEGASERVE_ATTN_SERIAL_SPLITS`` or the default."""
-    return int(os.environ.get("MEGASERVE_ATTN_SERIAL_SPLITS", SERIAL_MAX_SPLITS))
 
 
 @triton.jit
@@ -266,15 +256,12 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
-    decode-like batches (at most two new tokens per sequence), large ones otherwise;
-    serial decode over short contexts (:data:`SERIAL_MAX_SPLITS`); else, when
+    decode-like batches (at most two new tokens per sequence), large ones otherwise; when
     the serial grid would leave most SMs idle, chunk mode for decode if a program per
     chunk gives enough programs, else split mode, either only while its fp32 parts stay
     small (``ws_bytes``: the per-split parts; chunk parts take 1 / CHUNK_SPLITS of that).
     (Chunked prefill of 512 tokens at 8192: serial 271 us, chunk mode 297; round 8.)"""
     decode_like = num_tokens <= 2 * num_seqs
-    if decode_like and max_splits <= serial_max_splits():
-        return AttentionLaunch("serial", **DECODE_SERIAL_TILE)
     tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, tile["rows"] // g_pad)  # (every decode tile has the same rows)
