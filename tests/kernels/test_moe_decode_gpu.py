@@ -105,8 +105,11 @@ def test_rows_per_token_equals_expanded_rows(top_k: int, num_tokens: int) -> Non
 
 def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE launches with and without PDL (captured back to back in a CUDA graph,
-    layer after layer, as decode runs them) give the same bits as eager launches."""
-    from megaserve.kernels.triton_impl import expert_ffn, pdl, topk_route
+    layer after layer, as decode runs them) give the same bits as eager launches. The
+    module's PDL switch is off by default (moe.PDL_LAUNCH says why): turned on here."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe, pdl, topk_route
+
+    monkeypatch.setattr(moe, "PDL_LAUNCH", True)
 
     e, d, i, t, k = 128, 2048, 768, 8, 8
     torch.manual_seed(3)
