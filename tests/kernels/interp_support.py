@@ -17,8 +17,15 @@ interpreter child before any kernel is defined.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
 
 # sha256 of :func:`probe`'s output bytes: the fixed-order dot's bits on a reference
 # input. A machine whose result differs is one where the interpreter tests cannot hold:
@@ -78,3 +85,36 @@ def probe() -> bytes:
 def probe_digest() -> str:
     return hashlib.sha256(probe()).hexdigest()
 
+
+
+def run_checks(namespace: dict, names: list[str]) -> None:
+    """In an interpreter child: call ``check_<name>(torch, ti)`` from ``namespace`` for each
+    name (seed 0 each), printing one JSON line per check for :func:`child_results`."""
+    import torch
+
+    import megaserve.kernels.triton_impl as ti
+
+    for name in names:
+        torch.manual_seed(0)
+        try:
+            namespace[f"check_{name}"](torch, ti)
+            print(json.dumps({"check": name, "ok": True}), flush=True)
+        except Exception as e:  # reported to the parent test, which fails on it
+            print(json.dumps({"check": name, "ok": False, "error": repr(e)}), flush=True)
+
+
+def child_results(test_file: str, timeout: int = 540) -> dict[str, dict]:
+    """Run ``test_file --child`` with TRITON_INTERPRET=1 (the variable must be set before
+    kernels are defined) and return its :func:`run_checks` lines by check name; raises
+    RuntimeError with the child's stderr when it reported nothing."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, test_file, "--child"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["check"]] = r
+    if not results:
+        raise RuntimeError(f"interpreter child failed: {proc.stderr[-3000:]}")
+    return results

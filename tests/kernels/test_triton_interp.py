@@ -9,15 +9,12 @@ for the tensor-core paths: the interpreter mis-reads bfloat16 through TMA descri
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels import interp_support
+
 CHECKS = ["linear", "rms_norm", "rowwise", "attention", "moe", "sampling"]
 
 
@@ -302,35 +299,16 @@ def check_sampling(torch, ti) -> None:
 
 
 def _child() -> None:
-    from tests.kernels import interp_support
-
     interp_support.install()  # fixed-order tl.dot: bits independent of the host BLAS
-    import torch
-
-    import megaserve.kernels.triton_impl as ti
-
-    for name in CHECKS:
-        torch.manual_seed(0)
-        try:
-            globals()[f"check_{name}"](torch, ti)
-            print(json.dumps({"check": name, "ok": True}), flush=True)
-        except Exception as e:  # reported to the parent test, which fails on it
-            print(json.dumps({"check": name, "ok": False, "error": repr(e)}), flush=True)
+    interp_support.run_checks(globals(), CHECKS)
 
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=540)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[r["check"]] = r
-    if not results:
-        pytest.fail(f"interpreter child failed: {proc.stderr[-3000:]}")
-    return results
+    try:
+        return interp_support.child_results(__file__)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("name", CHECKS)
