@@ -82,7 +82,7 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     if t:
         _topk_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOP_K=top_k,
                            RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=1,
-                           **_launch_args(logits.device))
+                           **_launch_args(logits.device, "topk"))
     return ids, w
 
 
@@ -203,15 +203,16 @@ def _expert_gemm_kernel(
 _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of it
 
 
-# PDL for this module's launches: off. On an H100 (48-layer Qwen3-30B-A3B decode, batch 1,
-# same run) PDL on every other decode kernel took the step from 3.81 to 3.72 ms, but on
-# these three as well from 3.71 to 3.94 ms. Their kernels keep pdl.wait_then_release, so
-# turning it on is this one switch.
-PDL_LAUNCH = False
+# This module's kernels launched with PDL. On an H100 (48-layer Qwen3-30B-A3B decode at
+# batch 1, back-to-back steps, PDL on the other decode kernels): none 3.608-3.609 ms a
+# step, top-k + align 3.576-3.581, the expert GEMMs alone 3.580, all three 3.943 (another
+# run: 3.711 with PDL off everywhere). All three kernels keep pdl.wait_then_release, so
+# adding one is a name here.
+PDL_KERNELS = frozenset({"topk", "align"})
 
 
-def _launch_args(device: torch.device) -> dict:
-    return pdl.launch_args(device) if PDL_LAUNCH else {"PDL": False}
+def _launch_args(device: torch.device, kernel: str) -> dict:
+    return pdl.launch_args(device) if kernel in PDL_KERNELS else {"PDL": False}
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     block_r = max(16, min(4096, triton.next_power_of_2(r)))
     _align_kernel[(num_experts,)](ids, order, offsets, r, num_experts, BLOCK_R=block_r,
                                   num_warps=4 if block_r <= 1024 else 8,
-                                  **_launch_args(ids.device))
+                                  **_launch_args(ids.device, "align"))
     return offsets, order
 
 
@@ -326,7 +327,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets:
         SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_launch_args(a.device))
+        num_stages=tiles.num_stages, **_launch_args(a.device, "gemm"))
     return out
 
 

@@ -105,11 +105,11 @@ def test_rows_per_token_equals_expanded_rows(top_k: int, num_tokens: int) -> Non
 
 def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE launches with and without PDL (captured back to back in a CUDA graph,
-    layer after layer, as decode runs them) give the same bits as eager launches. The
-    module's PDL switch is off by default (moe.PDL_LAUNCH says why): turned on here."""
+    layer after layer, as decode runs them) give the same bits as eager launches. All
+    three kernels launch with it here (by default the GEMMs do not: moe.PDL_KERNELS)."""
     from megaserve.kernels.triton_impl import expert_ffn, moe, pdl, topk_route
 
-    monkeypatch.setattr(moe, "PDL_LAUNCH", True)
+    monkeypatch.setattr(moe, "PDL_KERNELS", frozenset({"topk", "align", "gemm"}))
 
     e, d, i, t, k = 128, 2048, 768, 8, 8
     torch.manual_seed(3)
