@@ -21,7 +21,7 @@ programs past the last tile return at once.
 Every output element is one fp32 chain of tensor-core k16 steps in ascending K order,
 whatever R, the tile shape, warps, stages or the launch's K step (``GemmTiles.block_k``:
 a dot over 128 of K is the same chain of k16 steps as two dots over 64; a K tail is
-zero-padded, and a k16 step of zeros adds exact zeros): the launch (picked from R by
+zero-padded, and a k16 step of zeros adds exact zeros): the launch (picked from R and E by
 :func:`plan_launch`) never changes a bit (the hardware fact in matmul.py's NOTE), so a
 row's bits depend on its input and its expert's weights only. The SwiGLU epilogue
 rounds like the unfused GEMM + ``silu_and_mul``: gate and up rounded to the output dtype,
