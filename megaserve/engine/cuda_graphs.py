@@ -26,7 +26,7 @@ padding and the fixed block-table width leave rows 0..n-1 bitwise equal to eager
 execution; their results are all that is read back.
 
 Host synchronisations and data-chosen launch grids break capture; the decode path has
-none (the expert FFN finds its group offsets with ``torch.searchsorted`` on the device).
+none (the expert FFN finds its group offsets with an align kernel on the device).
 Sampling stays outside the graph (``kernels.sample`` reads temperatures on the host; a
 step of greedy rows only takes the argmax without it): :meth:`DecodeGraphs.sample` writes
 the tokens to a static device buffer, which the next step's graph reads for rows whose
