@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+import sweep_support  # scripts/sweep_support.py
+
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
           "lm_head": (151936, 2048)}  # name -> (N, K)
 PER_STEP = {"qkv": 48, "o_proj": 48, "router": 48, "lm_head": 1}
@@ -123,24 +125,8 @@ def _setup(smoke: bool):
         return torch
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-        import triton.runtime.interpreter as interp
-
-        original = interp._patch_lang_tensor
-
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interp._patch_lang_tensor = patched
-    orig = _ORIG_EMPTY = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = poisoned
+        sweep_support.patch_interpreter()
+    _ORIG_EMPTY, torch.empty = sweep_support.poisoned_empty(torch)
     return torch
 
 

@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+import sweep_support  # scripts/sweep_support.py
+
 CHECK_MS = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 128, 129, 512, 2048]
 TIME_MS = [1, 8, 32, 64]
 TALL_MS = [128, 512]
@@ -90,24 +92,8 @@ def _setup(smoke: bool):
         return torch
     os.environ["MEGASERVE_MATMUL_SMALL_K"] = "none"  # the generic rule unless a config says
     if smoke:
-        import triton.runtime.interpreter as interp
-
-        original = interp._patch_lang_tensor
-
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interp._patch_lang_tensor = patched
-    orig = _ORIG_EMPTY = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = poisoned
+        sweep_support.patch_interpreter()
+    _ORIG_EMPTY, torch.empty = sweep_support.poisoned_empty(torch)
     return torch
 
 

@@ -18,6 +18,8 @@ import math
 import sys
 import time
 
+import sweep_support  # scripts/sweep_support.py
+
 CHECK_MS = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 256, 512, 1000, 2048]
 
 
@@ -55,31 +57,6 @@ def variants(part: str) -> dict[str, tuple[object, int, int]]:
     return {"small": {**small, **mid}, "large": large, "all": {**small, **mid, **large}}[part]
 
 
-def _patch_interpreter() -> None:
-    """numpy >= 2.4 refuses int() of a 1-element array (see tests/kernels/test_triton_interp.py)."""
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-
-
-def _poison_empty(torch):
-    orig = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    return orig, poisoned
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--part", choices=["small", "large", "all"], default="all")
@@ -91,7 +68,7 @@ def main(argv: list[str]) -> int:
                         help="CPU dry run under TRITON_INTERPRET=1: tiny shapes, no timing")
     args = parser.parse_args(argv)
     if args.smoke:
-        _patch_interpreter()
+        sweep_support.patch_interpreter()
     import torch
     import triton.testing
 
@@ -105,7 +82,7 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     cands = variants(args.part)
     results: dict = {"device": dev if args.smoke else torch.cuda.get_device_name(), "checks": {}, "times": []}
-    orig, poisoned = _poison_empty(torch)
+    orig, poisoned = sweep_support.poisoned_empty(torch)
     bad = set()
     # 1. bitwise checks against the default fold mode
     for k, n in shapes:
