@@ -13,12 +13,12 @@ defined, so the checks run in a child process (this file run as a script).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import pytest
 
 from tests.kernels import interp_support
+from tests.kernels.poison import poisoned_empty
 
 CHECKS = ["rotary_and_cache", "combine_residual", "residual_rms_norm"]
 
@@ -30,24 +30,6 @@ def _rel_err(out, ref) -> float:
 def _bits(torch, t):
     """``t``'s bit pattern (NaN-safe bitwise comparison)."""
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-@contextlib.contextmanager
-def poisoned_empty(torch):
-    """Fresh float tensors start as NaN: an output element no program wrote shows up."""
-    orig = torch.empty
-
-    def empty(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = orig
 
 
 def _rotary_tables(torch, positions: int, dim: int, dtype, device):
@@ -90,7 +72,7 @@ def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
                 caches = [torch.full(shape, float("nan"), device=device, dtype=dtype)
                           for _ in range(4)]
                 args = (qkv, positions, cos, sin, qn, kn, eps)
-                with poisoned_empty(torch):
+                with poisoned_empty():
                     q = ti.rotary_and_cache(*args, caches[0], caches[1], slots, hq)
                 ref_q = composed_rotary_and_cache(ti.rms_norm, ti.write_kv_cache, *args,
                                                   caches[2], caches[3], slots, hq)
@@ -142,7 +124,7 @@ def check_combine_residual(torch, ti, device="cpu", dtypes=None, shapes=None,
             res = torch.randn(t, d, device=device).to(dtype)
             w = (torch.rand(d, device=device) + 0.5).to(dtype)
             what = f"{dtype} k={k} D={d}"
-            with poisoned_empty(torch):
+            with poisoned_empty():
                 y, h = ti.combine_residual(eo, wt, res, w, eps)
                 h_only = ti.combine_residual(eo, wt, res)
             assert not (y.isnan().any() or h.isnan().any()), f"{what}: output unwritten"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.poison import poisoned_empty
+
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 
@@ -17,19 +19,8 @@ BF16 = torch.bfloat16
 @pytest.fixture(autouse=True)
 def _poison_allocator():
     """Poison freshly allocated memory: outputs must be fully written (NaN shows gaps)."""
-    orig = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_cuda and t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = poisoned
-    try:
+    with poisoned_empty(cuda_only=True):
         yield
-    finally:
-        torch.empty = orig
 
 
 def _weights(e: int, d: int, i: int):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.poison import poisoned_empty
+
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 
@@ -16,19 +18,8 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture(autouse=True)
 def _poison_allocator():
     """Poison freshly allocated memory: outputs must be fully written (NaN shows gaps)."""
-    orig = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_cuda and t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = poisoned
-    try:
+    with poisoned_empty(cuda_only=True):
         yield
-    finally:
-        torch.empty = orig
 
 
 @pytest.mark.parametrize("k,n", [(4096, 14336), (2048, 7168), (7168, 2048), (1024, 96)])

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.kernels import interp_support
+from tests.kernels.poison import poisoned_empty
 
 CHECKS = ["linear", "rms_norm", "rowwise", "attention", "moe", "sampling"]
 
@@ -212,7 +213,7 @@ def _check_expert_ffn(torch, ti) -> None:
         n = int((ids < e).sum())
         stable = torch.sort(ids, stable=True).indices[:n]
         assert torch.equal(order[:n].long(), stable), "order not stably grouped"
-    with _poisoned_empty(torch):  # outputs must be written wherever they are defined
+    with poisoned_empty():  # outputs must be written wherever they are defined
         out = ti.expert_ffn(x, eids, wgu, wd)
         assert not out[routed].isnan().any(), "routed rows left unwritten"
         for row in routed.nonzero()[:, 0].tolist():
@@ -259,27 +260,6 @@ def _check_expert_ffn(torch, ti) -> None:
             got = ti.expert_ffn(x[sub], eids[sub], wgu, wd)
             keep = routed[sub]
             assert torch.equal(got[keep], out[sub][keep]), f"rows {rows[:5]} changed"
-
-
-class _poisoned_empty:
-    """torch.empty fills floating tensors with NaN while active (gaps show as NaN)."""
-
-    def __init__(self, torch) -> None:
-        self.torch = torch
-
-    def __enter__(self):
-        torch, orig = self.torch, self.torch.empty
-        self.orig = orig
-
-        def poisoned(*args, **kwargs):
-            t = orig(*args, **kwargs)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-
-        torch.empty = poisoned
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.torch.empty = self.orig
 
 
 def check_sampling(torch, ti) -> None:
