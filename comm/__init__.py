@@ -15,9 +15,7 @@ Providers (``create_endpoint(name, ...)``; ``PROVIDERS`` lists them): ``inproc``
 direction; gloo on CPU).
 
 Usage (one endpoint per worker; M attention workers and N expert workers are all both
-senders and receivers)::
-
-    from megaserve.comm import ChannelConfig, create_endpoint, exchange
+senders and receivers; the names are this package's exports)::
 
     cfg = ChannelConfig(slot_bytes=8 << 20, slots_per_peer=4, timeout_s=30)
     ep = create_endpoint("tcp", rank, world_size, cfg)       # binds host:0
