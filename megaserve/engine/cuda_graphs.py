@@ -27,10 +27,12 @@ execution; their results are all that is read back.
 
 Host synchronisations and data-chosen launch grids break capture; the decode path has
 none (the expert FFN finds its group offsets with an align kernel on the device).
-Sampling stays outside the graph (``kernels.sample`` reads temperatures on the host; a
-step of greedy rows only takes the argmax without it): :meth:`DecodeGraphs.sample` writes
-the tokens to a static device buffer, which the next step's graph reads for rows whose
-source is set, and copies them to the host with one transfer (:class:`DecodeStep`).
+Sampling stays outside the graph (``kernels.sample`` reads the sampling parameters on
+the host, so it is given the staging rows' host copies; a step of greedy rows only takes
+the argmax without it): :meth:`DecodeGraphs.sample` writes the tokens to a static device
+buffer (:class:`SampledTokens`, shared with the model runner's eager steps), which the
+next step reads for rows whose source is set, and copies them to the host with one
+transfer (:class:`DecodeStep`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,20 @@ _TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
 # Columns after the block table (offsets from 4 + W; module NOTE).
 _SOURCE, _TOP_K, _LOGPROBS, _TEMPERATURE, _TOP_P, _MIN_P, _SEED = range(7)
 _NUM_SAMPLING_COLS = 8  # the seed takes two int32 columns
+
+
+@dataclass
+class SampledTokens:
+    """The last sampling step's tokens on the device, one row per sampling sequence: the
+    next step reads a sequence's input token here while the host has not read it (async
+    scheduling). Decode graphs capture ``tokens``' address, so it is allocated once."""
+
+    tokens: torch.Tensor  # `[max_batch]` int64 on the device
+    rows: dict[object, int]  # sequence → its row of ``tokens`` (the last sampling step's)
+
+    @classmethod
+    def allocate(cls, size: int, device: torch.device) -> SampledTokens:
+        return cls(torch.zeros(size, dtype=torch.int64, device=device), {})
 
 
 @dataclass
@@ -112,14 +128,16 @@ def capture_forward(forward, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.
 class DecodeGraphs:
     """Decode forwards of padded batch sizes over static input buffers.
 
-    ``capture=False`` runs the same padded forward eagerly (CPU, tests). Not thread-safe;
-    one engine thread drives it. Raises ``ValueError`` at construction for bad sizes.
+    ``capture=False`` runs the same padded forward eagerly (CPU, tests). ``sampled``: the
+    sampled-token buffer to share with eager steps (one of at least the largest size; by
+    default its own). Not thread-safe; one engine thread drives it. Raises ``ValueError``
+    at construction for bad sizes.
     """
 
     def __init__(self, attention: AttentionPart, experts: ExpertPart | ExpertClient,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  max_batch: int, max_model_len: int, capture: bool = True,
-                 microbatches: int = 1) -> None:
+                 microbatches: int = 1, sampled: SampledTokens | None = None) -> None:
         self.attention = attention
         # An ExpertPart runs in this graph; an ExpertClient with ``graph_step`` (the device
         # data plane) is told before each replay, and its dispatch/combine are captured.
@@ -146,11 +164,12 @@ class DecodeGraphs:
         self._row_lens: list[int] = [0] * max_batch
         self._row_seqs: list[object | None] = [None] * max_batch
         # The last sampled step's tokens (read by the next graph through the source
-        # column), the row of each of its sequences, and two host buffers the tokens are
-        # copied to in turn (a step's copy never overwrites the one before, which the
+        # column) and the row of each of its sequences, and two host buffers the tokens
+        # are copied to in turn (a step's copy never overwrites the one before, which the
         # host may still be reading).
-        self._sampled = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._sampled_rows: dict[object, int] = {}
+        if sampled is None or sampled.tokens.shape[0] < max_batch:
+            sampled = SampledTokens.allocate(max_batch, device)
+        self.sampled = sampled
         self._tokens_host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
                              for _ in range(2)]
         self._tokens_copied = [torch.cuda.Event() for _ in range(2)] if capture else None
@@ -207,16 +226,17 @@ class DecodeGraphs:
     def sample(self, scheduled: list[ScheduledSeq]) -> DecodeStep:
         """Sample the next token of each sequence of the last :meth:`run` (``scheduled``
         must be its list) from its log-probs and the rows' sampling columns, on the
-        device, and start copying the tokens to the host. Synchronises only where a row
-        samples (``kernels.sample`` reads its parameters on the host).
+        device, and start copying the tokens to the host. No host synchronisation:
+        ``kernels.sample`` reads its parameters on the host and gets the staging rows'
+        copies of them.
         """
         n = len(scheduled)
         rows = self._host[:n]  # this step's staging rows (the next _fill has not run)
         extra = self._extra
-        self._sampled[:n].copy_(self._sample_tokens(n))
-        self._sampled_rows = {s.seq: i for i, s in enumerate(scheduled)}
+        self.sampled.tokens[:n].copy_(self._sample_tokens(n))
+        self.sampled.rows = {s.seq: i for i, s in enumerate(scheduled)}
         host = self._tokens_host[self._next_host][:n]
-        host.copy_(self._sampled[:n], non_blocking=True)
+        host.copy_(self.sampled.tokens[:n], non_blocking=True)
         copied = None
         if self.capture:
             copied = self._tokens_copied[self._next_host]
@@ -230,11 +250,14 @@ class DecodeGraphs:
         """`[n]` int64 tokens of the last run's rows ``[:n]`` (device work only)."""
         logprobs, extra = self._out[:n], self._extra  # [n, V] fp32
         if (self._host_f32[:n, extra + _TEMPERATURE] > 0).any():
-            floats = self._static[:n, extra + _TEMPERATURE:extra + _MIN_P + 1].view(torch.float32)
+            # The filter parameters from the host rows (the sampler reads them there: no
+            # device-to-host copy); seeds and positions from the device rows.
+            floats = torch.from_numpy(self._host_f32[:n, extra + _TEMPERATURE:extra + _MIN_P + 1])
+            top_ks = torch.from_numpy(self._host[:n, extra + _TOP_K]).long()
             seeds = self._static[:n, extra + _SEED:extra + _SEED + 2].view(torch.int64)[:, 0]
             return kernels.sample(
-                logprobs, floats[:, 0], self._static[:n, extra + _TOP_K].long(), floats[:, 1],
-                floats[:, 2], seeds, self._static[:n, _POSITION].long() + 1)
+                logprobs, floats[:, 0], top_ks, floats[:, 1], floats[:, 2], seeds,
+                self._static[:n, _POSITION].long() + 1)
         # kernels.sample's rule for greedy rows, without its host reads: argmax, first maximum.
         return logprobs.argmax(dim=-1)
 
@@ -267,7 +290,7 @@ class DecodeGraphs:
             self._copied.synchronize()  # the last step's copy has read the staging rows
         host, bs, n = self._host, self.block_size, len(scheduled)
         row_lists, row_lens, row_seqs = self._row_lists, self._row_lens, self._row_seqs
-        sampled_rows = self._sampled_rows
+        sampled_rows = self.sampled.rows
         positions = [0] * n
         tokens = [0] * n
         sources = [-1] * n
@@ -326,7 +349,7 @@ class DecodeGraphs:
         part = b // m  # captured sizes are multiples of m
         batches = []
         source = rows[:, self._extra + _SOURCE].long()  # [b]
-        tokens = torch.where(source >= 0, self._sampled[source.clamp(min=0)],
+        tokens = torch.where(source >= 0, self.sampled.tokens[source.clamp(min=0)],
                              rows[:, _TOKEN].long())  # [b]
         for i in range(m):
             r = rows[i * part:(i + 1) * part]

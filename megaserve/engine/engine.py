@@ -1,20 +1,24 @@
 """LLMEngine: the engine of one attention worker. ``step()`` = schedule, execute, make
 outputs.
 
-Decode steps on the decode graphs run in two halves (launch the forward, then sample and
-copy the tokens to the host). With ``async_scheduling`` a step's tokens are read one step
-later, so the host's work overlaps the device's:
+A step runs in two halves: launch (the forward and the sampling, on the device, with no
+host synchronisation on CUDA) and read (wait for the tokens' copy to the host, append
+them, check stops, make outputs). Decode steps on the decode graphs launch through
+``ModelRunner.launch_decode`` / ``sample_decode``, every other step (prefill, mixed,
+drafts, prompt logprobs, eager) through ``ModelRunner.launch``. With ``async_scheduling``
+a step's tokens are read one step later, so the host's work overlaps the device's:
 
-    host:    schedule n+1 | launch n+1 | read n's tokens, outputs | sample n+1 | schedule n+2 ...
+    host:    schedule n+1 | launch n+1 | read n's tokens, outputs | schedule n+2 ...
     device:  ... step n (forward, sample, copy) | step n+1 forward (inputs: n's tokens) ...
 
-A decode step of a sequence whose last token is still on the device (``num_pending_tokens``)
-takes it from step n's sampled tokens on the device (megaserve.engine.cuda_graphs). A
-sequence that stops on step n's token (EOS, a stop string) was already in step n+1: that
-step's token is dropped and its K/V write lands in blocks freed meanwhile, harmlessly,
-since every later use of a block is ordered after it on the device stream. Any other step
-(prefill, mixed, drafts, prompt logprobs, eager) first reads the step in flight and then
-runs synchronously.
+A step of a sequence whose last token is still on the device (``num_pending_tokens``)
+takes it from step n's sampled tokens on the device (megaserve.engine.cuda_graphs,
+``SampledTokens``). The launch counts the step's tokens as computed and registers its
+full prompt blocks in the prefix cache (the K/V writes are ordered on the device stream
+before anything a later step reads). A sequence that stops on step n's token (EOS, a stop
+string) was already in step n+1: that step's token is dropped and its K/V write lands in
+blocks freed meanwhile, harmlessly, for the same reason. Without ``async_scheduling``
+each step is read right after its launch.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from megaserve.kernels import api as kernels_api
 from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.cuda_graphs import DecodeStep
-from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors, blocks_for
-from megaserve.engine.model_runner import ModelRunner
+from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors
+from megaserve.engine.model_runner import EagerStep, ModelRunner
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.prefix_cache import root_hash
 from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -128,8 +132,8 @@ class LLMEngine:
         self._generation_tokens = 0
         self._draft_tokens = 0
         self._accepted_tokens = 0
-        # The decode step whose tokens the host has not read yet (async scheduling).
-        self._inflight: DecodeStep | None = None
+        # The step whose tokens the host has not read yet (async scheduling).
+        self._inflight: DecodeStep | EagerStep | None = None
         if self.proposer is not None:
             self.proposer.attach(self)
 
@@ -237,25 +241,35 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs (by each request's output kind)
-        of the requests that advanced. With async scheduling a decode step's requests
-        advance when the next step reads its tokens (module docstring)."""
+        of the requests that advanced. With async scheduling a step's requests advance
+        when the next step reads its tokens (module docstring)."""
         prev, self._inflight = self._inflight, None
         scheduled = self._fill_drafts(self.scheduler.schedule().scheduled)
         if self.runner.launch_decode(scheduled):
             self._prompt_tokens += self.scheduler.launched(scheduled)
-            outputs = self._decode_outputs(prev) if prev is not None else []
+            outputs = self._read(prev)
             step = self.runner.sample_decode(scheduled)
             if self.async_scheduling:
                 self._inflight = step
                 return outputs
             return outputs + self._decode_outputs(step)
-        outputs = []
-        if prev is not None:
-            outputs = self._decode_outputs(prev)
-            scheduled = [s for s in scheduled if not s.seq.is_finished]
-        if scheduled:
-            outputs += self._execute(scheduled)
-        return outputs
+        if not self.async_scheduling:  # nothing in flight
+            return self._execute(scheduled) if scheduled else []
+        if not scheduled:
+            return self._read(prev)
+        step = self.runner.launch(scheduled)
+        self._prompt_tokens += self.scheduler.launched(scheduled)
+        self._inflight = step
+        return self._read(prev)
+
+    def _read(self, step: DecodeStep | EagerStep | None) -> list[RequestOutput]:
+        """The outputs of a launched step whose tokens the host has not read (none for
+        None)."""
+        if step is None:
+            return []
+        if isinstance(step, DecodeStep):
+            return self._decode_outputs(step)
+        return self._eager_outputs(step)
 
     def _decode_outputs(self, step: DecodeStep) -> list[RequestOutput]:
         """Read a decode step's tokens into its sequences; their outputs. A sequence
@@ -273,6 +287,30 @@ class LLMEngine:
             self._generation_tokens += 1
             self.scheduler.register_blocks(seq)
             self._advanced(seq, outputs)
+        return outputs
+
+    def _eager_outputs(self, step: EagerStep) -> list[RequestOutput]:
+        """Read an eager step launched ahead (its tokens were counted as computed and
+        pending at launch: ``Scheduler.launched``); a sequence that finished since drops
+        its token (no drafts: async scheduling is off with speculative decoding)."""
+        results = self.runner.results(step)
+        outputs: list[RequestOutput] = []
+        for item, result in zip(step.scheduled, results):
+            seq = item.seq
+            if item.samples:
+                seq.num_pending_tokens -= 1
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            for position, logprobs in result.prompt_logprobs:
+                if position + 1 == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(logprobs)
+            for m, token in enumerate(result.token_ids):
+                logprobs = result.token_logprobs[m] if result.token_logprobs is not None else None
+                self.outputs.append_token(seq, token, logprobs)
+                self._generation_tokens += 1
+            self.scheduler.register_blocks(seq)
+            if result.token_ids:
+                self._advanced(seq, outputs)
         return outputs
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:

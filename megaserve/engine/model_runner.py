@@ -1,11 +1,21 @@
 """ModelRunner: turns a scheduled step into model inputs, runs the layers, samples.
 
 Shape legend: T = tokens in the step, S = scheduled sequences, B = rows whose logits are
-needed (sampling rows, plus prompt rows of requests asking for prompt logprobs), V = vocab.
+needed (sampling rows, plus prompt rows of requests asking for prompt logprobs), n = rows
+that sample, V = vocab.
+
+NOTE: an eager step (prefill, mixed, drafts) is launched without a host synchronisation
+on CUDA: its inputs (token ids, positions, slots, block tables, context lengths, row
+offsets, logit rows, seeds) are packed into one pinned host buffer and copied with one
+non-blocking transfer (:class:`PinnedStaging`); the sampler gets its filter parameters as
+host tensors; the sampled tokens go to a pinned host buffer with an event
+(:class:`EagerStep`), waited for only where the host reads them (:meth:`ModelRunner.results`).
+Reading logprobs (token or prompt) synchronises, at that read.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -15,7 +25,7 @@ import torch
 from megaserve import kernels
 from megaserve.comm import CommError
 from megaserve.engine import spec_decode, spec_graphs
-from megaserve.engine.cuda_graphs import DecodeGraphs, DecodeStep
+from megaserve.engine.cuda_graphs import DecodeGraphs, DecodeStep, SampledTokens, capture_sizes
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run_layers
@@ -34,6 +44,94 @@ class SeqResult:
     num_accepted: int = 0  # draft tokens accepted (their K/V are valid)
     # (position p, logprobs of prompt token p + 1) for prompt rows computed this step
     prompt_logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class EagerStep:
+    """An eagerly launched step whose sampled tokens are on their way to the host.
+
+    :meth:`ModelRunner.results` turns it into one :class:`SeqResult` per scheduled
+    sequence; read it before the second eager step launched after it (the host buffer
+    its tokens land in is then reused).
+    """
+
+    scheduled: list[ScheduledSeq]
+    row_owner: list[tuple[int, int]]  # (sequence index, position) of each logit row
+    picks: list[tuple[int, int, int]]  # (logit row, sequence index, position) sampled
+    logprobs: torch.Tensor | None  # `[B, V]` float32 on the device; None: no logit rows
+    tokens: torch.Tensor | None  # `[n]` int64 on the host (pinned on CUDA), one per pick
+    copied: torch.cuda.Event | None  # recorded after the tokens' copy (None on CPU)
+    copy_index: int = 0  # which token copy of the runner this is (reuse check)
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens, one per pick (waits for their copy: no stream sync)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tokens.tolist()
+
+
+# Bytes between the arrays of one staged transfer: every device view starts aligned as a
+# fresh allocation would be for the kernels' pointer arguments (Triton specialises on 16).
+_STAGING_ALIGN = 64
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
+
+class PinnedStaging:
+    """Host arrays → device tensors with one non-blocking transfer per call.
+
+    On CUDA the arrays are packed into one of two pinned host buffers, taken in turn, and
+    copied into one device buffer; both grow where a call needs more. On CPU the arrays
+    become tensors as they are (no copy).
+
+    NOTE hazards: a non-blocking copy reads its pinned source when the stream reaches
+    it, so a host buffer is rewritten only after the event recorded behind its last copy
+    (two calls back) has passed. The device buffer is rewritten by the next call's copy,
+    which the stream orders after every kernel already launched on this call's tensors:
+    launch all work on them before the next call, and never read them on the host.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+        self._device_buffer: torch.Tensor | None = None
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """One tensor per array (int64, int32 or float32; same shape) on the device."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
+        k = self._next
+        self._next ^= 1
+        if self._copied[k] is None:
+            self._copied[k] = torch.cuda.Event()
+        else:
+            self._copied[k].synchronize()  # the copy out of this buffer two calls back ran
+        host = self._host[k]
+        if host is None or host.numel() < total:
+            host = self._host[k] = torch.empty(_grown(total, host), dtype=torch.uint8,
+                                               pin_memory=True)
+        staged = host.numpy()
+        for a, offset in zip(arrays, offsets):
+            staged[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        dev = self._device_buffer
+        if dev is None or dev.numel() < total:
+            dev = self._device_buffer = torch.empty(_grown(total, dev), dtype=torch.uint8,
+                                                    device=self.device)
+        dev[:total].copy_(host[:total], non_blocking=True)
+        self._copied[k].record()
+        return [dev[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                for a, offset in zip(arrays, offsets)]
+
+
+def _grown(need: int, old: torch.Tensor | None) -> int:
+    """A buffer size of at least ``need`` bytes, doubling ``old``'s (fewer regrowths)."""
+    return max(need, 2 * old.numel() if old is not None else 0, 1 << 16)
 
 
 def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[ScheduledSeq]]:
@@ -64,7 +162,12 @@ class ModelRunner:
 
     Decode steps on the graphs run in two calls, :meth:`launch_decode` (the forward) and
     :meth:`sample_decode` (tokens on their way to the host), so that the host can work
-    between them and while the tokens copy; :meth:`execute` runs any step at once.
+    between them and while the tokens copy; other steps likewise in :meth:`launch` and
+    :meth:`results`. :meth:`execute` runs any step at once.
+
+    A sequence whose last token was sampled by the step before and not read by the host
+    yet (``num_pending_tokens``, async scheduling) takes it from that step's tokens on the
+    device (:class:`SampledTokens`, shared by the decode graphs and the eager steps).
     """
 
     def __init__(
@@ -95,6 +198,14 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.verify_graphs: spec_graphs.MultiTokenGraphs | None = None
         self._graphs_failed = False
+        # Eager steps: inputs through pinned staging, tokens out through two pinned host
+        # buffers used in turn (EagerStep says when a step must be read).
+        self.staging = PinnedStaging(self.device)
+        self.sampled = SampledTokens.allocate(
+            capture_sizes(max(1, max_num_seqs), max(1, microbatches))[-1], self.device)
+        self._token_host: list[torch.Tensor | None] = [None, None]
+        self._token_copied: list[torch.cuda.Event | None] = [None, None]
+        self._num_token_copies = 0
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
@@ -104,25 +215,76 @@ class ModelRunner:
             return [SeqResult([token], None if logprobs is None or logprobs[i] is None
                               else [logprobs[i]])
                     for i, token in enumerate(step.token_ids())]
+        return self.results(self.launch(scheduled))
+
+    def launch(self, scheduled: list[ScheduledSeq]) -> EagerStep:
+        """Launch a step eagerly (any kind of step): the forward, the logits of its logit
+        rows, the sampling of its sampling rows on the device, and the tokens' copy to the
+        host. On CUDA nothing here waits for the device, except a verification step on the
+        verify graphs (speculative decoding). Read the step with :meth:`results`."""
         rows, row_owner = self._logit_rows(scheduled)
-        results = [SeqResult() for _ in scheduled]
+        picks = [
+            (r, i, p) for r, (i, p) in enumerate(row_owner)
+            if scheduled[i].samples and p >= scheduled[i].seq.num_tokens_with_pending - 1
+        ]
         logprobs = self._verify_graph_logprobs(scheduled, rows)  # [B, V] fp32, or None
-        if logprobs is None:
-            groups = split_microbatches(scheduled, self.microbatches)
+        groups = split_microbatches(scheduled, self.microbatches) if logprobs is None else []
+        sampled = self._sampled_tokens()
+        arrays: list[np.ndarray] = []
+        fed = []  # per group: whether some input token comes from the device
+        for group in groups:
+            inputs, sources = self._group_inputs(group, sampled.rows)
+            arrays += micro_batch_arrays(inputs, self.block_size)
+            fed.append(sources is not None)
+            if sources is not None:
+                arrays.append(sources)
+        gather = bool(groups) and bool(rows)
+        if gather:
+            arrays.append(np.array(rows, dtype=np.int64))  # [B]
+        greedy = all(scheduled[i].seq.params.greedy for _, i, _ in picks)
+        every_row = len(picks) == len(rows)  # the picks are rows 0..B-1
+        if picks and not (greedy and every_row):
+            # (logit row, seed, position of the token being generated: it keys the draw)
+            arrays.append(np.array([[r for r, _, _ in picks],
+                                    [scheduled[i].seq.seed for _, i, _ in picks],
+                                    [p + 1 for _, _, p in picks]], dtype=np.int64))  # [3, n]
+        staged = iter(self.staging.to_device(arrays))
+        if groups:
+            batches = [_micro_batch(staged, sampled.tokens if f else None) for f in fed]
             self.experts.begin_step(len(groups))
-            hidden = run_layers(
-                self.attention, self.experts, [self._micro_batch(g) for g in groups],
-                self.kv_caches,
-            )
+            hidden = run_layers(self.attention, self.experts, batches, self.kv_caches)
             h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]  # [T, D]
             self._wait_experts()
-            if not rows:
-                return results
-            logprobs = kernels.log_softmax(
-                self.attention.logits(h[torch.tensor(rows, device=self.device)])
-            )  # [B, V] fp32
-        self._sample(scheduled, row_owner, logprobs, results)
-        self._prompt_logprobs(scheduled, row_owner, logprobs, results)
+            if gather:
+                logprobs = kernels.log_softmax(self.attention.logits(h[next(staged)]))  # [B, V]
+        if not picks:
+            return EagerStep(scheduled, row_owner, picks, logprobs, None, None)
+        cols = next(staged) if not (greedy and every_row) else None  # [3, n] int64
+        picked = logprobs if every_row else logprobs[cols[0]]  # [n, V]
+        if greedy:  # kernels.sample's rule for greedy rows: argmax, first maximum
+            tokens = picked.argmax(dim=-1)
+        else:
+            tokens = self._sample_rows(scheduled, picks, picked, cols)
+        if not any(s.num_draft_tokens for s in scheduled):
+            n = tokens.shape[0]  # one pick per sampling sequence
+            if n <= sampled.tokens.shape[0]:
+                sampled.tokens[:n].copy_(tokens)
+                sampled.rows = {scheduled[i].seq: j for j, (_, i, _) in enumerate(picks)}
+        host, copied = self._tokens_to_host(tokens)
+        return EagerStep(scheduled, row_owner, picks, logprobs, host, copied,
+                         self._num_token_copies)
+
+    def results(self, step: EagerStep) -> list[SeqResult]:
+        """The host's part of a launched eager step: waits for its tokens (an event, no
+        stream synchronisation), verifies drafts, reads logprobs where asked (those reads
+        synchronise). One SeqResult per scheduled sequence, in order."""
+        assert self._num_token_copies - step.copy_index < 2 or step.tokens is None, \
+            "an eager step read after its token buffer was reused"
+        results = [SeqResult() for _ in step.scheduled]
+        if step.picks:
+            self._apply_samples(step, step.token_ids(), results)
+        if step.logprobs is not None:
+            self._prompt_logprobs(step.scheduled, step.row_owner, step.logprobs, results)
         return results
 
     def launch_decode(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -232,7 +394,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.attention, client, self.kv_caches, self.block_size,
                 self.max_num_seqs, int(self.attention.cos.shape[0]), capture=capture,
-                microbatches=microbatches,
+                microbatches=microbatches, sampled=self.sampled,
             )
         except ValueError as e:  # e.g. max_num_seqs < 1
             logger.info("decode CUDA graphs off: %s", e)
@@ -240,19 +402,79 @@ class ModelRunner:
             return False
         return True
 
-    def _micro_batch(self, group: list[ScheduledSeq]) -> MicroBatch:
-        """The step's tokens of ``group``: new tokens, then draft tokens, per sequence."""
-        return build_micro_batch(
-            [(s.seq.token_ids(s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens)
-              + list(s.draft_token_ids), s.seq.num_computed_tokens, s.seq.block_ids) for s in group],
-            self.block_size, self.device,
-        )
+    def _sampled_tokens(self) -> SampledTokens:
+        """Where the last sampling step's tokens are on the device (the decode graphs'
+        buffer where graphs exist: the runner's own unless a caller set other graphs)."""
+        return self.decode_graphs.sampled if self.decode_graphs is not None else self.sampled
+
+    @staticmethod
+    def _group_inputs(
+        group: list[ScheduledSeq], sampled_rows: dict[object, int]
+    ) -> tuple[list[tuple[list[int], int, list[int]]], np.ndarray | None]:
+        """``group``'s (token ids, first position, block ids) per sequence, for
+        :func:`micro_batch_arrays`: new tokens, then draft tokens; and the group's source
+        rows `[T]` int64 (row of the last step's sampled tokens holding a token the host
+        has not read, else -1), None where every token is on the host."""
+        inputs = []
+        sources: list[tuple[int, int]] = []  # (token row in the group, sampled row)
+        offset = 0
+        for s in group:
+            seq = s.seq
+            begin = seq.num_computed_tokens
+            end = begin + s.num_new_tokens
+            known = seq.num_tokens
+            token_ids = seq.token_ids(begin, min(end, known))
+            if end > known:  # sampled by the step in flight (async scheduling)
+                assert end == known + 1 and seq.num_pending_tokens, (seq.request_id, end, known)
+                sources.append((offset + len(token_ids), sampled_rows[seq]))
+                token_ids = token_ids + [0]
+            if s.draft_token_ids:
+                token_ids = token_ids + list(s.draft_token_ids)
+            inputs.append((token_ids, begin, seq.block_ids))
+            offset += len(token_ids)
+        if not sources:
+            return inputs, None
+        source_rows = np.full(offset, -1, dtype=np.int64)
+        for row, sampled_row in sources:
+            source_rows[row] = sampled_row
+        return inputs, source_rows
+
+    def _sample_rows(self, scheduled: list[ScheduledSeq], picks: list[tuple[int, int, int]],
+                     logprobs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """``kernels.sample`` of the picked rows' log-probs `[n, V]`: `[n]` int64 on the
+        device. Its filter parameters go as host tensors (it reads them on the host: no
+        device-to-host copy); seeds and positions (``cols[1:]``) are on the device."""
+        params = [scheduled[i].seq.params for _, i, _ in picks]
+        floats = torch.tensor([(q.temperature, q.top_p, q.min_p) for q in params],
+                              dtype=torch.float32)  # [n, 3]
+        top_ks = torch.tensor([q.top_k for q in params], dtype=torch.int64)
+        return kernels.sample(logprobs, floats[:, 0], top_ks, floats[:, 1], floats[:, 2],
+                              cols[1], cols[2])
+
+    def _tokens_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying `[n]` int64 device tokens to a pinned host buffer (the two are
+        used in turn): (host tensor, event recorded after the copy; None on CPU)."""
+        self._num_token_copies += 1
+        if self.device.type != "cuda":
+            return tokens, None
+        k, n = self._num_token_copies % 2, tokens.shape[0]
+        host = self._token_host[k]
+        if host is None or host.shape[0] < n:
+            host = self._token_host[k] = torch.empty(max(n, self.max_num_seqs),
+                                                     dtype=torch.int64, pin_memory=True)
+        host = host[:n]
+        host.copy_(tokens, non_blocking=True)
+        if self._token_copied[k] is None:
+            self._token_copied[k] = torch.cuda.Event()
+        self._token_copied[k].record()
+        return host, self._token_copied[k]
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[int, int]]]:
         """Rows of the step's hidden states that need logits, and (sequence index,
         position) for each: the last new row and every draft row of sampling sequences
-        and, for prompt logprobs, every row whose next token is still a prompt token."""
+        and, for prompt logprobs, every row whose next token is still a prompt token.
+        A token the host has not read yet (async scheduling) counts in the positions."""
         rows: list[int] = []
         owner: list[tuple[int, int]] = []
         offset = 0
@@ -265,45 +487,17 @@ class ModelRunner:
             if s.samples:
                 for d in range(s.num_draft_tokens + 1):
                     rows.append(offset + s.num_new_tokens - 1 + d)
-                    owner.append((i, s.seq.num_tokens - 1 + d))
+                    owner.append((i, s.seq.num_tokens_with_pending - 1 + d))
             offset += s.num_step_tokens
         return rows, owner
 
-    def _sample(
-        self,
-        scheduled: list[ScheduledSeq],
-        row_owner: list[tuple[int, int]],
-        logprobs: torch.Tensor,
-        results: list[SeqResult],
-    ) -> None:
-        """Sample the next token of every sequence that completed its tokens this step;
-        a sequence with drafts gets them verified (megaserve.engine.spec_decode)."""
-        # (row, sequence index, position of the row's token) for each generating row.
-        picks = [
-            (r, i, p) for r, (i, p) in enumerate(row_owner)
-            if scheduled[i].samples and p >= scheduled[i].seq.num_tokens - 1
-        ]
-        if not picks:
-            return
-        # One pass over the rows, two host-to-device copies: (temperature, top_p, min_p)
-        # as float32, (row, top_k, seed, position of the token being generated: it keys
-        # the random draw) as int64.
-        float_rows, int_rows = [], []
-        for r, i, p in picks:
-            seq = scheduled[i].seq
-            params = seq.params
-            float_rows.append((params.temperature, params.top_p, params.min_p))
-            int_rows.append((r, params.top_k, seq.seed, p + 1))
-        floats = np.array(float_rows, dtype=np.float32).T.copy()  # [3, n]
-        ints = np.array(int_rows, dtype=np.int64).T.copy()  # [4, n]
-        floats_d = torch.from_numpy(floats).to(self.device)
-        ints_d = torch.from_numpy(ints).to(self.device)
-        tokens = kernels.sample(
-            logprobs[ints_d[0]], floats_d[0], ints_d[1], floats_d[1], floats_d[2],
-            ints_d[2], ints_d[3],
-        ).tolist()
+    def _apply_samples(self, step: EagerStep, tokens: list[int],
+                       results: list[SeqResult]) -> None:
+        """Each sampling sequence's result from its picked tokens: the token, or with
+        drafts their verification (megaserve.engine.spec_decode); logprobs where asked."""
+        scheduled, logprobs = step.scheduled, step.logprobs
         per_seq: dict[int, list[tuple[int, int]]] = {}
-        for (r, i, _), token in zip(picks, tokens):
+        for (r, i, _), token in zip(step.picks, tokens):
             per_seq.setdefault(i, []).append((r, token))
         for i, rows in per_seq.items():
             item, seq = scheduled[i], scheduled[i].seq
@@ -337,39 +531,52 @@ class ModelRunner:
                 )
 
 
+def micro_batch_arrays(
+    inputs: list[tuple[list[int], int, list[int]]], block_size: int
+) -> list[np.ndarray]:
+    """The host arrays of a micro-batch from (token ids, position of the first, block
+    table) per sequence: token ids, positions, slots `[T]` int64 (every token's K/V go
+    to its slot in the sequence's blocks), block tables `[S, W]` int32 (zero-padded to
+    the longest), context lengths `[S]` int32, query start offsets `[S + 1]` int32."""
+    num_seqs = len(inputs)
+    lengths = np.fromiter((len(ids) for ids, _, _ in inputs), np.int64, num_seqs)
+    begins = np.fromiter((begin for _, begin, _ in inputs), np.int64, num_seqs)
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    num_tokens = int(starts[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(ids for ids, _, _ in inputs), np.int64,
+                      num_tokens)
+    tables = np.zeros((num_seqs, max(len(b) for _, _, b in inputs)), dtype=np.int32)
+    for row, (_, _, block_ids) in zip(tables, inputs):
+        row[:len(block_ids)] = block_ids
+    owner = np.repeat(np.arange(num_seqs), lengths)  # [T] sequence of each token
+    positions = np.arange(num_tokens) + np.repeat(begins - starts[:-1], lengths)  # [T]
+    slots = (tables[owner, positions // block_size].astype(np.int64) * block_size
+             + positions % block_size)  # [T]
+    return [ids, positions, slots, tables, (begins + lengths).astype(np.int32),
+            starts.astype(np.int32)]
+
+
 def build_micro_batch(
     inputs: list[tuple[list[int], int, list[int]]], block_size: int, device: torch.device
 ) -> MicroBatch:
-    """A micro-batch from (token ids, position of the first, block table) per sequence;
-    every token's K/V go to its slot in the sequence's blocks."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    context_lens: list[int] = []
-    starts = [0]
-    max_blocks = max(len(block_ids) for _, _, block_ids in inputs)
-    table_rows: list[list[int]] = []  # block tables zero-padded to max_blocks
-    for token_ids, begin, block_ids in inputs:
-        end = begin + len(token_ids)
-        ids += token_ids
-        positions += range(begin, end)
-        slots += [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
-        context_lens.append(end)
-        starts.append(starts[-1] + len(token_ids))
-        table_rows.append(list(block_ids) + [0] * (max_blocks - len(block_ids)))
-    tables = torch.tensor(table_rows, dtype=torch.int32).view(len(inputs), max_blocks)
+    """A micro-batch from (token ids, position of the first, block table) per sequence
+    (:func:`micro_batch_arrays`), copied to ``device`` one array at a time (blocking)."""
+    arrays = micro_batch_arrays(inputs, block_size)
+    return _micro_batch(iter([torch.from_numpy(a).to(device) for a in arrays]), None)
 
-    def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device)
 
-    meta = AttentionMetadata(
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=tables.to(device),
-        context_lens=dev(context_lens, torch.int32),
-        query_start_loc=dev(starts, torch.int32),
-    )
-    return MicroBatch(dev(ids, torch.int64), meta)
+def _micro_batch(staged, sampled_tokens: torch.Tensor | None) -> MicroBatch:
+    """The MicroBatch of :func:`micro_batch_arrays`' tensors, taken from the iterator
+    ``staged``; with ``sampled_tokens`` (the last step's tokens on the device) the next
+    tensor is the source rows `[T]` int64 and those tokens replace the ids where >= 0."""
+    ids, positions, slots, tables, context_lens, starts = (next(staged) for _ in range(6))
+    if sampled_tokens is not None:
+        sources = next(staged)
+        ids = torch.where(sources >= 0, sampled_tokens[sources.clamp(min=0)], ids)
+    meta = AttentionMetadata(positions=positions, slot_mapping=slots, block_tables=tables,
+                             context_lens=context_lens, query_start_loc=starts)
+    return MicroBatch(ids, meta)
 
 
 def _top_logprobs(row: torch.Tensor, n: int, token: int) -> dict[int, float]:

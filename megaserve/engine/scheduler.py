@@ -15,7 +15,8 @@ Each step runs in two phases:
 With async scheduling a running sequence may have a token sampled by a step still in
 flight (``Sequence.num_pending_tokens``): it counts as one of the sequence's tokens (its
 input comes from the device), and a sequence whose pending tokens already reach its
-length limit (``max_tokens``, ``max_model_len``) is not scheduled again.
+length limit (``max_tokens``, ``max_model_len``) is not scheduled again. Such steps are
+counted at launch (:meth:`Scheduler.launched`), before their tokens are read.
 
 A step that reaches the end of a sequence's tokens samples; with speculative decoding it
 also carries the sequence's draft tokens (``num_draft_tokens``, a pure function of the
@@ -255,16 +256,21 @@ class Scheduler:
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
 
     def launched(self, scheduled: list[ScheduledSeq]) -> int:
-        """A decode step of ``scheduled`` (one new token each, sampling) was launched:
-        each input token counts as computed (see :meth:`advance`) and each sequence's
+        """A step of ``scheduled`` (no drafts) was launched ahead of reading its tokens:
+        each input token counts as computed (see :meth:`advance`), full blocks of known
+        tokens are registered (:meth:`register_blocks`), and each sampling sequence's
         next token is pending until the host reads it. Returns how many of the input
-        tokens were prompt tokens (a prompt's last token after a prefix-cache hit)."""
+        tokens were prompt tokens."""
         num_prompt = 0
         for item in scheduled:
             seq = item.seq
-            num_prompt += seq.num_computed_tokens < len(seq.prompt_token_ids)
-            seq.num_computed_tokens += 1
-            seq.num_pending_tokens += 1
+            if seq.num_computed_tokens < len(seq.prompt_token_ids):
+                num_prompt += min(item.num_new_tokens,
+                                  len(seq.prompt_token_ids) - seq.num_computed_tokens)
+            seq.num_computed_tokens += item.num_new_tokens  # advance(item, 0), inlined
+            if item.num_new_tokens > 1:  # a decode row's block: when its token is read
+                self.register_blocks(seq)
+            seq.num_pending_tokens += item.samples
         return num_prompt
 
     def register_blocks(self, seq: Sequence) -> None:
