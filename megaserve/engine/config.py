@@ -128,14 +128,14 @@ class EngineConfig:
     cores), and on a machine shared with other work a second thread gains little.
     cuda_graphs: run decode steps on CUDA through captured CUDA graphs (padded batch
     sizes; results are bitwise those of eager execution). Ignored on CPU.
-    async_scheduling: overlap the host with the device in steady decode (vLLM's
-    ``--async-scheduling``): while the device runs decode step n, the host reads step
-    n-1's tokens, makes its outputs and schedules step n+1, whose input tokens come from
-    step n's sampled tokens on the device. A request that stops on a token (EOS, stop
-    string) is found one step late and its extra token dropped; outputs are bitwise the
-    same as without it. Applies to decode steps on the decode graphs with in-process
-    experts and no speculative decoding; other steps run synchronously. Off by default,
-    as in vLLM.
+    async_scheduling: overlap the host with the device (vLLM's ``--async-scheduling``):
+    while the device runs step n, the host reads step n-1's tokens, makes its outputs
+    and schedules step n+1, whose input tokens come from step n's sampled tokens on the
+    device. A request that stops on a token (EOS, stop string) is found one step late and
+    its extra token dropped; outputs are bitwise the same as without it. Applies to
+    decode-graph steps and eager (prefill, mixed) steps on CUDA with in-process experts
+    and no speculative decoding; other steps run synchronously. Off by default, as in
+    vLLM.
     """
 
     model: str = "builtin:tiny-moe"

@@ -30,7 +30,7 @@ class Sequence:
     (speculative decoding with a draft model); it never exceeds ``num_computed_tokens``
     after a step.
 
-    ``num_pending_tokens`` counts tokens sampled by decode steps still in flight on the
+    ``num_pending_tokens`` counts tokens sampled by steps still in flight on the
     device (async scheduling, megaserve.engine.engine): they follow ``output_token_ids``
     but the host has not read them yet. Such a step already counted its input token in
     ``num_computed_tokens``, which may therefore exceed ``num_tokens`` by the pending ones.
