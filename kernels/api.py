@@ -256,6 +256,8 @@ def sample(
     (0 = off); seeds, positions: `[B]` int64. Filtering (top-k, then top-p, then min-p)
     uses the tempered distribution; the draw is the Gumbel-max trick with
     :func:`counter_uniform` noise, so a row's token depends only on its own inputs.
+    temperatures, top_ks, top_ps and min_ps may be host tensors while the rest is on the
+    device (the CUDA backend reads those four on the host).
     Returns `[B]` int64 token ids.
     """
     return _backend(logprobs).sample(

@@ -56,8 +56,9 @@ def sample(logprobs: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Ten
     """See ``megaserve.kernels.api.sample``: logprobs `[B, V]` float32 → tokens `[B]` int64.
 
     Greedy rows: argmax (first maximum). Sampled rows are processed one at a time with
-    Gumbel-max over :func:`counter_uniform` noise (NOTE: this reads the temperatures on
-    the host, so it is not CUDA-graph capturable).
+    Gumbel-max over :func:`counter_uniform` noise (NOTE: this reads temperatures, top_ks,
+    top_ps and min_ps on the host, so it is not CUDA-graph capturable; the engine passes
+    them as host tensors, so the read is no stream synchronisation).
     """
     tokens = logprobs.argmax(dim=-1)
     params = torch.stack([temperatures.float(), top_ps.float(), min_ps.float()], 1).tolist()
