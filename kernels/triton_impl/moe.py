@@ -15,13 +15,18 @@ rows share one x row; no [R, D] copy of it).
 
 A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N columns).
 Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
-BLOCK_M)`` tiles each); the grid is a bound on their number from (R, E) alone and the
-programs past the last tile return at once.
+BLOCK_M)`` tiles each; inside an expert row tile by row tile, or with
+``GemmTiles.n_major`` column tile by column tile, so that the row tiles sharing a weight
+tile run together); the grid is a bound on their number from (R, E) alone and the
+programs past the last tile return at once. The weights are read through pointers or TMA
+descriptors (``GemmTiles.tma``; gate and up may share one dot, ``GemmTiles.join``).
 
 Every output element is one fp32 chain of tensor-core k16 steps in ascending K order,
-whatever R, the tile shape, warps, stages or the launch's K step (``GemmTiles.block_k``:
-a dot over 128 of K is the same chain of k16 steps as two dots over 64; a K tail is
-zero-padded, and a k16 step of zeros adds exact zeros): the launch (picked from R and E by
+whatever R, the tile shape, warps, stages, the weight path or the launch's K step
+(``GemmTiles.block_k``: a dot over 128 of K is the same chain of k16 steps as two dots
+over 64; a K tail is zero-padded, by masks or TMA's zero fill, and a k16 step of zeros
+adds exact zeros; an output column's chain reads only its own weight row, wherever it
+sits in the dot): the launch (picked from R and E by
 :func:`plan_launch`) never changes a bit (the hardware fact in matmul.py's NOTE), so a
 row's bits depend on its input and its expert's weights only. The SwiGLU epilogue
 rounds like the unfused GEMM + ``silu_and_mul``: gate and up rounded to the output dtype,
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .rowwise import silu_and_mul
@@ -127,6 +133,58 @@ def _align_kernel(ids_ptr, order_ptr, offsets_ptr, R, num_experts, BLOCK_R: tl.c
 
 
 @triton.jit
+def _tile_of(pid, offsets_ptr, num_experts, tiles_n, BLOCK_M: tl.constexpr,
+             BLOCK_E: tl.constexpr, N_MAJOR: tl.constexpr):
+    """Program ``pid``'s tile: (expert, first position, end of the expert's positions,
+    column tile); expert >= num_experts past the last tile (module NOTE).
+
+    Tiles are numbered expert by expert; inside an expert, row tile by row tile (the
+    column tiles of one row tile are consecutive programs: one read of its rows from L2)
+    or, with N_MAJOR, column tile by column tile (the row tiles of one weight tile are
+    consecutive programs: one read of the weights from device memory).
+    """
+    experts = tl.arange(0, BLOCK_E)
+    lo = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
+    hi = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # row tiles of expert e
+    ends = tl.cumsum(tiles, axis=0)  # row tiles through expert e
+    if N_MAJOR:
+        expert = tl.sum((ends * tiles_n <= pid).to(tl.int32), axis=0)
+        mine = experts == expert
+        first = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
+        count = tl.maximum(tl.sum(tl.where(mine, tiles, 0), axis=0), 1)
+        local = pid - first * tiles_n
+        row_tile = local % count
+        col_tile = local // count
+    else:
+        tile = pid // tiles_n
+        col_tile = pid % tiles_n
+        expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
+        mine = experts == expert
+        row_tile = tile - tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
+    start = tl.sum(tl.where(mine, lo, 0), axis=0) + row_tile * BLOCK_M
+    end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    return expert, start, end, col_tile
+
+
+@triton.jit
+def _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
+                SWIGLU: tl.constexpr, SCATTER: tl.constexpr):
+    """Round the fp32 tile to c's dtype (SWIGLU: the module NOTE's epilogue) and store it
+    at rows ``order[pos]`` (SCATTER) or ``pos``."""
+    out_ty = c_ptr.dtype.element_ty
+    if SWIGLU:
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty)  # as rowwise._silu_mul_kernel
+        res = act * acc_up.to(out_ty)
+    else:
+        res = acc.to(out_ty)
+    dst = tl.load(order_ptr + pos, mask=row_ok, other=0) if SCATTER else pos
+    tl.store(c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :], res,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _expert_gemm_kernel(
     # Pointers
     a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr,
@@ -140,7 +198,8 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``.
+    """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``, both
+    operands through pointer loads.
 
     GATHER: position p reads row ``order[p] // ROWS_PER_TOKEN`` of a (else row p);
     SCATTER: writes row ``order[p]`` of c (else row p). SWIGLU: N is I, the tile
@@ -148,23 +207,12 @@ def _expert_gemm_kernel(
     (module NOTE's roundings).
     """
     pdl.wait_then_release(PDL)
-    pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    tile = pid // tiles_n  # consecutive programs share the rows: one read of them from L2
-    cols = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # This tile's expert: tiles are numbered expert by expert (module NOTE).
-    experts = tl.arange(0, BLOCK_E)
-    lo = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
-    hi = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
-    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, axis=0)  # tiles through expert e
-    expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, num_experts,
+                                            tiles_n, BLOCK_M, BLOCK_E, False)
     if expert >= num_experts:
         return
-    mine = experts == expert
-    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), axis=0)
-    start = tl.sum(tl.where(mine, lo, 0), axis=0) + (tile - first_tile) * BLOCK_M
-    end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     pos = start + tl.arange(0, BLOCK_M)  # positions in the grouped order
     row_ok = pos < end
     col_ok = cols < N
@@ -188,16 +236,74 @@ def _expert_gemm_kernel(
         if SWIGLU:
             b_up = tl.load(u_rows + (k0 + kk)[None, :], mask=w_ok, other=0.0)
             acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-    out_ty = c_ptr.dtype.element_ty
-    if SWIGLU:
-        gate = acc.to(out_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty)  # as rowwise._silu_mul_kernel
-        res = act * acc_up.to(out_ty)
+    _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
+                SWIGLU, SCATTER)
+
+
+@triton.jit
+def _expert_gemm_tma_kernel(
+    # Pointers and TMA descriptors
+    a_ptr, a_desc, w_desc, c_ptr, order_ptr, offsets_ptr,
+    # Shapes
+    num_experts, N, K,
+    # Strides
+    stride_am, stride_cm,
+    # Meta-parameters
+    SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr, JOIN: tl.constexpr, N_MAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+):
+    """The tile of :func:`_expert_gemm_kernel` (same arguments, same bits) with the
+    weights, and a unless GATHER, read by TMA.
+
+    w_desc: w viewed `[E * H, N, K]` (H = 2 with SWIGLU: gate then up, else 1), block
+    `[1, BLOCK_N, BLOCK_K]` (with JOIN `[2, BLOCK_N, BLOCK_K]`: gate and up rows in one
+    dot over 2 * BLOCK_N columns, split in the epilogue). Rows past N and K past K read
+    as zeros, so no tile sees another expert's weights. a_desc (not GATHER): a `[R, K]`,
+    block `[BLOCK_M, BLOCK_K]`; rows past ``end`` (the next expert's) are read and never
+    stored (each output row depends on its own a row only).
+    """
+    pdl.wait_then_release(PDL)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, num_experts,
+                                            tiles_n, BLOCK_M, BLOCK_E, N_MAJOR)
+    if expert >= num_experts:
+        return
+    n0 = col_tile * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    pos = start + tl.arange(0, BLOCK_M)
+    row_ok = pos < end
+    col_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    if GATHER:
+        src = tl.load(order_ptr + pos, mask=row_ok, other=0) // ROWS_PER_TOKEN
+        a_rows = a_ptr + src.to(tl.int64)[:, None] * stride_am
+    H: tl.constexpr = 2 if SWIGLU else 1
+    if JOIN:
+        acc2 = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     else:
-        res = acc.to(out_ty)
-    dst = tl.load(order_ptr + pos, mask=row_ok, other=0) if SCATTER else pos
-    tl.store(c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :], res,
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if GATHER:
+            a = tl.load(a_rows + (k0 + kk)[None, :],
+                        mask=row_ok[:, None] & (k0 + kk < K)[None, :], other=0.0)
+        else:
+            a = a_desc.load([start, k0])
+        if JOIN:
+            b = w_desc.load([expert * 2, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc2 = tl.dot(a, b.T, acc2)
+        else:
+            b = w_desc.load([expert * H, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, b.T, acc)
+            if SWIGLU:
+                b_up = w_desc.load([expert * 2 + 1, n0, k0]).reshape(BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(a, b_up.T, acc_up)
+    if JOIN:  # columns [gate 0..BLOCK_N) | [up 0..BLOCK_N)
+        acc, acc_up = tl.split(acc2.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
+    _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
+                SWIGLU, SCATTER)
 
 
 _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of it
@@ -221,7 +327,11 @@ class GemmTiles:
 
     block_n counts output columns: for the gate_up GEMM, I columns (each tile reads
     2 * block_n weight rows, gate and up). block_k: K per dot of the launch's K loop, a
-    power-of-two multiple of 64 (the same chain of k16 steps whatever it is).
+    power-of-two multiple of 64 (the same chain of k16 steps whatever it is). tma: the
+    weights (and the down GEMM's rows) through TMA descriptors where their strides allow
+    (16-byte aligned rows), else pointer loads. join (tma): gate and up in one dot over
+    2 * block_n columns. n_major (tma): an expert's tiles in column-tile order (module
+    NOTE).
     """
 
     block_m: int
@@ -229,6 +339,9 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     block_k: int = _K_QUANTUM
+    tma: bool = False
+    join: bool = False
+    n_major: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -241,6 +354,8 @@ class GemmTiles:
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"GemmTiles: bad num_warps={self.num_warps} / "
                              f"num_stages={self.num_stages}")
+        if (self.join or self.n_major) and not self.tma:
+            raise ValueError("GemmTiles: join and n_major need tma=True")
 
 
 @dataclass(frozen=True)
@@ -255,14 +370,20 @@ class MoeLaunch:
 # more take _PREFILL. Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's
 # expert shape, 128 experts): up to 4 rows per expert (512 rows), 16-row tiles put the most
 # programs on the weights (batch 1 has one row per expert), K step 128 and 3 stages; then
-# 64-row tiles, K step 128, 4 stages; prefill 128-row tiles. Keyed per expert, not per
-# call, so a model with few big experts (Mixtral: 8) leaves 16-row tiles, which re-read
-# each expert's weights once per 16 rows, as soon as its experts get more rows (batch 256:
-# 64 rows each; 16-row tiles there made its decode step 2.4x slower).
+# 64-row tiles, K step 128, 4 stages. Keyed per expert, not per call, so a model with few
+# big experts (Mixtral: 8) leaves 16-row tiles, which re-read each expert's weights once
+# per 16 rows, as soon as its experts get more rows (batch 256: 64 rows each; 16-row tiles
+# there made its decode step 2.4x slower).
+# Prefill (scripts/moe_bench.py --sweep --grid prefill, H100, 4096 tokens: Qwen3-30B-A3B
+# 32768 rows, Mixtral-8x7B 8192 rows): 128-row tiles, 8 warps, 4 stages, weights by TMA.
+# gate_up: gate and up in one 128 x 256 dot, column-tile order (Mixtral's 112 column
+# tiles an expert: 1.9x faster than row-tile order, which re-reads an expert's 235 MB of
+# weights per row tile; Qwen's 6: the same); down: 128 x 256 tiles.
 _BY_ROWS_PER_EXPERT = (
     (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
     (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
-_PREFILL = MoeLaunch(GemmTiles(128, 64, 4, 3), GemmTiles(128, 128, 4, 3))
+_PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True),
+                     GemmTiles(128, 256, 8, 4, tma=True))
 # Tuning runs: "m,n,warps,stages,k_step;m,n,warps,stages,k_step" (up; down) replaces the
 # first bucket's launch (a speed choice: the bits never change).
 _DECODE_ENV = "MEGASERVE_MOE_DECODE_TILES"
@@ -307,6 +428,13 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     return offsets, order
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA reads t: unit last stride, 16-byte aligned base and leading strides."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
                  tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool,
                  rows_per_token: int = 1) -> torch.Tensor:
@@ -321,13 +449,26 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets:
     n = n_w // 2 if swiglu else n_w
     out = torch.empty(r, n, dtype=a.dtype, device=a.device)
     grid = (_max_tiles(r, num_experts, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
-    _expert_gemm_kernel[grid](
-        a, w, out, order, offsets, num_experts, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+    common = dict(
         SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **_launch_args(a.device, "gemm"))
+    if tiles.tma and _tma_ok(w) and (gather or _tma_ok(a)):
+        halves = 2 if swiglu else 1
+        w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
+        join = tiles.join and swiglu
+        w_desc = TensorDescriptor.from_tensor(
+            w3, [2 if join else 1, tiles.block_n, tiles.block_k])
+        a_desc = None if gather else TensorDescriptor.from_tensor(
+            a, [tiles.block_m, tiles.block_k])
+        _expert_gemm_tma_kernel[grid](
+            a, a_desc, w_desc, out, order, offsets, num_experts, n, k,
+            a.stride(0), out.stride(0), JOIN=join, N_MAJOR=tiles.n_major, **common)
+        return out
+    _expert_gemm_kernel[grid](
+        a, w, out, order, offsets, num_experts, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), **common)
     return out
 
 

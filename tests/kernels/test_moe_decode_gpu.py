@@ -1,5 +1,7 @@
-"""The expert FFN's decode paths on a CUDA GPU: a launch's K step (block_k 64/128/256, K
-tails included), rows_per_token against the expanded rows, and PDL on/off, all bitwise.
+"""The expert FFN's launches on a CUDA GPU: a launch's K step (block_k 64/128/256, K
+tails included), rows_per_token against the expanded rows, PDL on/off, and the prefill
+launches' weight paths (TMA, gate and up in one dot, column-tile order) against pointer
+loads, all bitwise.
 
 Shape legend: T = tokens, k = top-k, R = T * k routed rows, E = experts, D = hidden,
 I = expert intermediate.
@@ -129,3 +131,76 @@ def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(out, eager), f"PDL={on}: graph replay differs from eager"
         results[on] = eager
     assert torch.equal(results["1"], results["0"])
+
+
+def _prefill_launches():
+    """Prefill launches of every weight path (TMA, gate and up in one dot, column-tile
+    order, K steps 64/128, 64- and 128-row tiles), and the planned one."""
+    from megaserve.kernels.triton_impl import moe
+
+    T = moe.GemmTiles
+    return [
+        moe.MoeLaunch(T(128, 64, 4, 3, 64, tma=True), T(128, 128, 4, 3, 64, tma=True)),
+        moe.MoeLaunch(T(128, 128, 8, 3, 64, tma=True, join=True),
+                      T(128, 256, 8, 3, 64, tma=True)),
+        moe.MoeLaunch(T(64, 128, 4, 4, 64, tma=True, join=True, n_major=True),
+                      T(64, 256, 4, 3, 64, tma=True)),
+        moe.MoeLaunch(T(128, 64, 4, 3, 128, tma=True, join=True),
+                      T(128, 128, 8, 3, 128, tma=True)),
+        moe.plan_launch(10**9)]
+
+
+# The prefill launch before TMA (pointer loads, K step 64): the reference bits.
+_POINTER_PREFILL = ((128, 64, 4, 3), (128, 128, 4, 3))
+
+
+def _skewed_topk(num_tokens: int, e: int, k: int) -> torch.Tensor:
+    """`[T, k]` distinct experts per token, ragged: the lower half of the experts get no
+    rows, the upper ones more and more (expert e - 1 the most)."""
+    p = torch.arange(e, device="cuda", dtype=torch.float32) - (e // 2 - 1)
+    p = p.clamp(min=0) ** 2
+    return torch.multinomial(p.repeat(num_tokens, 1), k, replacement=False)
+
+
+@pytest.mark.parametrize("e,d,i,num_tokens,k,skewed", [
+    (128, 2048, 768, 4096, 8, True),   # Qwen3-30B-A3B at a 4096-token prefill, ragged
+    (128, 2048, 768, 4096, 8, False),  # the same, uniform routing
+    (8, 1000, 200, 3001, 1, False),    # K and I tails, odd R, rows routed nowhere
+    (8, 1004, 196, 2049, 2, True),     # rows not 16-byte aligned: TMA falls back to pointers
+])
+def test_prefill_launches_keep_the_bits(e: int, d: int, i: int, num_tokens: int, k: int,
+                                        skewed: bool) -> None:
+    """Every prefill launch (TMA weights, joined gate/up, column-tile order) equals the
+    pointer-load launch at K step 64 bitwise on every routed row, fused and unfused; a
+    subset of the tokens (a decode-sized call, other tiles) gives its rows' bits; float64
+    reference on a few rows."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+
+    torch.manual_seed(e + d + num_tokens)
+    wgu, wd = _weights(e, d, i)
+    x = torch.randn(num_tokens, d, device="cuda", dtype=BF16)
+    if skewed:
+        ids = _skewed_topk(num_tokens, e, k).reshape(-1)  # [R]
+    else:
+        ids = torch.randint(0, e + 1, (num_tokens * k,), device="cuda")  # e: nowhere
+    routed = ids < e
+    T = moe.GemmTiles
+    ref = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=moe.MoeLaunch(
+        T(*_POINTER_PREFILL[0]), T(*_POINTER_PREFILL[1])))
+    assert not ref[routed].isnan().any(), "routed rows left unwritten"
+    counts = torch.bincount(ids, minlength=e + 1)[:e]
+    if skewed:
+        assert int((counts == 0).sum()) >= e // 2 - 1 and int(counts.max()) > 2 * 128
+    for row in routed.nonzero()[:: max(1, int(routed.sum()) // 4), 0][:4].tolist():
+        g, u = (wgu[ids[row]].double() @ x[row // k].double()).chunk(2)
+        want = wd[ids[row]].double() @ (g * torch.sigmoid(g) * u)
+        assert float((ref[row].double() - want).norm() / want.norm()) < 1e-2, row
+    for n, lp in enumerate(_prefill_launches()):
+        got = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=lp)
+        assert torch.equal(got[routed], ref[routed]), f"{lp}"
+        if n == 1:
+            unfused = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=lp, fused=False)
+            assert torch.equal(unfused[routed], ref[routed]), f"{lp} unfused"
+    sub = num_tokens // 40  # a few rows per expert: a decode bucket's tiles
+    got = expert_ffn(x[:sub], ids[: sub * k], wgu, wd, rows_per_token=k)
+    assert torch.equal(got[routed[: sub * k]], ref[: sub * k][routed[: sub * k]])
