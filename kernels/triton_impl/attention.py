@@ -51,7 +51,7 @@ import triton.language as tl
 
 from ..api import KV_SPLIT_SIZE
 from . import pdl
-from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd
+from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd_rows
 from .attention_kernels import (
     _attention_fold_kernel,
     _attention_parts_kernel,
@@ -160,74 +160,155 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                BLOCK=triton.next_power_of_2(row), num_warps=4)
 
 
+@dataclass(frozen=True)
+class RotaryLaunch:
+    """How a rotary_and_cache call is launched: grid and warps only, never the bits (a row
+    is laid out as a one-warp program over it alone lays it out; see the kernel)."""
+
+    rows: int = 1  # (token, head) rows per tile
+    warps: int = 1  # warps per program; rows / warps rows a warp
+    tiles: int = 1  # tiles per program, one after another
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "warps", "tiles"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"RotaryLaunch: {name}={v} must be a power of two")
+        if self.rows % self.warps:
+            raise ValueError(f"RotaryLaunch: rows={self.rows} not a multiple of "
+                             f"warps={self.warps}")
+
+
+# Launches by (token, head) rows (scripts/rotary_bench.py on an H100, Qwen3-30B-A3B's 32 + 2
+# x 4 heads of 128, PDL on; one row a program was 1.35 / 1.55 / 3.87 / 8.75 / 26.7 / 102 us
+# at 1 / 8 / 64 / 256 / 1000 / 4096 tokens): one row a program below 1024 rows; 8 warps
+# of one row each to 8192 (64 tokens: 2.20 us); then 16 rows over 4 warps (256 / 1000 /
+# 4096 tokens: 4.51 / 11.6 / 47.1 us).
+ROTARY_ONE_ROW = RotaryLaunch()
+ROTARY_DECODE = RotaryLaunch(rows=8, warps=8)
+ROTARY_PREFILL = RotaryLaunch(rows=16, warps=4)
+_ROTARY_TILED_ROWS = 1024
+_ROTARY_PREFILL_ROWS = 8192
+# The one-row launch without PDL above this many programs: a grid of many one-warp
+# programs ran ~2x slower with PDL on an H100 (4096 tokens x 40 heads: 198 vs 102 us;
+# 256 tokens: 13.2 vs 8.7 us).
+_ROTARY_PDL_ONE_ROW_PROGRAMS = 4096
+
+
 @triton.jit
 def _rotary_cache_kernel(
         # Pointers
         qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
         # Shapes and strides
-        Dh, eps, stride_qkv, stride_cos, stride_sin, stride_qt,
+        num_rows, Dh, eps, stride_qkv, stride_cos, stride_sin, stride_qt,
         # Meta-parameters
         NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
         HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr,
-        PDL: tl.constexpr):
+        ROWS: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr):
+    """Rows ``r = token * (Hq + 2 Hkv) + head`` (q heads, then k heads, then v heads); a
+    program owns TILES tiles of ROWS consecutive rows.
+
+    NOTE: the per-head RMSNorm's sum of squares is part of the bits, and its order is the
+    layout's: a row must be reduced as :func:`rms_norm`'s one-warp program reduces a head
+    (BLOCK_D / 32 contiguous columns a thread, then across the warp's lanes). Triton lays
+    each row of this tile out so when the row fits one warp in accesses of at most 16
+    bytes (the wrapper's :func:`_tileable`: aligned tensors, ``BLOCK_D * size <= 512``)
+    and the accesses are capped at BLOCK_D / 32 columns (``max_contiguous`` below; without
+    it Triton widens them when a warp holds several rows, and splits each row over fewer
+    lanes). Narrow rows (BLOCK_D < 64) get no cap and one row a program: a cap of one
+    column reorders Triton's layout.
+    """
     pdl.wait_then_release(PDL)  # first: no memory access before it
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < Dh
-    src = qkv_ptr + tok * stride_qkv + head * Dh
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    cache_row = slot * (NUM_KV_HEADS * Dh)
-    kv_mask = mask & (slot >= 0)  # negative slots: padding tokens, nothing written
-    if head >= NUM_Q_HEADS + NUM_KV_HEADS:
-        v = tl.load(src + cols, mask=kv_mask)
-        v_head = head - NUM_Q_HEADS - NUM_KV_HEADS
-        tl.store(vc_ptr + cache_row + v_head * Dh + cols, v.to(vc_ptr.dtype.element_ty),
-                 mask=kv_mask)
+    NUM_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
+    dtype = qkv_ptr.dtype.element_ty
+    if BLOCK_D >= 64:
+        cols = tl.max_contiguous(tl.arange(0, BLOCK_D), BLOCK_D // 32)
     else:
-        dtype = qkv_ptr.dtype.element_ty
-        lo = cols < HALF
-        hi = mask & (cols >= HALF)
+        cols = tl.arange(0, BLOCK_D)
+    mask = cols < Dh
+    lo = cols < HALF
+    hi = mask & (cols >= HALF)
+    if HAS_NORM:  # the per-head RMSNorm weights, each column's rotary partner alike
+        qw = tl.load(qw_ptr + cols, mask=mask, other=0.0)
+        qwp = tl.where(lo, tl.load(qw_ptr + cols + HALF, mask=lo, other=0.0),
+                       tl.load(qw_ptr + cols - HALF, mask=hi, other=0.0))
+        kw = tl.load(kw_ptr + cols, mask=mask, other=0.0)
+        kwp = tl.where(lo, tl.load(kw_ptr + cols + HALF, mask=lo, other=0.0),
+                       tl.load(kw_ptr + cols - HALF, mask=hi, other=0.0))
+    for tile in tl.static_range(TILES):
+        rows = (tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)  # [R]
+        live = rows < num_rows
+        tok = (rows // NUM_HEADS).to(tl.int64)
+        head = rows % NUM_HEADS
+        is_q = head < NUM_Q_HEADS
+        is_v = head >= NUM_Q_HEADS + NUM_KV_HEADS
+        rope = live & ~is_v  # q and k rows: normed and rotated
+        slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + tok, mask=rope, other=0)
+        src = (qkv_ptr + tok * stride_qkv + head * Dh)[:, None] + cols[None, :]  # [R, BLOCK_D]
+        x = tl.load(src, mask=live[:, None] & mask[None, :], other=0.0)
+        raw = x  # a v row is copied as loaded
         # rotate_half's partner of column j: j + HALF in the first half, j - HALF after
         # (two contiguous loads, laid out like the row itself)
-        x = tl.load(src + cols, mask=mask, other=0.0)
-        xp = tl.where(lo, tl.load(src + cols + HALF, mask=lo, other=0.0),
-                      tl.load(src + cols - HALF, mask=hi, other=0.0))
+        xp = tl.where(lo[None, :],
+                      tl.load(src + HALF, mask=rope[:, None] & lo[None, :], other=0.0),
+                      tl.load(src - HALF, mask=rope[:, None] & hi[None, :], other=0.0))
         if HAS_NORM:  # the per-head RMSNorm of rms_norm, its partner column alike
-            if head < NUM_Q_HEADS:
-                w_ptr = qw_ptr
-            else:
-                w_ptr = kw_ptr
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-            wp = tl.where(lo, tl.load(w_ptr + cols + HALF, mask=lo, other=0.0),
-                          tl.load(w_ptr + cols - HALF, mask=hi, other=0.0))
+            w = tl.where(is_q[:, None], qw[None, :], kw[None, :])
+            wp = tl.where(is_q[:, None], qwp[None, :], kwp[None, :])
             h = x.to(tl.float32)
-            rstd = rms_rstd(h, Dh, eps)
+            rstd = rms_rstd_rows(h, Dh, eps)
             x = rms_apply(h, rstd, w, dtype)
             xp = rms_apply(xp.to(tl.float32), rstd, wp, dtype)
-        pos = tl.load(pos_ptr + tok)
-        c = tl.load(cos_ptr + pos * stride_cos + cols, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + pos * stride_sin + cols, mask=mask, other=0.0)
-        rot = tl.where(lo, -xp, xp)
+        c = tl.load(cos_ptr + (pos * stride_cos)[:, None] + cols[None, :],
+                    mask=rope[:, None] & mask[None, :], other=0.0)
+        s = tl.load(sin_ptr + (pos * stride_sin)[:, None] + cols[None, :],
+                    mask=rope[:, None] & mask[None, :], other=0.0)
+        rot = tl.where(lo[None, :], -xp, xp)
         # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype
         a = mul_rounded(x.to(tl.float32), c.to(tl.float32), NO_CONTRACT).to(dtype)
         b = mul_rounded(rot.to(tl.float32), s.to(tl.float32), NO_CONTRACT).to(dtype)
         y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
-        if head < NUM_Q_HEADS:
-            tl.store(q_ptr + tok * stride_qt + head * Dh + cols, y, mask=mask)
-        else:
-            k_head = head - NUM_Q_HEADS
-            tl.store(kc_ptr + cache_row + k_head * Dh + cols, y.to(kc_ptr.dtype.element_ty),
-                     mask=kv_mask)
+        q_dst = (q_ptr + tok * stride_qt + head * Dh)[:, None] + cols[None, :]
+        tl.store(q_dst, y, mask=(live & is_q)[:, None] & mask[None, :])
+        # negative slots: padding tokens, nothing written
+        cache = (slot * (NUM_KV_HEADS * Dh) + (head - NUM_Q_HEADS) * Dh)[:, None] + cols[None, :]
+        kv_row = live & (slot >= 0)
+        tl.store(kc_ptr + cache, y.to(kc_ptr.dtype.element_ty),
+                 mask=(kv_row & rope & ~is_q)[:, None] & mask[None, :])
+        tl.store(vc_ptr + cache - NUM_KV_HEADS * Dh, raw.to(vc_ptr.dtype.element_ty),
+                 mask=(kv_row & is_v)[:, None] & mask[None, :])
+
+
+def rotary_launch(num_rows: int, tileable: bool) -> RotaryLaunch:
+    """The launch of a rotary_and_cache call over ``num_rows`` (token, head) rows, from
+    host-known shapes only: one row a program for few rows or where not ``tileable``
+    (:func:`_tileable`), else :data:`ROTARY_DECODE` or, from ``_ROTARY_PREFILL_ROWS``,
+    :data:`ROTARY_PREFILL`."""
+    if not tileable or num_rows < _ROTARY_TILED_ROWS:
+        return ROTARY_ONE_ROW
+    return ROTARY_PREFILL if num_rows >= _ROTARY_PREFILL_ROWS else ROTARY_DECODE
+
+
+def _tileable(block_d: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> bool:
+    """Whether a launch of several rows a program lays each row out as one row a program
+    does (the kernel's NOTE): rows of 64 columns or more that fit one warp's lanes in
+    accesses of at most 16 bytes, which Triton can use (it sizes accesses from what it
+    knows when it compiles: 16-byte aligned tensors, integers divisible by 16)."""
+    return (64 <= block_d and block_d * tensors[0].element_size() <= 32 * 16
+            and all(t.data_ptr() % 16 == 0 for t in tensors) and all(i % 16 == 0 for i in ints))
 
 
 def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, q_norm: torch.Tensor | None,
                      k_norm: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     num_q_heads: int) -> torch.Tensor:
-    """See ``megaserve.kernels.api.rotary_and_cache``: one program per (token, head), the
-    norm with :func:`rms_norm`'s block and warps, no host synchronisation."""
+                     num_q_heads: int, *, launch: RotaryLaunch | None = None) -> torch.Tensor:
+    """See ``megaserve.kernels.api.rotary_and_cache``: programs over tiles of (token, head)
+    rows, each row laid out as :func:`rms_norm`'s one-warp program lays out a head; no
+    host synchronisation. ``launch`` (default :func:`rotary_launch`) never changes the
+    bits; one that could (several rows a program where :func:`_tileable` is false) raises
+    ``ValueError``."""
     t = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if head_dim % 2 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
@@ -237,19 +318,32 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
         raise ValueError("rotary_and_cache: caches must be contiguous")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("rotary_and_cache: pass both q_norm and k_norm, or neither")
+    block_d = triton.next_power_of_2(head_dim)
+    if norm_warps(block_d) != 1:  # the kernel's NOTE: rms_norm reduces a head in one warp
+        raise ValueError(f"rotary_and_cache: head dim {head_dim} > 512 is not supported")
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     cos = cos if cos.stride(1) == 1 else cos.contiguous()
     sin = sin if sin.stride(1) == 1 else sin.contiguous()
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    block_d = triton.next_power_of_2(head_dim)
+    num_rows = t * (num_q_heads + 2 * num_kv_heads)
+    tileable = _tileable(block_d, (qkv, q, cos, sin, k_cache, v_cache),
+                         (head_dim, qkv.stride(0), cos.stride(0), sin.stride(0)))
+    launch = launch or rotary_launch(num_rows, tileable)
+    if launch.rows > 1 and not tileable:
+        raise ValueError(f"rotary_and_cache: {launch} could reorder a row's norm here "
+                         f"(head dim {head_dim}, {qkv.dtype}, alignment): use ROTARY_ONE_ROW")
     if t:
         norm_w = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)
-        _rotary_cache_kernel[(t, num_q_heads + 2 * num_kv_heads)](
-            qkv, positions.contiguous(), cos, sin, *norm_w, q, k_cache, v_cache,
-            slot_mapping.contiguous(), head_dim, float(eps), qkv.stride(0), cos.stride(0),
-            sin.stride(0), q.stride(0), NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
-            HALF=head_dim // 2, HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(),
-            BLOCK_D=block_d, num_warps=norm_warps(block_d), **pdl.launch_args(q.device))
+        programs = triton.cdiv(num_rows, launch.rows * launch.tiles)
+        with_pdl = launch.rows > 1 or programs <= _ROTARY_PDL_ONE_ROW_PROGRAMS
+        _rotary_cache_kernel[(programs,)](
+            qkv, positions, cos, sin, *norm_w, q, k_cache, v_cache, slot_mapping, num_rows,
+            head_dim, float(eps), qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+            HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(), BLOCK_D=block_d,
+            ROWS=launch.rows, TILES=launch.tiles, num_warps=launch.warps,
+            **(pdl.launch_args(q.device) if with_pdl else {"PDL": False}))
     return q
 
 

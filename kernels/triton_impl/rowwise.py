@@ -32,6 +32,16 @@ def rms_rstd(h, D, eps):
 
 
 @triton.jit
+def rms_rstd_rows(h, D, eps):
+    """:func:`rms_rstd` of each row of a tile ``h`` `[R, BLOCK_D]` (fp32), as `[R, 1]`. A
+    row's bits are :func:`rms_rstd`'s on that row alone when the tile lays each row out as
+    a one-warp program lays it out alone (one warp's lanes, BLOCK_D / 32 contiguous columns
+    a thread; the caller's job, checked bitwise by GPU tests)."""
+    var = tl.sum(h * h, axis=1) / D
+    return tl.math.rsqrt(var + eps)[:, None]
+
+
+@triton.jit
 def rms_apply(h, rstd, w, DTYPE: tl.constexpr):
     """``w * (h * rstd).to(DTYPE)`` rounded to DTYPE: the normalised value is cast before
     the weight multiply, as in HF. Elementwise, so a rotary partner loaded apart gets the

@@ -31,6 +31,46 @@ def test_rotary_and_cache_gpu(dtype: torch.dtype) -> None:
     checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=700)
 
 
+@pytest.mark.parametrize("dtype", DTYPES[:2])
+def test_rotary_and_cache_prefill_launches_gpu(dtype: torch.dtype) -> None:
+    """Prefill sizes, where the default launch tiles many (token, head) rows per program:
+    each launch bitwise equal to the unfused kernels, to the default launch and to the
+    float64 reference, at a 4096-token chunk and an odd token count."""
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    prefill = ti.attention.ROTARY_PREFILL
+    launches = checks.ROTARY_LAUNCHES + [
+        (prefill.rows, prefill.warps, prefill.tiles), (8, 8, 1), (4, 4, 4), (32, 32, 1),
+        (16, 16, 2), (32, 8, 1), (64, 16, 1), (16, 4, 2), (16, 2, 1)]
+    checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=4096,
+                                  launches=launches)
+    checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=1000,
+                                  launches=launches)
+    # (Hq, Hkv, Dh): odd head dims, narrow heads, a 256-wide head, one KV head
+    shapes = [(8, 2, 48), (4, 4, 16), (16, 1, 80), (8, 2, 256), (16, 1, 64), (4, 2, 32)]
+    checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], shapes, t=1000,
+                                  launches=checks.ROTARY_LAUNCHES)
+
+
+def test_rotary_and_cache_refuses_a_split_row_gpu() -> None:
+    """float32 rows of 256 do not fit one warp's 16-byte accesses: the default launch keeps
+    one row per program at any size, and a tiled launch is refused."""
+    import megaserve.kernels.triton_impl as ti
+
+    t, hq, hkv, dh = 200, 4, 2, 256
+    qkv = torch.randn(t, (hq + 2 * hkv) * dh, device="cuda")
+    pos = torch.arange(t, device="cuda")
+    cos, sin = checks._rotary_tables(torch, t, dh, torch.float32, "cuda")
+    caches = [torch.zeros(t, 1, hkv, dh, device="cuda") for _ in range(2)]
+    slots = torch.arange(t, device="cuda")
+    args = (qkv, pos, cos, sin, None, None, 1e-6, *caches, slots, hq)
+    q = ti.rotary_and_cache(*args)
+    assert torch.equal(q, ti.rotary_and_cache(*args, launch=ti.attention.ROTARY_ONE_ROW))
+    with pytest.raises(ValueError):
+        ti.rotary_and_cache(*args, launch=ti.attention.ROTARY_PREFILL)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_combine_residual_gpu(dtype: torch.dtype) -> None:
     import megaserve.kernels.triton_impl as ti

@@ -49,8 +49,18 @@ def _rotary_ref(torch, x, cos, sin, positions, w, eps):
     return x * cos[positions][:, None].double() + rotated * sin[positions][:, None].double()
 
 
+# rotary_and_cache launches (rows, warps, tiles: RotaryLaunch) beside the default: one row
+# a program, a tail tile, several tiles a program, several rows a warp, a token's rows
+# over programs
+ROTARY_LAUNCHES = [(1, 1, 1), (4, 4, 2), (16, 4, 1), (8, 2, 2)]
+
+
 def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
-                           t: int = 11) -> None:
+                           t: int = 11, launches=None) -> None:
+    """rotary_and_cache against the unfused kernels (bitwise) and a float64 reference, in
+    its default launch, then in each of ``launches`` (default ROTARY_LAUNCHES; several rows
+    a program only where the head has 64 columns or more) bitwise against the default, q
+    and both caches."""
     from megaserve.kernels.cpu import composed_rotary_and_cache
 
     dtypes = dtypes or [torch.float32, torch.float16]
@@ -104,6 +114,18 @@ def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
                     sub = ti.rotary_and_cache(qkv[rows], positions[rows], cos, sin, qn, kn,
                                               eps, *c2, slots[rows], hq)
                     assert torch.equal(sub, q[rows]), f"{what}: rows {rows} changed with T"
+                for rows_warps_tiles in ROTARY_LAUNCHES if launches is None else launches:
+                    launch = ti.attention.RotaryLaunch(*rows_warps_tiles)
+                    if launch.rows > 1 and dh <= 32:  # refused: a narrow head
+                        continue
+                    c2 = [torch.full(shape, float("nan"), device=device, dtype=dtype)
+                          for _ in range(2)]
+                    with poisoned_empty():
+                        q2 = ti.rotary_and_cache(*args, *c2, slots, hq, launch=launch)
+                    assert torch.equal(q2, q), f"{what}: q changed with the launch {launch}"
+                    for c, c_default in zip(c2, caches[:2]):
+                        assert torch.equal(_bits(torch, c), _bits(torch, c_default)), \
+                            f"{what}: a cache changed with the launch {launch}"
     with pytest.raises(ValueError):  # odd head dim
         ti.rotary_and_cache(torch.zeros(1, 9, device=device), torch.zeros(1, dtype=torch.long,
                             device=device), cos, sin, None, None, eps,
