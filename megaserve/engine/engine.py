@@ -35,7 +35,7 @@ from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.cuda_graphs import DecodeStep
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors
-from megaserve.engine.model_runner import EagerStep, ModelRunner
+from megaserve.engine.model_runner import EagerStep, ModelRunner, SeqResult
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.prefix_cache import root_hash
 from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -301,17 +301,24 @@ class LLMEngine:
                 seq.num_pending_tokens -= 1
             if seq.status is SeqStatus.FINISHED:
                 continue
-            for position, logprobs in result.prompt_logprobs:
-                if position + 1 == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(logprobs)
-            for m, token in enumerate(result.token_ids):
-                logprobs = result.token_logprobs[m] if result.token_logprobs is not None else None
-                self.outputs.append_token(seq, token, logprobs)
-                self._generation_tokens += 1
+            self._record(seq, result)
             self.scheduler.register_blocks(seq)
             if result.token_ids:
                 self._advanced(seq, outputs)
         return outputs
+
+    def _record(self, seq: Sequence, result: SeqResult) -> None:
+        """A step's prompt logprobs and sampled tokens of ``seq``, appended; tokens after
+        one that finishes the request (an accepted draft past a stop) are dropped."""
+        for position, logprobs in result.prompt_logprobs:
+            if position + 1 == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(logprobs)
+        for m, token in enumerate(result.token_ids):
+            logprobs = result.token_logprobs[m] if result.token_logprobs is not None else None
+            self.outputs.append_token(seq, token, logprobs)
+            self._generation_tokens += 1
+            if seq.finish_reason is not None:
+                break
 
     def _execute(self, scheduled: list[ScheduledSeq]) -> list[RequestOutput]:
         """Run a step synchronously (any kind of step): its outputs."""
@@ -321,15 +328,7 @@ class LLMEngine:
             seq = item.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._prompt_tokens += min(item.num_new_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            for position, logprobs in result.prompt_logprobs:
-                if position + 1 == len(seq.prompt_logprobs):
-                    seq.prompt_logprobs.append(logprobs)
-            for m, token in enumerate(result.token_ids):
-                logprobs = result.token_logprobs[m] if result.token_logprobs is not None else None
-                self.outputs.append_token(seq, token, logprobs)
-                self._generation_tokens += 1
-                if seq.finish_reason is not None:
-                    break
+            self._record(seq, result)
             self.scheduler.postprocess(item, result.num_accepted)
             self._draft_tokens += item.num_draft_tokens
             self._accepted_tokens += result.num_accepted
