@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine seed for requests without one (default: %(default)s)")
     p.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port)
-    p.add_argument("--http-port", type=int, default=d.http_port)
+    p.add_argument("--http-port", "--port", dest="http_port", type=int, default=d.http_port,
+                   help="OpenAI-compatible HTTP port (--port: vLLM's name; default: "
+                        "%(default)s)")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="requests allowed beyond --max-num-seqs before refusing with "
                         "RESOURCE_EXHAUSTED / HTTP 429 (default: %(default)s)")

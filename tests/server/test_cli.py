@@ -77,3 +77,11 @@ def test_plan_takes_builtin_names_hf_directories_and_config_json(model_cache, tm
         assert out.is_file() and "units" in out.read_text()
     assert_usage_error(run_cli("plan", "--model", "builtin:nope", "--cluster",
                                "examples/cluster.yaml", cache=model_cache), "builtin:nope")
+
+
+def test_serve_takes_vllm_port_flag_for_http() -> None:
+    from megaserve.server.cli import build_parser
+
+    args = build_parser().parse_args(["--port", "8123", "--grpc-port", "50123"])
+    assert (args.http_port, args.grpc_port) == (8123, 50123)
+    assert build_parser().parse_args([]).http_port == 8000
