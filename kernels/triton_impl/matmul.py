@@ -301,6 +301,14 @@ def _fold_parts(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
         BLOCK=block, num_warps=4, **pdl.launch_args(out.device))
 
 
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read ``t``: unit last stride, 16-byte aligned base
+    address and leading strides."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            *, mode: str | None = None, config: MatmulConfig | None = None,
            launch: Launch | None = None) -> torch.Tensor:
@@ -319,8 +327,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or config_for(n, k, x.dtype)
-    # TMA needs a unit last stride, 16-byte aligned rows and base address.
-    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+    if not tma_readable(x):
         x = x.contiguous()
     if weight.stride(1) != 1 or (weight.stride(0) * weight.element_size()) % 16:
         raise ValueError(f"linear: weight rows must be contiguous and 16-byte aligned (K={k})")

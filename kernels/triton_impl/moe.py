@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
+from .matmul import tma_readable
 from .rowwise import silu_and_mul
 
 
@@ -428,13 +429,6 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     return offsets, order
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA reads t: unit last stride, 16-byte aligned base and leading strides."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
-
-
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
                  tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool,
                  rows_per_token: int = 1) -> torch.Tensor:
@@ -454,7 +448,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets:
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         BLOCK_E=triton.next_power_of_2(num_experts), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **_launch_args(a.device, "gemm"))
-    if tiles.tma and _tma_ok(w) and (gather or _tma_ok(a)):
+    if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
         join = tiles.join and swiglu
