@@ -72,6 +72,58 @@ class SampledTokens:
 
 
 @dataclass
+class TokenCopy:
+    """A step's sampled tokens on their way to the host (:meth:`HostTokens.copy`)."""
+
+    tokens: torch.Tensor  # `[n]` int64 on the host (pinned on CUDA)
+    copied: torch.cuda.Event | None  # recorded after the copy (None on CPU: no copy)
+    index: int  # which copy of its HostTokens this is
+
+    def ids(self) -> list[int]:
+        """The tokens (waits for their copy: an event, no stream synchronisation)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tokens.tolist()
+
+
+class HostTokens:
+    """Sampled tokens `[n]` int64 from the device to the host, through two pinned host
+    buffers taken in turn (grown where a step needs more), each with an event recorded
+    after its copy. A copy never overwrites the one before it, which the host may still be
+    reading (async scheduling reads step n after launching n + 1): read a copy before the
+    second one after it (:meth:`holds`). On CPU the tokens are the copy."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device = device
+        self.size = size  # the smallest buffer allocated
+        self._host: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self.count = 0
+
+    def copy(self, tokens: torch.Tensor) -> TokenCopy:
+        """Start copying ``tokens`` (device) to the host; CPU: ``tokens`` themselves,
+        which the caller does not write again."""
+        self.count += 1
+        if self.device.type != "cuda":
+            return TokenCopy(tokens, None, self.count)
+        k, n = self.count % 2, tokens.shape[0]
+        host = self._host[k]
+        if host is None or host.shape[0] < n:
+            host = self._host[k] = torch.empty(max(n, self.size), dtype=torch.int64,
+                                               pin_memory=True)
+        host = host[:n]
+        host.copy_(tokens, non_blocking=True)
+        if self._copied[k] is None:
+            self._copied[k] = torch.cuda.Event()
+        self._copied[k].record()
+        return TokenCopy(host, self._copied[k], self.count)
+
+    def holds(self, copy: TokenCopy) -> bool:
+        """Whether ``copy``'s buffer still holds its tokens (no later copy reused it)."""
+        return self.count - copy.index < 2
+
+
+@dataclass
 class DecodeStep:
     """A decode step whose sampled tokens are on their way to the host.
 
@@ -82,16 +134,13 @@ class DecodeStep:
     """
 
     scheduled: list[ScheduledSeq]
-    tokens: torch.Tensor  # `[n]` int64 on the host (pinned on CUDA)
-    copied: torch.cuda.Event | None  # recorded after the copy (None on CPU)
+    copy: TokenCopy
     # (row, number of top logprobs) of each sequence asking for logprobs
     logprob_rows: list[tuple[int, int]]
     token_logprobs: list[dict[int, float] | None] | None = None
 
     def token_ids(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.tokens.tolist()
+        return self.copy.ids()
 
 
 def capture_sizes(max_batch: int, multiple: int = 1) -> list[int]:
@@ -170,10 +219,7 @@ class DecodeGraphs:
         if sampled is None or sampled.tokens.shape[0] < max_batch:
             sampled = SampledTokens.allocate(max_batch, device)
         self.sampled = sampled
-        self._tokens_host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin)
-                             for _ in range(2)]
-        self._tokens_copied = [torch.cuda.Event() for _ in range(2)] if capture else None
-        self._next_host = 0
+        self._host_tokens = HostTokens(device, max_batch)
         self._out: torch.Tensor | None = None  # the last run's `[b, V]` log-probs
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -233,17 +279,11 @@ class DecodeGraphs:
         n = len(scheduled)
         rows = self._host[:n]  # this step's staging rows (the next _fill has not run)
         extra = self._extra
-        self.sampled.tokens[:n].copy_(self._sample_tokens(n))
+        tokens = self._sample_tokens(n)
+        self.sampled.tokens[:n].copy_(tokens)
         self.sampled.rows = {s.seq: i for i, s in enumerate(scheduled)}
-        host = self._tokens_host[self._next_host][:n]
-        host.copy_(self.sampled.tokens[:n], non_blocking=True)
-        copied = None
-        if self.capture:
-            copied = self._tokens_copied[self._next_host]
-            copied.record()
-        self._next_host ^= 1
         wanted = np.flatnonzero(rows[:, extra + _LOGPROBS] >= 0).tolist()
-        return DecodeStep(scheduled, host, copied,
+        return DecodeStep(scheduled, self._host_tokens.copy(tokens),
                           [(i, int(rows[i, extra + _LOGPROBS])) for i in wanted])
 
     def _sample_tokens(self, n: int) -> torch.Tensor:

@@ -25,7 +25,8 @@ import torch
 from megaserve import kernels
 from megaserve.comm import CommError
 from megaserve.engine import spec_decode, spec_graphs
-from megaserve.engine.cuda_graphs import DecodeGraphs, DecodeStep, SampledTokens, capture_sizes
+from megaserve.engine.cuda_graphs import (DecodeGraphs, DecodeStep, HostTokens, SampledTokens,
+                                          TokenCopy, capture_sizes)
 from megaserve.engine.scheduler import ScheduledSeq
 from megaserve.models.attention_part import AttentionMetadata, AttentionPart
 from megaserve.models.forward import ExpertClient, LocalExperts, MicroBatch, run_layers
@@ -59,15 +60,11 @@ class EagerStep:
     row_owner: list[tuple[int, int]]  # (sequence index, position) of each logit row
     picks: list[tuple[int, int, int]]  # (logit row, sequence index, position) sampled
     logprobs: torch.Tensor | None  # `[B, V]` float32 on the device; None: no logit rows
-    tokens: torch.Tensor | None  # `[n]` int64 on the host (pinned on CUDA), one per pick
-    copied: torch.cuda.Event | None  # recorded after the tokens' copy (None on CPU)
-    copy_index: int = 0  # which token copy of the runner this is (reuse check)
+    copy: TokenCopy | None  # the tokens, one per pick, on their way to the host; None: no picks
 
     def token_ids(self) -> list[int]:
         """The sampled tokens, one per pick (waits for their copy: no stream sync)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.tokens.tolist()
+        return self.copy.ids()
 
 
 # Bytes between the arrays of one staged transfer: every device view starts aligned as a
@@ -203,9 +200,7 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device)
         self.sampled = SampledTokens.allocate(
             capture_sizes(max(1, max_num_seqs), max(1, microbatches))[-1], self.device)
-        self._token_host: list[torch.Tensor | None] = [None, None]
-        self._token_copied: list[torch.cuda.Event | None] = [None, None]
-        self._num_token_copies = 0
+        self._host_tokens = HostTokens(self.device, max_num_seqs)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
@@ -258,7 +253,7 @@ class ModelRunner:
             if gather:
                 logprobs = kernels.log_softmax(self.attention.logits(h[next(staged)]))  # [B, V]
         if not picks:
-            return EagerStep(scheduled, row_owner, picks, logprobs, None, None)
+            return EagerStep(scheduled, row_owner, picks, logprobs, None)
         cols = next(staged) if not (greedy and every_row) else None  # [3, n] int64
         picked = logprobs if every_row else logprobs[cols[0]]  # [n, V]
         if greedy:  # kernels.sample's rule for greedy rows: argmax, first maximum
@@ -270,15 +265,13 @@ class ModelRunner:
             if n <= sampled.tokens.shape[0]:
                 sampled.tokens[:n].copy_(tokens)
                 sampled.rows = {scheduled[i].seq: j for j, (_, i, _) in enumerate(picks)}
-        host, copied = self._tokens_to_host(tokens)
-        return EagerStep(scheduled, row_owner, picks, logprobs, host, copied,
-                         self._num_token_copies)
+        return EagerStep(scheduled, row_owner, picks, logprobs, self._host_tokens.copy(tokens))
 
     def results(self, step: EagerStep) -> list[SeqResult]:
         """The host's part of a launched eager step: waits for its tokens (an event, no
         stream synchronisation), verifies drafts, reads logprobs where asked (those reads
         synchronise). One SeqResult per scheduled sequence, in order."""
-        assert self._num_token_copies - step.copy_index < 2 or step.tokens is None, \
+        assert step.copy is None or self._host_tokens.holds(step.copy), \
             "an eager step read after its token buffer was reused"
         results = [SeqResult() for _ in step.scheduled]
         if step.picks:
@@ -450,24 +443,6 @@ class ModelRunner:
         top_ks = torch.tensor([q.top_k for q in params], dtype=torch.int64)
         return kernels.sample(logprobs, floats[:, 0], top_ks, floats[:, 1], floats[:, 2],
                               cols[1], cols[2])
-
-    def _tokens_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying `[n]` int64 device tokens to a pinned host buffer (the two are
-        used in turn): (host tensor, event recorded after the copy; None on CPU)."""
-        self._num_token_copies += 1
-        if self.device.type != "cuda":
-            return tokens, None
-        k, n = self._num_token_copies % 2, tokens.shape[0]
-        host = self._token_host[k]
-        if host is None or host.shape[0] < n:
-            host = self._token_host[k] = torch.empty(max(n, self.max_num_seqs),
-                                                     dtype=torch.int64, pin_memory=True)
-        host = host[:n]
-        host.copy_(tokens, non_blocking=True)
-        if self._token_copied[k] is None:
-            self._token_copied[k] = torch.cuda.Event()
-        self._token_copied[k].record()
-        return host, self._token_copied[k]
 
     @staticmethod
     def _logit_rows(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[tuple[int, int]]]:
