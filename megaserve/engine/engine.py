@@ -35,7 +35,7 @@ from megaserve.engine import memory
 from megaserve.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from megaserve.engine.cuda_graphs import DecodeStep
 from megaserve.engine.kv_cache import BlockPool, allocate_kv_tensors
-from megaserve.engine.model_runner import EagerStep, ModelRunner, SeqResult
+from megaserve.engine.model_runner import EagerStep, ModelRunner, SeqResult, decode_results
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.prefix_cache import root_hash
 from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -252,7 +252,7 @@ class LLMEngine:
             if self.async_scheduling:
                 self._inflight = step
                 return outputs
-            return outputs + self._decode_outputs(step)
+            return outputs + self._read(step)
         if not self.async_scheduling:  # nothing in flight
             return self._execute(scheduled) if scheduled else []
         if not scheduled:
@@ -263,37 +263,15 @@ class LLMEngine:
         return self._read(prev)
 
     def _read(self, step: DecodeStep | EagerStep | None) -> list[RequestOutput]:
-        """The outputs of a launched step whose tokens the host has not read (none for
-        None)."""
+        """Read a launched step's tokens into its sequences (none for None); their
+        outputs. The step's tokens were counted as computed and pending at launch
+        (``Scheduler.launched``); a sequence that finished since (aborted, or stopped by
+        the token before) drops its token (no drafts: async scheduling is off with
+        speculative decoding)."""
         if step is None:
             return []
-        if isinstance(step, DecodeStep):
-            return self._decode_outputs(step)
-        return self._eager_outputs(step)
-
-    def _decode_outputs(self, step: DecodeStep) -> list[RequestOutput]:
-        """Read a decode step's tokens into its sequences; their outputs. A sequence
-        that finished since the step was launched (aborted, or stopped by the token
-        before) drops its token."""
-        tokens = step.token_ids()
-        logprobs = step.token_logprobs
-        outputs: list[RequestOutput] = []
-        for i, item in enumerate(step.scheduled):
-            seq = item.seq
-            seq.num_pending_tokens -= 1
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            self.outputs.append_token(seq, tokens[i], None if logprobs is None else logprobs[i])
-            self._generation_tokens += 1
-            self.scheduler.register_blocks(seq)
-            self._advanced(seq, outputs)
-        return outputs
-
-    def _eager_outputs(self, step: EagerStep) -> list[RequestOutput]:
-        """Read an eager step launched ahead (its tokens were counted as computed and
-        pending at launch: ``Scheduler.launched``); a sequence that finished since drops
-        its token (no drafts: async scheduling is off with speculative decoding)."""
-        results = self.runner.results(step)
+        results = (decode_results(step) if isinstance(step, DecodeStep)
+                   else self.runner.results(step))
         outputs: list[RequestOutput] = []
         for item, result in zip(step.scheduled, results):
             seq = item.seq

@@ -131,6 +131,14 @@ def _grown(need: int, old: torch.Tensor | None) -> int:
     return max(need, 2 * old.numel() if old is not None else 0, 1 << 16)
 
 
+def decode_results(step: DecodeStep) -> list[SeqResult]:
+    """A decode step's tokens (waits for their copy) as one SeqResult per sequence."""
+    logprobs = step.token_logprobs
+    return [SeqResult([token], None if logprobs is None or logprobs[i] is None
+                      else [logprobs[i]])
+            for i, token in enumerate(step.token_ids())]
+
+
 def split_microbatches(scheduled: list[ScheduledSeq], m: int) -> list[list[ScheduledSeq]]:
     """Split sequences into at most ``m`` contiguous groups of about equal token counts."""
     if m <= 1 or len(scheduled) <= 1:
@@ -205,11 +213,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqResult]:
         """Run one step; returns one SeqResult per scheduled sequence, in order."""
         if self.launch_decode(scheduled):
-            step = self.sample_decode(scheduled)
-            logprobs = step.token_logprobs
-            return [SeqResult([token], None if logprobs is None or logprobs[i] is None
-                              else [logprobs[i]])
-                    for i, token in enumerate(step.token_ids())]
+            return decode_results(self.sample_decode(scheduled))
         return self.results(self.launch(scheduled))
 
     def launch(self, scheduled: list[ScheduledSeq]) -> EagerStep:

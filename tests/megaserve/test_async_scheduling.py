@@ -142,13 +142,14 @@ def test_async_stops_on_eos_stop_strings_and_max_tokens() -> None:
     for engine in (sync, overlapped):
         engine.outputs.eos_token_ids = frozenset({eos})
     arrivals = _stop_arrivals(sync, reference, text)
-    read, dropped = overlapped._decode_outputs, []
+    read, dropped = overlapped._read, []
 
     def counted(step):  # tokens of requests that stopped after their step was launched
-        dropped.append(sum(item.seq.is_finished for item in step.scheduled))
+        if step is not None:
+            dropped.append(sum(item.seq.is_finished for item in step.scheduled))
         return read(step)
 
-    overlapped._decode_outputs = counted
+    overlapped._read = counted
     want = _final(_run(sync, arrivals))
     got = _final(_run(overlapped, arrivals))
     assert got == want
