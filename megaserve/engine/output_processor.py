@@ -70,7 +70,7 @@ class OutputProcessor:
 
     def _detokenize(self, seq: Sequence) -> str:
         """Feed the detokenizer the tokens it has not seen; returns the text they add."""
-        state = self._text.get(seq) or self._state(seq)
+        state = self._state(seq)
         ids = seq.output_token_ids
         fed = state.num_fed
         if fed == len(ids):
