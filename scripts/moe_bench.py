@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from megaserve.bench.decode import measure_copy_bandwidth, measure_matmul_flops
 from megaserve.kernels.triton_impl import moe, pdl
 
 DT = torch.bfloat16
@@ -126,20 +127,6 @@ def graph_time_us(fn, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device copy, read + write."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), reps=5)
-    return 2 * src.numel() * 2 / (us * 1e-6)
-
-
-def matmul_flops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=DT)
-    us = graph_time_us(lambda: a @ a, reps=5)
-    return 2 * 8192**3 / (us * 1e-6)
-
-
 def load_baseline(path: str):
     spec = importlib.util.spec_from_file_location("moe_baseline", path)
     mod = importlib.util.module_from_spec(spec)
@@ -173,7 +160,8 @@ def main() -> None:
     out_file = out_dir / f"moe_bench_{args.shape}.json"
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
-    bw, peak = copy_bandwidth(), matmul_flops()
+    # the baselines of megaserve bench decode: a 1 GiB copy (read + write), an 8192^3 matmul
+    bw, peak = measure_copy_bandwidth("cuda", 1 << 30), measure_matmul_flops("cuda", 8192)
     d, i, e, layers = shape.d, shape.i, shape.e, args.layers
     print(f"device {dev}; copy {bw / 1e12:.2f} TB/s (read+write); matmul {peak / 1e12:.0f} "
           f"TFLOP/s; {args.shape}: D={d} I={i} E={e} top-{shape.top_k} bf16, {layers} layers "
