@@ -92,6 +92,7 @@ class AttentionLaunch:
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
     fold_block_d: int = 0  # split / chunk mode: head_dim columns per fold program; 0 = all
     fold_warps: int = 4  # split / chunk mode: warps per fold program
+    l_cols: int = 32  # columns of the ``l_s = p @ 1`` dot (equal columns; 16 or more)
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "split", "chunk"):
@@ -101,12 +102,14 @@ class AttentionLaunch:
         if fbd and (fbd < 16 or fbd & (fbd - 1)):
             raise ValueError(f"AttentionLaunch: fold_block_d={self.fold_block_d} must be 0 "
                              "or a power of two >= 16")
-        for name in ("rows", "num_warps", "fold_tokens", "fold_unroll", "fold_warps"):
+        for name in ("rows", "num_warps", "fold_tokens", "fold_unroll", "fold_warps", "l_cols"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
-        if self.rows < 16 or self.num_stages < 1 or self.splits_per_program < 0:
-            raise ValueError(f"AttentionLaunch: bad rows/num_stages/splits_per_program: {self}")
+        if (self.rows < 16 or self.num_stages < 1 or self.splits_per_program < 0
+                or self.l_cols < 16):
+            raise ValueError("AttentionLaunch: bad rows/num_stages/splits_per_program/l_cols: "
+                             f"{self}")
 
 
 # Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-8).
@@ -123,11 +126,24 @@ class AttentionLaunch:
 # serial decode tiles (S=64 x 4096: 285 -> 271 us), 8-warp 128-row prefill tiles (the
 # chunk accumulator spills 4-warp 64-row ones: 1990 -> 1921 us); per-split mode stays for
 # single short sequences (S=1 x 4096: split 18 us, chunk 22).
+# Issue 14 (scripts/attn_prefill_bench.py, two runs on an H100, Hq 32 / Hkv 4 / head_dim
+# 128, bitwise checks of every candidate at 5 shapes passed): prefill tiles add ``l_cols=16``
+# (the l-dot half as wide) and ``long_first``; serial prefill with head_dim <= 128 also
+# runs 4 stages with block ids one split ahead, the one loop whose K/V loads stay in flight
+# across splits (without ``prefetch``, or with 2 stages, each split waits for its own
+# loads). A 4,096-token prompt: 526 -> 449 us (l16 alone 489, +long_first 485); the second
+# 4,096 of an 8,192-token prompt: 1437 -> 1280 us (1272 at 2 stages). Without long_first,
+# deeper pipelines ran 3-5% slower (the long causal tiles then finish last). Split mode
+# and wider heads keep 2 stages (4 stages of 64 x 256 K/V tiles would not fit in shared
+# memory).
+ROUND8_PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
 DECODE_SPLIT_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
 DECODE_CHUNK_TILE = dict(DECODE_SPLIT_TILE, num_warps=4)
 DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_warps=4, num_stages=4)
-PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
+PREFILL_TILE = dict(ROUND8_PREFILL_TILE, l_cols=16, long_first=True)
+PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=4, prefetch=True)
+_DEEP_PREFILL_MAX_D = 128  # widest (padded) head_dim that gets PREFILL_SERIAL_TILE
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
 
 
@@ -348,13 +364,14 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 
 
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
-                  max_splits: int, ws_bytes: int) -> AttentionLaunch:
+                  max_splits: int, ws_bytes: int, head_dim: int = 128) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
     decode-like batches (at most two new tokens per sequence), large ones otherwise; when
     the serial grid would leave most SMs idle, chunk mode for decode if a program per
     chunk gives enough programs, else split mode, either only while its fp32 parts stay
     small (``ws_bytes``: the per-split parts; chunk parts take 1 / CHUNK_SPLITS of that).
-    (Chunked prefill of 512 tokens at 8192: serial 271 us, chunk mode 297; round 8.)"""
+    (Chunked prefill of 512 tokens at 8192: serial 271 us, chunk mode 297; round 8.)
+    Serial prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
@@ -370,7 +387,10 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
             return AttentionLaunch("chunk", **dict(DECODE_CHUNK_TILE, **fold))
         if ws_bytes <= _MAX_WS_BYTES:
             return AttentionLaunch("split", **dict(tile, **fold))
-    return AttentionLaunch("serial", **(DECODE_SERIAL_TILE if decode_like else tile))
+    if decode_like:
+        return AttentionLaunch("serial", **DECODE_SERIAL_TILE)
+    deep = triton.next_power_of_2(head_dim) <= _DEEP_PREFILL_MAX_D
+    return AttentionLaunch("serial", **(PREFILL_SERIAL_TILE if deep else tile))
 
 
 def exp2_default() -> bool:
@@ -436,7 +456,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     max_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], KV_SPLIT_SIZE)
     ws_bytes = max_splits * t * num_q_heads * (head_dim + 2) * 4
     if launch is None:
-        launch = choose_launch(t, num_seqs, num_kv_heads, group, max_splits, ws_bytes)
+        launch = choose_launch(t, num_seqs, num_kv_heads, group, max_splits, ws_bytes,
+                               head_dim)
     if mode is not None or splits_per_program is not None:
         launch = dataclasses.replace(launch, mode=mode or launch.mode,
                                      splits_per_program=splits_per_program or 0)
@@ -446,7 +467,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = dict(GROUP=group, G_PAD=g_pad, SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
                   BLOCK_D=block_d)
     loop = dict(MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
-                LONG_FIRST=launch.long_first, EXP2=exp2)
+                LONG_FIRST=launch.long_first, EXP2=exp2, L_COLS=launch.l_cols)
     # EXP2 (attention_kernels docstring): scores in log2 units, log2(e) folded into scale.
     scale = float(scale) * _LOG2E if exp2 else float(scale)
     kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))

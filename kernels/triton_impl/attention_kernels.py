@@ -59,7 +59,8 @@ def _block_ids(bt, split, ctx_len, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr
 def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
                 stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
                 SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr):
+                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
+                L_COLS: tl.constexpr):
     """(m_s, l_s, o_s) of one split for the tile's rows; see the NOTE in attention.py.
     ``MASKED=False`` only for splits every row sees whole (module docstring)."""
     keys = split * SPLIT + tl.arange(0, SPLIT)
@@ -105,7 +106,8 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
         # 32 equal columns, not 16: with a square [16, 16] result Triton laid all three
         # dots of a 16-row tile out with the warps along the rows, each warp holding the
         # whole tile (round 8, scripts/kernel_resources.py); now they split head_dim.
-        l_s = tl.max(tl.dot(p, tl.full([SPLIT, 32], 1.0, v.dtype)), axis=1)
+        # (L_COLS, a launch choice: each column is the same k16 chain whatever the width.)
+        l_s = tl.max(tl.dot(p, tl.full([SPLIT, L_COLS], 1.0, v.dtype)), axis=1)
     else:
         l_s = tl.sum(p.to(tl.float32), axis=1)
     return m_s, l_s, o_s
@@ -190,7 +192,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             BLOCK_D: tl.constexpr, L_BY_DOT: tl.constexpr,
                             MASK_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
                             LONG_FIRST: tl.constexpr, EXP2: tl.constexpr,
-                            PARTS: tl.constexpr, PDL: tl.constexpr):
+                            PARTS: tl.constexpr, L_COLS: tl.constexpr, PDL: tl.constexpr):
     """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), folds
     each chunk's splits from the empty state, merges the chunks into the row's state and
     writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
@@ -237,7 +239,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False, EXP2)
+                                            False, EXP2, L_COLS)
                 m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
                 if PREFETCH:
                     ids = nxt
@@ -250,7 +252,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            True, EXP2)
+                                            True, EXP2, L_COLS)
                 m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
                 if PREFETCH:
                     ids = nxt
@@ -303,7 +305,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
                             PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr, PDL: tl.constexpr):
+                            EXP2: tl.constexpr, L_COLS: tl.constexpr, PDL: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
@@ -332,7 +334,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False, EXP2)
+                                            False, EXP2, L_COLS)
                 _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split,
                              split * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
                              NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
@@ -346,7 +348,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                 ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
             m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
                                         stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2)
+                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2, L_COLS)
             _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, split * SPLIT,
                          num_tokens, tok_glob, head, row_ok, pos, NUM_Q_HEADS, HEAD_DIM,
                          BLOCK_D)

@@ -1,7 +1,8 @@
 """Paged-attention launch switches under the Triton interpreter (CPU, CI).
 
 The launch modes (serial, split, chunk) and loop switches (unmasked full splits, block
-ids one split ahead, long rows first, a fold over head_dim chunks, fold warps) must not
+ids one split ahead, long rows first, a fold over head_dim chunks, fold warps, the l-dot's
+width) must not
 change a token's bits: every launch below equals the round-4 serial launch on a prefill,
 on single decodes at split and chunk boundaries and on a mixed batch. Chunks are lowered
 to 2 splits, so the two-level reduction crosses chunk boundaries at this small size. (Under the interpreter a dot accumulates serially over k in fp32
@@ -69,7 +70,10 @@ def _child() -> None:
                        AttentionLaunch("split", 32, 4, 2, 1, fold_tokens=4),
                        AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
                                        fold_block_d=16, fold_warps=1),
-                       AttentionLaunch("chunk", 32, 4, 2, fold_tokens=2)):
+                       AttentionLaunch("chunk", 32, 4, 2, fold_tokens=2),
+                       AttentionLaunch("serial", 32, 8, 3, mask_tail=True, prefetch=True,
+                                       l_cols=16),
+                       AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, l_cols=16)):
             if not torch.equal(run(q, [length], [length], launch, exp2), full):
                 fails.append(f"prefill {launch} exp2={exp2}")
             if not torch.equal(run(qb, lens, n_new, launch, exp2), want):
@@ -94,3 +98,21 @@ def test_attention_launch_switches_keep_bits() -> None:
 
 if __name__ == "__main__" and "--child" in sys.argv:
     _child()
+
+
+def test_prefill_launch_choice() -> None:
+    """Serial prefill tiles of head_dim <= 128 run 4 stages with block ids one split ahead;
+    split mode and wider heads keep 2 stages (shared memory); decode is unchanged."""
+    from megaserve.kernels.triton_impl.attention import (DECODE_SERIAL_TILE, PREFILL_TILE,
+                                                         PREFILL_SERIAL_TILE, AttentionLaunch,
+                                                         choose_launch)
+
+    ws = 64 * 4096 * 32 * 130 * 4  # the fp32 split parts of a 4,096-token prompt
+    assert choose_launch(4096, 1, 4, 8, 64, ws) == AttentionLaunch("serial",
+                                                                   **PREFILL_SERIAL_TILE)
+    assert choose_launch(4096, 1, 4, 8, 64, ws, 64).num_stages == 4
+    assert choose_launch(4096, 1, 4, 8, 64, ws, 256) == AttentionLaunch("serial", **PREFILL_TILE)
+    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("split", **PREFILL_TILE)
+    assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch("serial",
+                                                                       **DECODE_SERIAL_TILE)
+    assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]

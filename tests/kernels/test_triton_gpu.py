@@ -161,7 +161,20 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("chunk", 16, 4, 3, mask_tail=True, prefetch=True),
                    AttentionLaunch("chunk", 64, 4, 2, fold_tokens=8),
                    AttentionLaunch("serial", 16, 4, 3, mask_tail=True, prefetch=True),
-                   AttentionLaunch("serial", 64, 8, 2, mask_tail=True)):
+                   AttentionLaunch("serial", 64, 8, 2, mask_tail=True),
+                   # issue 14: prefill tiles whose K/V loads stay in flight across splits
+                   # (3-4 stages, block ids one ahead), the 16-column l-dot, long rows
+                   # first (the default serial prefill tile: 4 stages and all of these)
+                   AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
+                                   l_cols=16),
+                   AttentionLaunch("serial", 128, 8, 2, mask_tail=True, long_first=True,
+                                   l_cols=16),
+                   AttentionLaunch("serial", 128, 8, 4, mask_tail=True, prefetch=True),
+                   AttentionLaunch("serial", 64, 4, 2, mask_tail=True, prefetch=True,
+                                   l_cols=16),
+                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                                   prefetch=True, l_cols=16),
+                   AttentionLaunch("chunk", 64, 4, 2, l_cols=16)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
