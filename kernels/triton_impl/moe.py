@@ -11,7 +11,9 @@ steps are captured in CUDA graphs) and none with a data-dependent grid:
     hidden ─ down GEMM, scattered store ─> out [R, D]          row order
 
 k' = ``rows_per_token``: routed row r reads token row r // k' of x (a token's k routed
-rows share one x row; no [R, D] copy of it).
+rows share one x row; no [R, D] copy of it). Calls of at most ``INLINE_ALIGN_MAX_ROWS``
+rows (decode) skip the align launch: each GEMM program counts its offsets and its rows'
+order from expert_ids itself (``MoeLaunch.inline_align``), the same integers.
 
 A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N columns).
 Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
@@ -134,19 +136,62 @@ def _align_kernel(ids_ptr, order_ptr, offsets_ptr, R, num_experts, BLOCK_R: tl.c
 
 
 @triton.jit
-def _tile_of(pid, offsets_ptr, num_experts, tiles_n, BLOCK_M: tl.constexpr,
-             BLOCK_E: tl.constexpr, N_MAJOR: tl.constexpr):
+def _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E: tl.constexpr,
+                   BLOCK_R: tl.constexpr, INLINE: tl.constexpr):
+    """(experts, lo, hi) `[BLOCK_E]`: expert e's rows are grouped positions [lo[e], hi[e])
+    (0, 0 past num_experts): read from the align pass's offsets, or with INLINE counted
+    from the R expert ids themselves (lo[e] = #ids below e, hi[e] = #ids up to e)."""
+    experts = tl.arange(0, BLOCK_E)
+    live = experts < num_experts
+    if INLINE:
+        ids = _load_ids(ids_ptr, R, num_experts, BLOCK_R)
+        lo = tl.sum((ids[None, :] < experts[:, None]).to(tl.int32), axis=1)
+        hi = tl.sum((ids[None, :] <= experts[:, None]).to(tl.int32), axis=1)
+        lo = tl.where(live, lo, 0)
+        hi = tl.where(live, hi, 0)
+    else:
+        lo = tl.load(offsets_ptr + experts, mask=live, other=0)
+        hi = tl.load(offsets_ptr + experts + 1, mask=live, other=0)
+    return experts, lo, hi
+
+
+@triton.jit
+def _load_ids(ids_ptr, R, num_experts, BLOCK_R: tl.constexpr):
+    """The R expert ids `[BLOCK_R]` int32; num_experts (routed nowhere) past R."""
+    rows = tl.arange(0, BLOCK_R)
+    return tl.load(ids_ptr + rows, mask=rows < R, other=num_experts).to(tl.int32)
+
+
+@triton.jit
+def _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R: tl.constexpr,
+             INLINE: tl.constexpr):
+    """``order[pos]``: the row (call order) at each grouped position (0 where not row_ok).
+
+    INLINE: from the ids, as the align pass orders them: row r sits at its rank, the
+    number of rows with a smaller id or the same id and a smaller index (stable)."""
+    if INLINE:
+        ids = _load_ids(ids_ptr, R, num_experts, BLOCK_R)
+        r = tl.arange(0, BLOCK_R)
+        before = (ids[None, :] < ids[:, None]) | (
+            (ids[None, :] == ids[:, None]) & (r[None, :] < r[:, None]))
+        rank = tl.sum(before.to(tl.int32), axis=1)  # [BLOCK_R]; rows past R rank past
+        hit = (rank[None, :] == pos[:, None]) & row_ok[:, None]  # every grouped position
+        return tl.sum(tl.where(hit, r[None, :], 0), axis=1)
+    else:
+        return tl.load(order_ptr + pos, mask=row_ok, other=0)
+
+
+@triton.jit
+def _tile_of(pid, experts, lo, hi, tiles_n, BLOCK_M: tl.constexpr, N_MAJOR: tl.constexpr):
     """Program ``pid``'s tile: (expert, first position, end of the expert's positions,
-    column tile); expert >= num_experts past the last tile (module NOTE).
+    column tile); expert >= num_experts past the last tile (module NOTE). lo, hi: the
+    experts' position ranges (:func:`_expert_ranges`).
 
     Tiles are numbered expert by expert; inside an expert, row tile by row tile (the
     column tiles of one row tile are consecutive programs: one read of its rows from L2)
     or, with N_MAJOR, column tile by column tile (the row tiles of one weight tile are
     consecutive programs: one read of the weights from device memory).
     """
-    experts = tl.arange(0, BLOCK_E)
-    lo = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
-    hi = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
     tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # row tiles of expert e
     ends = tl.cumsum(tiles, axis=0)  # row tiles through expert e
     if N_MAJOR:
@@ -169,10 +214,10 @@ def _tile_of(pid, offsets_ptr, num_experts, tiles_n, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
-                SWIGLU: tl.constexpr, SCATTER: tl.constexpr):
+def _store_tile(acc, acc_up, c_ptr, dst, row_ok, cols, col_ok, stride_cm,
+                SWIGLU: tl.constexpr):
     """Round the fp32 tile to c's dtype (SWIGLU: the module NOTE's epilogue) and store it
-    at rows ``order[pos]`` (SCATTER) or ``pos``."""
+    at rows ``dst``."""
     out_ty = c_ptr.dtype.element_ty
     if SWIGLU:
         gate = acc.to(out_ty).to(tl.float32)
@@ -180,7 +225,6 @@ def _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride
         res = act * acc_up.to(out_ty)
     else:
         res = acc.to(out_ty)
-    dst = tl.load(order_ptr + pos, mask=row_ok, other=0) if SCATTER else pos
     tl.store(c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :], res,
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -188,16 +232,16 @@ def _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride
 @triton.jit
 def _expert_gemm_kernel(
     # Pointers
-    a_ptr, w_ptr, c_ptr, order_ptr, offsets_ptr,
+    a_ptr, w_ptr, c_ptr, ids_ptr, order_ptr, offsets_ptr,
     # Shapes
-    num_experts, N, K,
+    R, num_experts, N, K,
     # Strides
     stride_am, stride_we, stride_wn, stride_cm,
     # Meta-parameters
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-    ROWS_PER_TOKEN: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr, INLINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``, both
     operands through pointer loads.
@@ -209,16 +253,20 @@ def _expert_gemm_kernel(
     """
     pdl.wait_then_release(PDL)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, num_experts,
-                                            tiles_n, BLOCK_M, BLOCK_E, False)
+    experts, lo, hi = _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E, BLOCK_R,
+                                     INLINE)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), experts, lo, hi, tiles_n,
+                                            BLOCK_M, False)
     if expert >= num_experts:
         return
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     pos = start + tl.arange(0, BLOCK_M)  # positions in the grouped order
     row_ok = pos < end
     col_ok = cols < N
+    if GATHER or SCATTER:
+        rows = _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
     if GATHER:
-        src = tl.load(order_ptr + pos, mask=row_ok, other=0) // ROWS_PER_TOKEN
+        src = rows // ROWS_PER_TOKEN
     else:
         src = pos
     kk = tl.arange(0, BLOCK_K)
@@ -237,23 +285,23 @@ def _expert_gemm_kernel(
         if SWIGLU:
             b_up = tl.load(u_rows + (k0 + kk)[None, :], mask=w_ok, other=0.0)
             acc_up = tl.dot(a, tl.trans(b_up), acc_up)
-    _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
-                SWIGLU, SCATTER)
+    _store_tile(acc, acc_up, c_ptr, rows if SCATTER else pos, row_ok, cols, col_ok,
+                stride_cm, SWIGLU)
 
 
 @triton.jit
 def _expert_gemm_tma_kernel(
     # Pointers and TMA descriptors
-    a_ptr, a_desc, w_desc, c_ptr, order_ptr, offsets_ptr,
+    a_ptr, a_desc, w_desc, c_ptr, ids_ptr, order_ptr, offsets_ptr,
     # Shapes
-    num_experts, N, K,
+    R, num_experts, N, K,
     # Strides
     stride_am, stride_cm,
     # Meta-parameters
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-    ROWS_PER_TOKEN: tl.constexpr, JOIN: tl.constexpr, N_MAJOR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    ROWS_PER_TOKEN: tl.constexpr, INLINE: tl.constexpr, JOIN: tl.constexpr,
+    N_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tile of :func:`_expert_gemm_kernel` (same arguments, same bits) with the
     weights, and a unless GATHER, read by TMA.
@@ -267,8 +315,10 @@ def _expert_gemm_tma_kernel(
     """
     pdl.wait_then_release(PDL)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, num_experts,
-                                            tiles_n, BLOCK_M, BLOCK_E, N_MAJOR)
+    experts, lo, hi = _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E, BLOCK_R,
+                                     INLINE)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), experts, lo, hi, tiles_n,
+                                            BLOCK_M, N_MAJOR)
     if expert >= num_experts:
         return
     n0 = col_tile * BLOCK_N
@@ -277,9 +327,10 @@ def _expert_gemm_tma_kernel(
     row_ok = pos < end
     col_ok = cols < N
     kk = tl.arange(0, BLOCK_K)
+    if GATHER or SCATTER:
+        rows = _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
     if GATHER:
-        src = tl.load(order_ptr + pos, mask=row_ok, other=0) // ROWS_PER_TOKEN
-        a_rows = a_ptr + src.to(tl.int64)[:, None] * stride_am
+        a_rows = a_ptr + (rows // ROWS_PER_TOKEN).to(tl.int64)[:, None] * stride_am
     H: tl.constexpr = 2 if SWIGLU else 1
     if JOIN:
         acc2 = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -303,8 +354,8 @@ def _expert_gemm_tma_kernel(
                 acc_up = tl.dot(a, b_up.T, acc_up)
     if JOIN:  # columns [gate 0..BLOCK_N) | [up 0..BLOCK_N)
         acc, acc_up = tl.split(acc2.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
-    _store_tile(acc, acc_up, c_ptr, order_ptr, pos, row_ok, cols, col_ok, stride_cm,
-                SWIGLU, SCATTER)
+    _store_tile(acc, acc_up, c_ptr, rows if SCATTER else pos, row_ok, cols, col_ok,
+                stride_cm, SWIGLU)
 
 
 _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of it
@@ -313,13 +364,19 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # This module's kernels launched with PDL. On an H100 (48-layer Qwen3-30B-A3B decode at
 # batch 1, back-to-back steps, PDL on the other decode kernels): none 3.608-3.609 ms a
 # step, top-k + align 3.576-3.581, the expert GEMMs alone 3.580, all three 3.943 (another
-# run: 3.711 with PDL off everywhere). All three kernels keep pdl.wait_then_release, so
-# adding one is a name here.
+# run: 3.711 with PDL off everywhere). With the align launch gone at batch 1 (inline
+# grouping), PDL on the gate_up GEMM too: 3.565-3.566 ms against 3.572-3.578 (.device/1 of
+# session 15), within the noise. All of them keep pdl.wait_then_release, so adding
+# one is a name here ("up", "down": the two expert GEMMs); $MEGASERVE_MOE_PDL (names,
+# comma-separated) replaces the set for tuning runs.
 PDL_KERNELS = frozenset({"topk", "align"})
+_PDL_ENV = "MEGASERVE_MOE_PDL"
 
 
 def _launch_args(device: torch.device, kernel: str) -> dict:
-    return pdl.launch_args(device) if kernel in PDL_KERNELS else {"PDL": False}
+    text = os.environ.get(_PDL_ENV)
+    names = PDL_KERNELS if text is None else set(text.split(","))
+    return pdl.launch_args(device) if kernel in names else {"PDL": False}
 
 
 @dataclass(frozen=True)
@@ -361,10 +418,17 @@ class GemmTiles:
 
 @dataclass(frozen=True)
 class MoeLaunch:
-    """The launches of one expert FFN: ``up`` (gate_up, SwiGLU epilogue) and ``down``."""
+    """The launches of one expert FFN: ``up`` (gate_up, SwiGLU epilogue) and ``down``.
+
+    inline_align: no align launch; each GEMM program groups the rows itself from the expert
+    ids (the same offsets and order, in registers), which takes one dependent launch and
+    one dependent load off a decode step's chain. Calls of more than
+    ``INLINE_ALIGN_MAX_ROWS`` rows take the align launch whatever this says.
+    """
 
     up: GemmTiles
     down: GemmTiles
+    inline_align: bool = False
 
 
 # Launches by mean rows per expert (rows per call / experts held), ascending (max, launch);
@@ -385,9 +449,13 @@ _BY_ROWS_PER_EXPERT = (
     (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
 _PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True),
                      GemmTiles(128, 256, 8, 4, tma=True))
-# Tuning runs: "m,n,warps,stages,k_step;m,n,warps,stages,k_step" (up; down) replaces the
-# first bucket's launch (a speed choice: the bits never change).
+# The inline grouping's bound on a call's rows (its [E, R] and [R, R] compares per program).
+INLINE_ALIGN_MAX_ROWS = 64
+# Tuning runs: "m,n,warps,stages,k_step[,tma[,join]];..." (up; down) replaces the first
+# bucket's launch; $MEGASERVE_MOE_INLINE_ALIGN=0 keeps the align launch at every size
+# (speed choices: the bits never change).
 _DECODE_ENV = "MEGASERVE_MOE_DECODE_TILES"
+_INLINE_ENV = "MEGASERVE_MOE_INLINE_ALIGN"
 
 
 def _decode_launch() -> MoeLaunch:
@@ -395,7 +463,7 @@ def _decode_launch() -> MoeLaunch:
     if not text:
         return _BY_ROWS_PER_EXPERT[0][1]
     up, down = ([int(v) for v in part.split(",")] for part in text.split(";"))
-    return MoeLaunch(GemmTiles(*up), GemmTiles(*down))
+    return MoeLaunch(*(GemmTiles(*v[:5], *(bool(f) for f in v[5:])) for v in (up, down)))
 
 
 def plan_launch(num_rows: int, num_experts: int = 128) -> MoeLaunch:
@@ -403,7 +471,11 @@ def plan_launch(num_rows: int, num_experts: int = 128) -> MoeLaunch:
     speed choice, bit-neutral)."""
     for max_per_expert, launch in _BY_ROWS_PER_EXPERT:
         if num_rows <= max_per_expert * num_experts:
-            return _decode_launch() if launch is _BY_ROWS_PER_EXPERT[0][1] else launch
+            if launch is not _BY_ROWS_PER_EXPERT[0][1]:
+                return launch
+            inline = (num_rows <= INLINE_ALIGN_MAX_ROWS
+                      and os.environ.get(_INLINE_ENV, "1") != "0")
+            return dataclasses.replace(_decode_launch(), inline_align=inline)
     return _PREFILL
 
 
@@ -429,25 +501,29 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     return offsets, order
 
 
-def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
-                 tiles: GemmTiles, *, swiglu: bool, gather: bool, scatter: bool,
+def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                 grouping: tuple[torch.Tensor, torch.Tensor] | None, tiles: GemmTiles, *,
+                 swiglu: bool, gather: bool, scatter: bool,
                  rows_per_token: int = 1) -> torch.Tensor:
     """a `[R / rows_per_token, K]` times each position's expert `w[e]` `[N', K]` → `[R, N]`
-    (module NOTE); R = order's length.
+    (module NOTE); R = ids' length. grouping: the align pass's (offsets, order), or None:
+    the programs group the rows from ``ids`` themselves (R <= INLINE_ALIGN_MAX_ROWS).
 
     N = N' // 2 with ``swiglu`` (silu(gate) * up), else N'. ``rows_per_token`` > 1 only
     with ``gather``.
     """
-    r = order.shape[0]
+    r = ids.shape[0]
+    offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
     num_experts, n_w, k = w.shape
     n = n_w // 2 if swiglu else n_w
     out = torch.empty(r, n, dtype=a.dtype, device=a.device)
     grid = (_max_tiles(r, num_experts, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
     common = dict(
         SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        BLOCK_E=triton.next_power_of_2(num_experts), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_launch_args(a.device, "gemm"))
+        INLINE=grouping is None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **_launch_args(a.device, "up" if swiglu else "down"))
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
@@ -457,11 +533,11 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, order: torch.Tensor, offsets:
         a_desc = None if gather else TensorDescriptor.from_tensor(
             a, [tiles.block_m, tiles.block_k])
         _expert_gemm_tma_kernel[grid](
-            a, a_desc, w_desc, out, order, offsets, num_experts, n, k,
+            a, a_desc, w_desc, out, ids, order, offsets, r, num_experts, n, k,
             a.stride(0), out.stride(0), JOIN=join, N_MAJOR=tiles.n_major, **common)
         return out
     _expert_gemm_kernel[grid](
-        a, w, out, order, offsets, num_experts, n, k,
+        a, w, out, ids, order, offsets, r, num_experts, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), **common)
     return out
 
@@ -487,14 +563,16 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     w_gate_up = w_gate_up.contiguous()
     w_down = w_down.contiguous()
     lp = launch or plan_launch(r, num_experts)
-    offsets, order = _align(expert_ids, num_experts)
+    ids = expert_ids if expert_ids.stride(0) == 1 else expert_ids.contiguous()
+    inline = lp.inline_align and r <= INLINE_ALIGN_MAX_ROWS
+    grouping = None if inline else _align(ids, num_experts)
     if fused:
-        hidden = _expert_gemm(x, w_gate_up, order, offsets, lp.up, swiglu=True, gather=True,
+        hidden = _expert_gemm(x, w_gate_up, ids, grouping, lp.up, swiglu=True, gather=True,
                               scatter=False, rows_per_token=rows_per_token)  # [R, I] grouped
     else:
         up = dataclasses.replace(lp.up, block_n=2 * lp.up.block_n)
-        gate_up = _expert_gemm(x, w_gate_up, order, offsets, up, swiglu=False, gather=True,
+        gate_up = _expert_gemm(x, w_gate_up, ids, grouping, up, swiglu=False, gather=True,
                                scatter=False, rows_per_token=rows_per_token)  # [R, 2I]
         hidden = silu_and_mul(gate_up)
-    return _expert_gemm(hidden, w_down, order, offsets, lp.down, swiglu=False, gather=False,
+    return _expert_gemm(hidden, w_down, ids, grouping, lp.down, swiglu=False, gather=False,
                         scatter=True)

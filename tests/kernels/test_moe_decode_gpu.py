@@ -67,6 +67,37 @@ def test_k_step_keeps_the_bits(e: int, d: int, i: int, r: int) -> None:
                 assert torch.equal(got[routed], k64[routed]), f"{lp} fused={fused}"
 
 
+@pytest.mark.parametrize("e", [128, 8])
+@pytest.mark.parametrize("r", [1, 8, 37, 64])
+def test_inline_align_keeps_the_bits(e: int, r: int) -> None:
+    """The GEMMs grouping the rows themselves (MoeLaunch.inline_align, no align launch)
+    give the align launch's bits, pointer and TMA weights, ids of E (routed nowhere)
+    included; the planned launch of a decode-sized call is inline."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+
+    torch.manual_seed(e * 100 + r)
+    d, i = 2048, 768
+    wgu, wd = _weights(e, d, i)
+    x = torch.randn(r, d, device="cuda", dtype=BF16)
+    eids = torch.randint(0, e + 1, (r,), device="cuda")
+    eids[: min(r, 3)] = torch.tensor([e, 1, 1][: min(r, 3)], device="cuda")
+    routed = eids < e
+    assert moe.plan_launch(r, e).inline_align == (r <= 4 * e)
+    T = moe.GemmTiles
+    for up, down in [(T(16, 32, 4, 3, 128), T(16, 128, 4, 3, 128)),
+                     (T(16, 32, 4, 3, 128, tma=True, join=True), T(16, 64, 4, 3, 128, tma=True)),
+                     (T(64, 64, 4, 4, 128), T(64, 128, 4, 4, 128))]:
+        want = expert_ffn(x, eids, wgu, wd, launch=moe.MoeLaunch(up, down))
+        assert not want[routed].isnan().any()
+        for k in (1, r):
+            if r % k == 0:
+                got = expert_ffn(x[:: k], eids, wgu, wd, rows_per_token=k,
+                                 launch=moe.MoeLaunch(up, down, inline_align=True))
+                ref = want if k == 1 else expert_ffn(
+                    x[::k], eids, wgu, wd, rows_per_token=k, launch=moe.MoeLaunch(up, down))
+                assert torch.equal(got[routed], ref[routed]), f"{up} {down} k'={k}"
+
+
 @pytest.mark.parametrize("top_k", [1, 8])
 @pytest.mark.parametrize("num_tokens", [1, 5, 64, 300])
 def test_rows_per_token_equals_expanded_rows(top_k: int, num_tokens: int) -> None:
@@ -102,7 +133,7 @@ def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     three kernels launch with it here (by default the GEMMs do not: moe.PDL_KERNELS)."""
     from megaserve.kernels.triton_impl import expert_ffn, moe, pdl, topk_route
 
-    monkeypatch.setattr(moe, "PDL_KERNELS", frozenset({"topk", "align", "gemm"}))
+    monkeypatch.setattr(moe, "PDL_KERNELS", frozenset({"topk", "align", "up", "down"}))
 
     e, d, i, t, k = 128, 2048, 768, 8, 8
     torch.manual_seed(3)

@@ -230,7 +230,10 @@ def _check_expert_ffn(torch, ti) -> None:
             moe.MoeLaunch(T(32, 16, 2, 2), T(64, 32, 4, 1)),
             moe.MoeLaunch(T(128, 128, 8, 3), T(16, 128, 4, 4)),
             moe.MoeLaunch(T(16, 32, 4, 4, 128), T(16, 64, 4, 4, 256)),
-            moe.MoeLaunch(T(64, 16, 4, 3, 256), T(32, 32, 4, 3, 128))]
+            moe.MoeLaunch(T(64, 16, 4, 3, 256), T(32, 32, 4, 3, 128)),
+            # rows grouped inside the GEMMs from the ids (no align launch)
+            moe.MoeLaunch(T(16, 32, 4, 3, 128), T(16, 128, 4, 3, 128), inline_align=True),
+            moe.MoeLaunch(T(32, 16, 2, 2), T(64, 32, 4, 1), inline_align=True)]
         for lp in launches:
             got = ti.expert_ffn(x, eids, wgu, wd, launch=lp)
             assert torch.equal(got[routed], out[routed]), f"{lp} changed the bits"
@@ -274,6 +277,8 @@ def check_moe_tma(torch, ti) -> None:
                       T(16, 64, 4, 3, 128, tma=True, n_major=True)),
         moe.MoeLaunch(T(64, 16, 4, 3, 128, tma=True, join=True, n_major=True),
                       T(64, 16, 4, 3, tma=True)),
+        moe.MoeLaunch(T(16, 32, 4, 3, tma=True, join=True), T(16, 64, 4, 3, 128, tma=True),
+                      inline_align=True),
     ]
     # (D, I): K tails (96, 48 vs K steps 64/128), I not a multiple of the column tiles;
     # then rows that are not 16-byte aligned (D = 100, I = 44: the pointer path).
