@@ -127,15 +127,16 @@ def test_rows_per_token_equals_expanded_rows(top_k: int, num_tokens: int) -> Non
                        want.view(num_tokens, top_k, d))
 
 
-def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("t", [8, 16])  # 64 routed rows: inline grouping; 128: align launch
+def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch, t: int) -> None:
     """The MoE launches with and without PDL (captured back to back in a CUDA graph,
-    layer after layer, as decode runs them) give the same bits as eager launches. All
-    three kernels launch with it here (by default the GEMMs do not: moe.PDL_KERNELS)."""
+    layer after layer, as decode runs them) give the same bits as eager launches. Every
+    kernel launches with it here (moe.PDL_KERNELS may leave some out)."""
     from megaserve.kernels.triton_impl import expert_ffn, moe, pdl, topk_route
 
     monkeypatch.setattr(moe, "PDL_KERNELS", frozenset({"topk", "align", "up", "down"}))
 
-    e, d, i, t, k = 128, 2048, 768, 8, 8
+    e, d, i, k = 128, 2048, 768, 8
     torch.manual_seed(3)
     layers = [_weights(e, d, i) for _ in range(3)]
     x = torch.randn(t, d, device="cuda", dtype=BF16)
