@@ -20,7 +20,8 @@ with its relative imports made absolute), timed as "baseline"; "new-nopdl" is th
 module with $MEGASERVE_PDL=0 (no programmatic dependent launch). --sweep: also time each
 GEMM alone over candidate launches (--grid buckets: the decode buckets' tiles x K steps x
 stages; --grid prefill: tiles x warps x stages x K steps x weight paths, pointer / TMA /
-TMA with gate and up in one dot), each checked bitwise, in --workers parallel processes
+TMA with gate and up in one dot; --grid tails: the prefill tiles with and without tail
+tiles of 32 or 64 rows), each checked bitwise, in --workers parallel processes
 (which also fill Triton's cache for the timings), against the planned launch and the old
 prefill launch (pointer loads, K step 64); cells are timed until --deadline. --tokens: a
 MoE layer's dispatch at T tokens, top-k: x expanded to [T*k, D] then expert_ffn (the old
@@ -83,6 +84,10 @@ MODES = {"ptr": {}, "tma": {"tma": True}, "join": {"tma": True, "join": True},
          "tma-n": {"tma": True, "n_major": True},
          "join-n": {"tma": True, "join": True, "n_major": True}}
 SMEM_BYTES = 227 * 1024  # an H100's shared memory per block
+# --grid tails: the planned prefill tiles at each tail_m (0: no tail tiles) and stage count
+# below (GemmTiles.tail_m: an expert's last tile, at most tail_m rows left, with tail_m rows).
+TAIL_M = (0, 32, 64)
+TAIL_STAGES = (3, 4)
 # The prefill launch before TMA (pointer loads, K step 64): every sweep cell's reference.
 OLD_PREFILL = moe.MoeLaunch(moe.GemmTiles(128, 64, 4, 3), moe.GemmTiles(128, 128, 4, 3))
 
@@ -140,7 +145,7 @@ def main() -> None:
     p.add_argument("--baseline")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--grid", choices=("buckets", "prefill"), default="buckets")
+    p.add_argument("--grid", choices=("buckets", "prefill", "tails"), default="buckets")
     p.add_argument("--modes", default="ptr,tma,join", help="--grid prefill weight paths")
     p.add_argument("--block-m", default="", help="--grid prefill block_m values (default all)")
     p.add_argument("--workers", type=int, default=14, help="sweep check processes")
@@ -299,6 +304,13 @@ def candidates(shape: MoeShape, r: int, grid: str, modes: list[str],
                         if stages * (bm + w_rows) * bk * 2 <= SMEM_BYTES:
                             out.append((kind, moe.GemmTiles(bm, bn, warps, stages, bk)))
         return out
+    if grid == "tails":
+        for kind in ("up", "down"):
+            for stages in TAIL_STAGES:
+                for tail_m in TAIL_M:
+                    out.append((kind, dataclasses.replace(
+                        getattr(moe._PREFILL, kind), num_stages=stages, tail_m=tail_m)))
+        return out
     for mode in modes:
         for kind in ("up", "down"):
             if kind == "down" and MODES[mode].get("join"):
@@ -324,25 +336,26 @@ def _worker_init(shape: MoeShape, r: int, rows_per_token: int, layers: int) -> N
     """Check worker: one layer's tensors and its references (old prefill, planned)."""
     wgu, wd = _weights(shape, 1)
     x, ids = _inputs(shape, r, rows_per_token, layers)
-    off, order = moe._align(ids[0], shape.e)
+    grouping = moe._align(ids[0], shape.e)
     gemm = moe._expert_gemm
-    ups = [gemm(x, wgu[0], order, off, lp.up, swiglu=True, gather=True, scatter=False,
+    ups = [gemm(x, wgu[0], ids[0], grouping, lp.up, swiglu=True, gather=True, scatter=False,
                 rows_per_token=rows_per_token)
            for lp in (OLD_PREFILL, moe.plan_launch(r, shape.e))]
-    downs = [gemm(ups[0], wd[0], order, off, lp.down, swiglu=False, gather=False, scatter=True)
+    downs = [gemm(ups[0], wd[0], ids[0], grouping, lp.down, swiglu=False, gather=False,
+                  scatter=True)
              for lp in (OLD_PREFILL, moe.plan_launch(r, shape.e))]
-    _W.update(x=x, wgu=wgu, wd=wd, off=[off], order=[order], ups=ups, downs=downs,
+    _W.update(x=x, wgu=wgu, wd=wd, ids=[ids[0]], grouping=[grouping], ups=ups, downs=downs,
               rpt=rows_per_token)
 
 
 def _run_cell(w: dict, kind: str, tiles: moe.GemmTiles, j: int, ups: torch.Tensor):
     """One GEMM of layer j (``ups``: the down GEMM's input) at ``tiles``; w: per-layer lists
-    "wgu", "wd", "off", "order" and "x", "rpt" (rows per token)."""
+    "wgu", "wd", "ids", "grouping" (the align pass's) and "x", "rpt" (rows per token)."""
     if kind == "up":
-        return moe._expert_gemm(w["x"], w["wgu"][j], w["order"][j], w["off"][j], tiles,
+        return moe._expert_gemm(w["x"], w["wgu"][j], w["ids"][j], w["grouping"][j], tiles,
                                 swiglu=True, gather=True, scatter=False,
                                 rows_per_token=w["rpt"])
-    return moe._expert_gemm(ups, w["wd"][j], w["order"][j], w["off"][j], tiles,
+    return moe._expert_gemm(ups, w["wd"][j], w["ids"][j], w["grouping"][j], tiles,
                             swiglu=False, gather=False, scatter=True)
 
 
@@ -377,9 +390,8 @@ def sweep(args, shape: MoeShape, r: int, rows_per_token: int, x, ids, wgu, wd,
             if "error" in check or not check["bits_equal"]:
                 print(f"  R={r} {kind} {key}: {check}", flush=True)
     print(f"  R={r}: {len(cells)} cells checked, {time.time() - t0:.0f} s", flush=True)
-    aligned = [moe._align(t, shape.e) for t in ids]
-    state = {"x": x, "wgu": wgu, "wd": wd, "off": [a[0] for a in aligned],
-             "order": [a[1] for a in aligned], "rpt": rows_per_token}
+    state = {"x": x, "wgu": wgu, "wd": wd, "ids": ids,
+             "grouping": [moe._align(t, shape.e) for t in ids], "rpt": rows_per_token}
     lp = moe.plan_launch(r, shape.e)
     ups = [_run_cell(state, "up", lp.up, j, None) for j in range(args.layers)]
     for kind, tiles in cells:

@@ -17,9 +17,9 @@ order from expert_ids itself (``MoeLaunch.inline_align``), the same integers.
 
 A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N columns).
 Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
-BLOCK_M)`` tiles each; inside an expert row tile by row tile, or with
-``GemmTiles.n_major`` column tile by column tile, so that the row tiles sharing a weight
-tile run together); the grid is a bound on their number from (R, E) alone and the
+BLOCK_M)`` tiles each, the last one narrower with ``GemmTiles.tail_m``; inside an expert
+row tile by row tile, or with ``GemmTiles.n_major`` column tile by column tile, so that
+the row tiles sharing a weight tile run together); the grid is a bound on their number from (R, E) alone and the
 programs past the last tile return at once. The weights are read through pointers or TMA
 descriptors (``GemmTiles.tma``; gate and up may share one dot, ``GemmTiles.join``).
 
@@ -292,7 +292,7 @@ def _expert_gemm_kernel(
 @triton.jit
 def _expert_gemm_tma_kernel(
     # Pointers and TMA descriptors
-    a_ptr, a_desc, w_desc, c_ptr, ids_ptr, order_ptr, offsets_ptr,
+    a_ptr, a_desc, a_tail_desc, w_desc, c_ptr, ids_ptr, order_ptr, offsets_ptr,
     # Shapes
     R, num_experts, N, K,
     # Strides
@@ -300,18 +300,23 @@ def _expert_gemm_tma_kernel(
     # Meta-parameters
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr, INLINE: tl.constexpr, JOIN: tl.constexpr,
-    N_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    N_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tile of :func:`_expert_gemm_kernel` (same arguments, same bits) with the
     weights, and a unless GATHER, read by TMA.
 
+    TAIL_M (0: none): a tile with at most TAIL_M of its expert's rows left (an expert's
+    last tile) runs as a TAIL_M-row tile: the same tiles in the same order, less padding.
+
     w_desc: w viewed `[E * H, N, K]` (H = 2 with SWIGLU: gate then up, else 1), block
     `[1, BLOCK_N, BLOCK_K]` (with JOIN `[2, BLOCK_N, BLOCK_K]`: gate and up rows in one
     dot over 2 * BLOCK_N columns, split in the epilogue). Rows past N and K past K read
-    as zeros, so no tile sees another expert's weights. a_desc (not GATHER): a `[R, K]`,
-    block `[BLOCK_M, BLOCK_K]`; rows past ``end`` (the next expert's) are read and never
-    stored (each output row depends on its own a row only).
+    as zeros, so no tile sees another expert's weights. a_desc / a_tail_desc (not
+    GATHER): a `[R, K]`, block `[BLOCK_M, BLOCK_K]` / `[TAIL_M, BLOCK_K]`; rows past
+    ``end`` (the next expert's) are read and never stored (each output row depends on its
+    own a row only).
     """
     pdl.wait_then_release(PDL)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -321,6 +326,26 @@ def _expert_gemm_tma_kernel(
                                             BLOCK_M, N_MAJOR)
     if expert >= num_experts:
         return
+    if TAIL_M > 0:
+        if end - start <= TAIL_M:
+            _tma_tile(a_ptr, a_tail_desc, w_desc, c_ptr, ids_ptr, order_ptr, R, num_experts,
+                      N, K, stride_am, stride_cm, expert, start, end, col_tile, SWIGLU,
+                      GATHER, SCATTER, ROWS_PER_TOKEN, INLINE, JOIN, TAIL_M, BLOCK_N,
+                      BLOCK_K, BLOCK_R)
+            return
+    _tma_tile(a_ptr, a_desc, w_desc, c_ptr, ids_ptr, order_ptr, R, num_experts, N, K,
+              stride_am, stride_cm, expert, start, end, col_tile, SWIGLU, GATHER, SCATTER,
+              ROWS_PER_TOKEN, INLINE, JOIN, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _tma_tile(a_ptr, a_desc, w_desc, c_ptr, ids_ptr, order_ptr, R, num_experts, N, K,
+              stride_am, stride_cm, expert, start, end, col_tile, SWIGLU: tl.constexpr,
+              GATHER: tl.constexpr, SCATTER: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
+              INLINE: tl.constexpr, JOIN: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One (expert, BLOCK_M positions from ``start``, BLOCK_N columns) tile of
+    :func:`_expert_gemm_tma_kernel`; positions from ``end`` on are not stored."""
     n0 = col_tile * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     pos = start + tl.arange(0, BLOCK_M)
@@ -390,7 +415,9 @@ class GemmTiles:
     weights (and the down GEMM's rows) through TMA descriptors where their strides allow
     (16-byte aligned rows), else pointer loads. join (tma): gate and up in one dot over
     2 * block_n columns. n_major (tma): an expert's tiles in column-tile order (module
-    NOTE).
+    NOTE). tail_m (tma; 0: none): a tile with at most tail_m of its expert's rows left
+    (the expert's last tile) runs with tail_m rows (less padding; the same tiles in the
+    same order, so it reads its weights from L2 after the expert's other row tiles).
     """
 
     block_m: int
@@ -401,6 +428,7 @@ class GemmTiles:
     tma: bool = False
     join: bool = False
     n_major: bool = False
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -415,6 +443,10 @@ class GemmTiles:
                              f"num_stages={self.num_stages}")
         if (self.join or self.n_major) and not self.tma:
             raise ValueError("GemmTiles: join and n_major need tma=True")
+        if self.tail_m and not (self.tma and 16 <= self.tail_m < self.block_m
+                                and not self.tail_m & (self.tail_m - 1)):
+            raise ValueError(f"GemmTiles: tail_m={self.tail_m} must be 0, or with tma=True a "
+                             f"power of two >= 16 below block_m={self.block_m}")
 
 
 @dataclass(frozen=True)
@@ -444,12 +476,20 @@ class MoeLaunch:
 # 32768 rows, Mixtral-8x7B 8192 rows): 128-row tiles, 8 warps, 4 stages, weights by TMA.
 # gate_up: gate and up in one 128 x 256 dot, column-tile order (Mixtral's 112 column
 # tiles an expert: 1.9x faster than row-tile order, which re-reads an expert's 235 MB of
-# weights per row tile; Qwen's 6: the same); down: 128 x 256 tiles.
-_BY_ROWS_PER_EXPERT = (
-    (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
-    (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))))
+# weights per row tile; Qwen's 6: the same); down: 128 x 256 tiles. Up to 512 rows per
+# expert, an expert's last tile with at most 64 rows left runs as a 64-row tile (tail_m):
+# at Qwen's 256 rows an expert (~Poisson) a 128-row tile wastes ~20% of the MMA rows. H100,
+# Qwen3-30B-A3B 32768 rows (scripts/moe_bench.py --grid tails, same call): the FFN 700-710
+# us against 739 without; alone, gate_up 457 -> 445 us, down 252 -> 249. Mixtral-8x7B at
+# 8192 rows (1024 an expert: < 6% padding) was 3.5% slower with them (4736 against 4575
+# us), so larger calls take _PREFILL.
 _PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True),
                      GemmTiles(128, 256, 8, 4, tma=True))
+_BY_ROWS_PER_EXPERT = (
+    (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
+    (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))),
+    (512, MoeLaunch(dataclasses.replace(_PREFILL.up, tail_m=64),
+                    dataclasses.replace(_PREFILL.down, tail_m=64))))
 # The inline grouping's bound on a call's rows (its [E, R] and [R, R] compares per program).
 INLINE_ALIGN_MAX_ROWS = 64
 # Tuning runs: "m,n,warps,stages,k_step[,tma[,join]];..." (up; down) replaces the first
@@ -531,11 +571,12 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         join = tiles.join and swiglu
         w_desc = TensorDescriptor.from_tensor(
             w3, [2 if join else 1, tiles.block_n, tiles.block_k])
-        a_desc = None if gather else TensorDescriptor.from_tensor(
-            a, [tiles.block_m, tiles.block_k])
+        a_desc, a_tail_desc = (None if gather or not m else TensorDescriptor.from_tensor(
+            a, [m, tiles.block_k]) for m in (tiles.block_m, tiles.tail_m))
         _expert_gemm_tma_kernel[grid](
-            a, a_desc, w_desc, out, ids, order, offsets, r, num_experts, n, k,
-            a.stride(0), out.stride(0), JOIN=join, N_MAJOR=tiles.n_major, **common)
+            a, a_desc, a_tail_desc, w_desc, out, ids, order, offsets, r, num_experts, n, k,
+            a.stride(0), out.stride(0), JOIN=join, N_MAJOR=tiles.n_major,
+            TAIL_M=tiles.tail_m, **common)
         return out
     _expert_gemm_kernel[grid](
         a, w, out, ids, order, offsets, r, num_experts, n, k,

@@ -9,6 +9,8 @@ I = expert intermediate.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -167,7 +169,7 @@ def test_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch, t: int) 
 
 def _prefill_launches():
     """Prefill launches of every weight path (TMA, gate and up in one dot, column-tile
-    order, K steps 64/128, 64- and 128-row tiles), and the planned one."""
+    order, K steps 64/128, 64- and 128-row tiles, 64-row tail tiles), and the planned one."""
     from megaserve.kernels.triton_impl import moe
 
     T = moe.GemmTiles
@@ -179,6 +181,8 @@ def _prefill_launches():
                       T(64, 256, 4, 3, 64, tma=True)),
         moe.MoeLaunch(T(128, 64, 4, 3, 128, tma=True, join=True),
                       T(128, 128, 8, 3, 128, tma=True)),
+        moe.MoeLaunch(T(128, 128, 8, 4, 64, tma=True, join=True, n_major=True, tail_m=64),
+                      T(128, 256, 8, 4, 64, tma=True, tail_m=32)),
         moe.plan_launch(10**9)]
 
 
@@ -236,3 +240,58 @@ def test_prefill_launches_keep_the_bits(e: int, d: int, i: int, num_tokens: int,
     sub = num_tokens // 40  # a few rows per expert: a decode bucket's tiles
     got = expert_ffn(x[:sub], ids[: sub * k], wgu, wd, rows_per_token=k)
     assert torch.equal(got[routed[: sub * k]], ref[: sub * k][routed[: sub * k]])
+
+
+def _untailed(tiles):
+    return dataclasses.replace(tiles, tail_m=0)
+
+
+@pytest.mark.parametrize("e,d,i,k,counts", [
+    # Qwen3-30B-A3B's experts; every remainder class of a 128-row tile around 64 and 128
+    (128, 2048, 768, 8, [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257,
+                         319, 320, 321, 385]),
+    (8, 1000, 200, 2, [0, 1, 64, 129, 257, 321, 1025, 2000]),  # K and I tails, few experts
+])
+def test_prefill_tail_tiles_keep_the_bits(e: int, d: int, i: int, k: int,
+                                          counts: list[int]) -> None:
+    """The prefill launch with tail tiles (an expert's last tile, at most tail_m rows left,
+    with tail_m rows) equals the launch without them and the pointer-load launch bitwise
+    on ragged counts (experts cycle through ``counts``; rows routed nowhere too), fused
+    and unfused; decode launches have no tail tiles."""
+    from megaserve.kernels.triton_impl import expert_ffn, moe
+
+    torch.manual_seed(e + d)
+    wgu, wd = _weights(e, d, i)
+    per_expert = torch.tensor([counts[j % len(counts)] for j in range(e)])
+    ids = torch.repeat_interleave(torch.arange(e), per_expert)
+    nowhere = k + (-ids.numel()) % k  # id e: routed nowhere
+    ids = torch.cat([ids, torch.full((nowhere,), e)])
+    ids = ids[torch.randperm(ids.numel())].cuda()  # [R]
+    routed = ids < e
+    x = torch.randn(ids.numel() // k, d, device="cuda", dtype=BF16)
+    planned = moe.plan_launch(ids.numel(), e)
+    for rows in (1, 64, 512, 64 * e):
+        lp = moe.plan_launch(rows, e)
+        assert not lp.up.tail_m and not lp.down.tail_m
+    T = moe.GemmTiles
+    up, down = _untailed(planned.up), _untailed(planned.down)
+    ref = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=moe.MoeLaunch(up, down))
+    assert not ref[routed].isnan().any(), "routed rows left unwritten"
+    pointer = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=moe.MoeLaunch(
+        T(*_POINTER_PREFILL[0]), T(*_POINTER_PREFILL[1])))
+    assert torch.equal(pointer[routed], ref[routed])
+    for row in routed.nonzero()[:: max(1, int(routed.sum()) // 4), 0][:4].tolist():
+        g, u = (wgu[ids[row]].double() @ x[row // k].double()).chunk(2)
+        want = wd[ids[row]].double() @ (g * torch.sigmoid(g) * u)
+        assert float((ref[row].double() - want).norm() / want.norm()) < 1e-2, row
+    launches = [
+        planned,
+        moe.MoeLaunch(dataclasses.replace(up, tail_m=64), dataclasses.replace(down, tail_m=64)),
+        moe.MoeLaunch(dataclasses.replace(up, tail_m=32), dataclasses.replace(down, tail_m=32)),
+        moe.MoeLaunch(T(64, 128, 4, 4, tma=True, join=True, tail_m=32),
+                      T(64, 256, 4, 3, tma=True, n_major=True, tail_m=16))]
+    for lp in launches:
+        for fused in (True, False):
+            got = expert_ffn(x, ids, wgu, wd, rows_per_token=k, launch=lp, fused=fused)
+            assert not got[routed].isnan().any(), f"{lp} left rows unwritten"
+            assert torch.equal(got[routed], ref[routed]), f"{lp} fused={fused}"

@@ -306,12 +306,52 @@ def check_moe_tma(torch, ti) -> None:
             g, u = (wgu[ids[row]].double() @ x[row // rows_per_token].double()).chunk(2)
             want = wd[ids[row]].double() @ (g * torch.sigmoid(g) * u)
             assert float((ref[row].double() - want).norm() / want.norm()) < 2e-2
+    _check_moe_tails(torch, ti)
     try:
         T(64, 64, 4, 3, join=True)
     except ValueError:
         pass
     else:
         raise AssertionError("join without tma accepted")
+
+
+def _check_moe_tails(torch, ti) -> None:
+    """Tail tiles (moe.GemmTiles.tail_m: an expert's last tile, at most tail_m rows left,
+    runs with tail_m rows) give the pointer path's bits at every remainder of a 32-row
+    tile (counts 0, 1, 15 .. 49)."""
+    moe = ti.moe
+    T = moe.GemmTiles
+    counts = [0, 1, 15, 16, 17, 31, 32, 33, 47, 48, 49]
+    e, d, i = len(counts), 96, 48
+    ids = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    ids = ids[torch.randperm(ids.numel())]  # [R] ragged, shuffled
+    x = torch.randn(ids.numel(), d, dtype=torch.float16)
+    wgu = torch.randn(e, 2 * i, d, dtype=torch.float16) / 8
+    wd = torch.randn(e, d, i, dtype=torch.float16) / 8
+    launches = [
+        moe.MoeLaunch(T(32, 16, 4, 3, tma=True, join=True, n_major=True, tail_m=16),
+                      T(32, 32, 4, 3, 128, tma=True, tail_m=16)),
+        moe.MoeLaunch(T(64, 32, 4, 3, tma=True, join=True, tail_m=32),
+                      T(64, 16, 4, 3, tma=True, n_major=True, tail_m=16))]
+    with poisoned_empty():
+        ref = ti.expert_ffn(x, ids, wgu, wd, launch=moe.MoeLaunch(T(32, 16, 4, 3),
+                                                                  T(32, 32, 4, 3)))
+        assert not ref.isnan().any(), "rows left unwritten"
+        for lp in launches:
+            for fused in (True, False):
+                got = ti.expert_ffn(x, ids, wgu, wd, launch=lp, fused=fused)
+                assert torch.equal(got, ref), f"{lp} fused={fused}"
+    # Tail tiles where an expert's padding is a large share: up to 512 rows an expert.
+    assert moe.plan_launch(256 * 128, 128).up.tail_m == 64
+    assert moe.plan_launch(1024 * 8, 8).up.tail_m == moe.plan_launch(64 * 8, 8).up.tail_m == 0
+    for bad in (dict(tail_m=16), dict(tma=True, tail_m=32), dict(tma=True, tail_m=24),
+                dict(tma=True, tail_m=8)):
+        try:
+            T(32, 32, **bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"GemmTiles {bad} accepted")
 
 
 def check_sampling(torch, ti) -> None:
