@@ -563,8 +563,10 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
         INLINE=grouping is None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_launch_args(a.device, "up" if swiglu else "down"))
+        # (one build for every R when the align pass groups the rows: BLOCK_R is unused)
+        BLOCK_R=max(16, triton.next_power_of_2(r)) if grouping is None else 16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_launch_args(a.device, "up" if swiglu else "down"))
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
