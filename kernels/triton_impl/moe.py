@@ -391,7 +391,7 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # step, top-k + align 3.576-3.581, the expert GEMMs alone 3.580, all three 3.943 (another
 # run: 3.711 with PDL off everywhere). With the align launch gone at batch 1 (inline
 # grouping, session 15), PDL on both GEMMs too: batch 1 3.564-3.572 ms against
-# 3.572-3.590 in three calls, but 3.608 against 3.604 in a full run, where Mixtral's batch
+# 3.572-3.590 in two calls, but 3.608 against 3.604 in a full run, where Mixtral's batch
 # 256 fell to 61% of its roofline (69% before); not adopted. All of them keep
 # pdl.wait_then_release, so adding one is a name here ("up", "down": the two expert
 # GEMMs); $MEGASERVE_MOE_PDL (names, comma-separated) replaces the set for tuning runs.
