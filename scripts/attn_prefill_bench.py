@@ -17,7 +17,6 @@ FLOPs ``4 * T * ctx_avg * Hq * Dh`` (``ctx_avg``: a row's mean number of visible
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -67,47 +66,31 @@ def check_shape(idx: int) -> dict:
     """Every variant (and EXTRA_CHECKS) against the default launch at CHECK_SHAPES[idx]."""
     import torch
 
-    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
-    from scripts.attn_sweep import _setup
+    from scripts.attn_sweep import LaunchChecks, _setup
 
     hq, hkv, dh, bs, length = CHECK_SHAPES[idx]
     q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, 100 + idx)
-    scale = dh**-0.5
-    fails: list[str] = []
-    n = 0
-
-    def run(rows, lens, n_new, launch=None):
-        lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
-        qsl = torch.tensor([0, *itertools.accumulate(n_new)], device="cuda", dtype=torch.int32)
-        tb = table[None].expand(len(lens), -1).contiguous()
-        return paged_attention(rows, kc, vc, tb, lens_t, qsl, scale,
-                               launch=None if launch is None else AttentionLaunch(**launch))
-
-    def expect(name, got, want):
-        nonlocal n
-        n += 1
-        if got.isnan().any() or not torch.equal(got, want):
-            diff = (got.float() - want.float()).abs().nan_to_num(1e9).max().item()
-            fails.append(f"{name} (max diff {diff:.3g})")
+    checks = LaunchChecks(kc, vc, table, dh**-0.5)
+    run, expect = checks.run, checks.expect
 
     full = run(q, [length], [length])
-    expect("round-3 tile (serial r64 w4 s2)", run(q, [length], [length],
-                                                  dict(mode="serial", rows=64, num_warps=4,
-                                                       num_stages=2)), full)
+    expect("round-3 tile (serial r64 w4 s2)", run(q, [length], [length], launch=dict(
+        mode="serial", rows=64, num_warps=4, num_stages=2)), full)
     launches = [BASELINE[1]] + [v for _, v in VARIANTS] + EXTRA_CHECKS
     for var in launches:
-        expect(f"prefill {var}", run(q, [length], [length], var), full)
+        expect(f"prefill {var}", run(q, [length], [length], launch=var), full)
         for chunk in (37, 1000):
             outs = [run(q[a : a + chunk], [min(a + chunk, length)], [min(chunk, length - a)],
-                        var) for a in range(0, length, chunk)]
+                        launch=var) for a in range(0, length, chunk)]
             expect(f"chunked {chunk} {var}", torch.cat(outs), full)
         for t in (0, 63, 64, 1023, 1024, length // 2 + 5, length - 1):
-            expect(f"decode {t} {var}", run(q[t : t + 1], [t + 1], [1], var)[0], full[t])
+            expect(f"decode {t} {var}", run(q[t : t + 1], [t + 1], [1], launch=var)[0],
+                   full[t])
         lens, n_new = [length, 1, 65, 64, length // 2], [1, 1, 3, 64, 130]
         qb = torch.cat([q[c - m : c] for c, m in zip(lens, n_new)])
         want = torch.cat([full[c - m : c] for c, m in zip(lens, n_new)])
-        expect(f"batch {var}", run(qb, lens, n_new, var), want)
-    return dict(shape=CHECK_SHAPES[idx], checks=n, failures=fails)
+        expect(f"batch {var}", run(qb, lens, n_new, launch=var), want)
+    return dict(shape=CHECK_SHAPES[idx], checks=checks.checks, failures=checks.failures)
 
 
 def flops(ctx: int, new: int) -> float:

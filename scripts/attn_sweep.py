@@ -115,34 +115,49 @@ def _setup(hq, hkv, dh, bs, length, seed):
     return q, k, v, kc, vc, table
 
 
+class LaunchChecks:
+    """paged_attention over one shape's cache (:meth:`run`) and bitwise comparisons that
+    record a failure instead of raising (:meth:`expect`), for the device scripts' checks."""
+
+    def __init__(self, kc, vc, table, scale: float) -> None:
+        self.kc, self.vc, self.table, self.scale = kc, vc, table, scale
+        self.failures: list[str] = []
+        self.checks = 0
+
+    def run(self, rows, lens, n_new, tables=None, launch=None, l_by_dot=True):
+        import torch
+
+        from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+        lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
+        qsl = torch.tensor([0, *itertools.accumulate(n_new)], device="cuda",
+                           dtype=torch.int32)
+        tb = (self.table[None].expand(len(lens), -1).contiguous() if tables is None
+              else tables)
+        return paged_attention(rows, self.kc, self.vc, tb, lens_t, qsl, self.scale,
+                               l_by_dot=l_by_dot,
+                               launch=None if launch is None else AttentionLaunch(**launch))
+
+    def expect(self, name, got, want) -> None:
+        import torch
+
+        self.checks += 1
+        if got.isnan().any() or not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().nan_to_num(1e9).max().item()
+            self.failures.append(f"{name} (max diff {diff:.3g})")
+
+
 def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
     """The bitwise checks of SHAPES[idx] whose CHECK_VARIANTS index is ``part`` mod
     ``parts`` (part 0 also the default launch's and the diagnostics); returns {shape,
     failures, checks, rel_err}."""
     import torch
 
-    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
-
     hq, hkv, dh, bs, length = SHAPES[idx]
     q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, idx)
     scale = dh**-0.5
-    fails: list[str] = []
-    n_checks = 0
-
-    def run(rows, lens, n_new, tables=None, launch=None, l_by_dot=True):
-        lens_t = torch.tensor(lens, device="cuda", dtype=torch.int32)
-        qsl = torch.tensor([0, *itertools.accumulate(n_new)], device="cuda",
-                           dtype=torch.int32)
-        tb = table[None].expand(len(lens), -1).contiguous() if tables is None else tables
-        return paged_attention(rows, kc, vc, tb, lens_t, qsl, scale, l_by_dot=l_by_dot,
-                               launch=None if launch is None else AttentionLaunch(**launch))
-
-    def expect(name, got, want):
-        nonlocal n_checks
-        n_checks += 1
-        if got.isnan().any() or not torch.equal(got, want):
-            diff = (got.float() - want.float()).abs().nan_to_num(1e9).max().item()
-            fails.append(f"{name} (max diff {diff:.3g})")
+    checks = LaunchChecks(kc, vc, table, scale)
+    run, expect, fails = checks.run, checks.expect, checks.failures
 
     full = run(q, [length], [length], launch=REF)
     gen = torch.Generator().manual_seed(idx)
@@ -186,14 +201,14 @@ def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
             expect(f"batch {n_new} {var}", run(qb, lens, n_new, launch=var), want)
     old_diag = {}
     if part:
-        return dict(shape=SHAPES[idx], checks=n_checks, failures=fails, rel_err=rel,
+        return dict(shape=SHAPES[idx], checks=checks.checks, failures=fails, rel_err=rel,
                     tl_sum_equal=old_diag)
     # Diagnostic: is the round-3 formulation (tl.sum) invariant across tiles too?
     old = run(q, [length], [length], launch=REF, l_by_dot=False)
     for var in (CHECK_VARIANTS[0], CHECK_VARIANTS[3], CHECK_VARIANTS[6]):
         other = run(q, [length], [length], launch=var, l_by_dot=False)
         old_diag[str(var)] = bool(torch.equal(other, old))
-    return dict(shape=SHAPES[idx], checks=n_checks, failures=fails, rel_err=rel,
+    return dict(shape=SHAPES[idx], checks=checks.checks, failures=fails, rel_err=rel,
                 tl_sum_equal=old_diag)
 
 
