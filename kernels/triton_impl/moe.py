@@ -19,9 +19,10 @@ A GEMM tile is (expert e, BLOCK_M consecutive positions of e's rows, BLOCK_N col
 Each program numbers the tiles expert by expert from ``offsets`` (``cdiv(count_e,
 BLOCK_M)`` tiles each, the last one narrower with ``GemmTiles.tail_m``; inside an expert
 row tile by row tile, or with ``GemmTiles.n_major`` column tile by column tile, so that
-the row tiles sharing a weight tile run together); the grid is a bound on their number from (R, E) alone and the
-programs past the last tile return at once. The weights are read through pointers or TMA
-descriptors (``GemmTiles.tma``; gate and up may share one dot, ``GemmTiles.join``).
+the row tiles sharing a weight tile run together); the grid is a bound on their number
+from (R, E) alone and the programs past the last tile return at once. The weights are
+read through pointers or TMA descriptors (``GemmTiles.tma``; gate and up may share one
+dot, ``GemmTiles.join``).
 
 Every output element is one fp32 chain of tensor-core k16 steps in ascending K order,
 whatever R, the tile shape, warps, stages, the weight path or the launch's K step
