@@ -183,16 +183,21 @@ def _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _tile_of(pid, experts, lo, hi, tiles_n, BLOCK_M: tl.constexpr, N_MAJOR: tl.constexpr):
+def _tile_of(pid, offsets_ptr, ids_ptr, R, num_experts, N, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr,
+             INLINE: tl.constexpr, N_MAJOR: tl.constexpr):
     """Program ``pid``'s tile: (expert, first position, end of the expert's positions,
-    column tile); expert >= num_experts past the last tile (module NOTE). lo, hi: the
-    experts' position ranges (:func:`_expert_ranges`).
+    column tile); expert >= num_experts past the last tile (module NOTE). The experts'
+    position ranges come from :func:`_expert_ranges`.
 
     Tiles are numbered expert by expert; inside an expert, row tile by row tile (the
     column tiles of one row tile are consecutive programs: one read of its rows from L2)
     or, with N_MAJOR, column tile by column tile (the row tiles of one weight tile are
     consecutive programs: one read of the weights from device memory).
     """
+    experts, lo, hi = _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E, BLOCK_R,
+                                     INLINE)
+    tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # row tiles of expert e
     ends = tl.cumsum(tiles, axis=0)  # row tiles through expert e
     if N_MAJOR:
@@ -253,11 +258,9 @@ def _expert_gemm_kernel(
     (module NOTE's roundings).
     """
     pdl.wait_then_release(PDL)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    experts, lo, hi = _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E, BLOCK_R,
-                                     INLINE)
-    expert, start, end, col_tile = _tile_of(tl.program_id(0), experts, lo, hi, tiles_n,
-                                            BLOCK_M, False)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
+                                            num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            BLOCK_R, INLINE, False)
     if expert >= num_experts:
         return
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -320,11 +323,9 @@ def _expert_gemm_tma_kernel(
     own a row only).
     """
     pdl.wait_then_release(PDL)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    experts, lo, hi = _expert_ranges(offsets_ptr, ids_ptr, R, num_experts, BLOCK_E, BLOCK_R,
-                                     INLINE)
-    expert, start, end, col_tile = _tile_of(tl.program_id(0), experts, lo, hi, tiles_n,
-                                            BLOCK_M, N_MAJOR)
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
+                                            num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            BLOCK_R, INLINE, N_MAJOR)
     if expert >= num_experts:
         return
     if TAIL_M > 0:
