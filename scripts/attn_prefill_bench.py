@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -166,17 +165,15 @@ def main() -> int:
     t0 = time.time()
     ok = True
     if not args.no_checks:  # first, in parallel: they also compile the timed launches
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in range(len(CHECK_SHAPES))]
-        for i, p in enumerate(procs):
-            text, _ = p.communicate()
-            line = next((ln for ln in text.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
+        from scripts.attn_sweep import child_results
+
+        results = child_results([[sys.executable, __file__, "--child", str(i)]
+                                 for i in range(len(CHECK_SHAPES))])
+        for i, (res, text) in enumerate(results):
+            if res is None:
                 ok = False
                 print(f"check child {i} failed:\n{text[-3000:]}")
                 continue
-            res = json.loads(line[7:])
             ok &= not res["failures"]
             print(f"checks {res['shape']}: {res['checks']} checks, "
                   f"{len(res['failures'])} failures", flush=True)

@@ -320,24 +320,31 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def child_results(commands: list[list[str]]):
+    """Run ``commands`` (child processes of a device script) in parallel; yield, in order,
+    (the JSON of each child's ``RESULT `` line, or None if it printed none, its output)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in commands]
+    for p in procs:
+        text, _ = p.communicate()
+        line = next((ln for ln in text.splitlines() if ln.startswith("RESULT ")), None)
+        yield (None if line is None else json.loads(line[7:])), text
+
+
 def _checks(parts: int) -> bool:
     """Phase 1: every shape's checks, ``parts`` children per shape, and a compile
     warm-up of the timed variants, all in parallel; prints a line per child."""
     t0 = time.time()
     children = [f"check:{i}:{p}" for i in range(len(SHAPES)) for p in range(parts)]
     children.append("warm:0")
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", c, "--parts", str(parts)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in children]
     ok = True
-    for c, p in zip(children, procs):
-        text, _ = p.communicate()
-        line = next((ln for ln in text.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
+    results = child_results([[sys.executable, __file__, "--child", c, "--parts", str(parts)]
+                             for c in children])
+    for c, (res, text) in zip(children, results):
+        if res is None:
             ok = False
             print(f"{c}: child failed:\n{text[-3000:]}")
             continue
-        res = json.loads(line[7:])
         if c.startswith("check"):
             ok &= not res["failures"]
             print(f"{c} shape={res['shape']} checks={res['checks']} failures="
