@@ -143,6 +143,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    one_token_per_seq: bool = False,
 ) -> torch.Tensor:
     """Causal attention of new query tokens over the paged KV cache (GQA aware).
 
@@ -154,11 +155,14 @@ def paged_attention(
     Keys are reduced in splits of ``KV_SPLIT_SIZE`` merged in a fixed ascending order
     (the Triton kernels fold the splits of each chunk first, then the chunks: see
     kernels.triton_impl.attention), so the same kernel serves prefill, chunked prefill
-    and decode with identical results.
+    and decode with identical results. one_token_per_seq: a promise that query_start_loc
+    is 0, 1, ..., S (a decode batch), which lets a backend skip reading it; never changes
+    the result.
     Returns `[T, Hq, Dh]` in q.dtype.
     """
     return _backend(q).paged_attention(
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+        one_token_per_seq=one_token_per_seq,
     )
 
 

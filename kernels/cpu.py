@@ -207,6 +207,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    one_token_per_seq: bool = False,  # a hint the per-token loop has no use for
 ) -> torch.Tensor:
     """One query token at a time over the keys at or before its position (module docstring):
     a token's bits depend only on its query and those keys. float32 or bfloat16 caches."""

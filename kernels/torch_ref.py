@@ -84,7 +84,8 @@ def _varlen_kwargs() -> dict:
     return kwargs
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+                    one_token_per_seq=False):
     """One flash ``varlen_attn`` call for the whole batch (SDPA's per-sequence loop where
     torch has no varlen API). The paged K/V is gathered into one packed `[sum(L), Hkv, Dh]`
     tensor on the device; one host sync reads the total and maximum lengths (the varlen

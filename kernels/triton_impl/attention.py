@@ -421,7 +421,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     mode: str | None = None, splits_per_program: int | None = None,
                     launch: AttentionLaunch | None = None,
                     l_by_dot: bool = True, exp2: bool | None = None,
-                    parts_only: bool = False) -> torch.Tensor:
+                    parts_only: bool = False, one_token_per_seq: bool = False) -> torch.Tensor:
     """See ``megaserve.kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
@@ -436,7 +436,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the round-6 EXP2
     form (attention_kernels docstring), False the round-5 one (``exp``; other bits);
     ``parts_only`` (split and chunk modes) skips the fold, so the sweep can time the two
-    kernels apart (the output is then unwritten).
+    kernels apart (the output is then unwritten). ``one_token_per_seq``: the caller's
+    promise that query_start_loc is 0, 1, ..., S (decode); the kernels then take tile s
+    as sequence s and read no query_start_loc (two dependent loads fewer on a decode
+    step's chain; the same bits; ``$MEGASERVE_ATTN_DECODE=0`` ignores it).
     """
     exp2 = exp2_default() if exp2 is None else exp2
     t, num_q_heads, head_dim = q.shape
@@ -462,15 +465,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         launch = dataclasses.replace(launch, mode=mode or launch.mode,
                                      splits_per_program=splits_per_program or 0)
     block_q = max(1, launch.rows // g_pad)
-    grid = (t // block_q + num_seqs, num_kv_heads)
+    decode = one_token_per_seq and os.environ.get("MEGASERVE_ATTN_DECODE", "1") != "0"
+    if decode and t != num_seqs:
+        raise ValueError(f"paged_attention: one_token_per_seq with {t} tokens and "
+                         f"{num_seqs} sequences")
+    grid = (num_seqs if decode else t // block_q + num_seqs, num_kv_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(GROUP=group, G_PAD=g_pad, SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
-                  BLOCK_D=block_d)
+                  BLOCK_D=block_d, DECODE=decode)
     loop = dict(MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
                 LONG_FIRST=launch.long_first, EXP2=exp2, L_COLS=launch.l_cols)
     # EXP2 (attention_kernels docstring): scores in log2 units, log2(e) folded into scale.
     scale = float(scale) * _LOG2E if exp2 else float(scale)
-    kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               block_tables.shape[1] * k_cache.shape[1])
     max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
     seq_args = (context_lens, query_start_loc)
     if launch.mode == "serial":
@@ -500,7 +508,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
-        _attention_fold_kernel[(t // fold_q + num_seqs, num_kv_heads, block_d // fold_d)](
+        fold_tiles = num_seqs if decode else t // fold_q + num_seqs
+        _attention_fold_kernel[(fold_tiles, num_kv_heads, block_d // fold_d)](
             *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, CHUNK=CHUNK_SPLITS,
             UNROLL=min(launch.fold_unroll, CHUNK_SPLITS), EXP2=exp2,

@@ -49,10 +49,13 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _block_ids(bt, split, ctx_len, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr):
-    """Cache block of each key of ``split`` `[SPLIT]` (0 past the context)."""
+def _block_ids(bt, split, bt_keys, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr):
+    """Cache block of each key of ``split`` `[SPLIT]` (0 past the table row's ``bt_keys``
+    keys). Bounded by the row, not by the context, so the load need not wait for the
+    context length: an id past the context is never used to read the cache (those keys'
+    K/V loads are masked by the context in ``_split_core``)."""
     keys = split * SPLIT + tl.arange(0, SPLIT)
-    return tl.load(bt + keys // BLOCK_SIZE, mask=keys < ctx_len, other=0).to(tl.int64)
+    return tl.load(bt + keys // BLOCK_SIZE, mask=keys < bt_keys, other=0).to(tl.int64)
 
 
 @triton.jit
@@ -115,19 +118,29 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
 
 @triton.jit
 def _tile_rows(ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP: tl.constexpr,
-               G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
+               G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, DECODE: tl.constexpr):
     """Index math of one (tile, KV head) program: its sequence and rows.
 
     Returns (live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos);
-    ``live`` is False for the spare programs of the grid. Integer work only.
+    ``live`` is False for the spare programs of the grid. Integer work only. DECODE:
+    every sequence has one new token (query_start_loc is 0, 1, ..., S) and tile ``pid``
+    is sequence ``pid``'s, so nothing but its context length is read (the same rows).
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_begin
-    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
-    live = tile_start < q_len
-    ctx_len = tl.load(ctx_ptr + seq)
+    if DECODE:
+        seq = pid
+        q_begin = pid
+        q_len = 1
+        tile_start = 0
+        live = pid < num_seqs
+        ctx_len = tl.load(ctx_ptr + seq, mask=live, other=0)
+    else:
+        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+        q_begin = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_begin
+        tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+        live = tile_start < q_len
+        ctx_len = tl.load(ctx_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     tok = tile_start + rows // G_PAD
     head = kv_head * GROUP + rows % G_PAD
@@ -184,7 +197,7 @@ def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
 def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                             ws_m_ptr, ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_kb, stride_ks, stride_kh, stride_bt,
+                            stride_kb, stride_ks, stride_kh, stride_bt, bt_keys,
                             NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                             G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
@@ -192,7 +205,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             BLOCK_D: tl.constexpr, L_BY_DOT: tl.constexpr,
                             MASK_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
                             LONG_FIRST: tl.constexpr, EXP2: tl.constexpr,
-                            PARTS: tl.constexpr, L_COLS: tl.constexpr, PDL: tl.constexpr):
+                            PARTS: tl.constexpr, L_COLS: tl.constexpr, DECODE: tl.constexpr,
+                            PDL: tl.constexpr):
     """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), folds
     each chunk's splits from the empty state, merges the chunks into the row's state and
     writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
@@ -204,7 +218,7 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
     if LONG_FIRST:
         pid = tl.num_programs(0) - 1 - pid
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q)
+        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q, DECODE)
     if live:
         q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -230,12 +244,12 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
             m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_c = tl.zeros([BLOCK_M], tl.float32)
             o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            ids = _block_ids(bt, s0, ctx_len, BLOCK_SIZE, SPLIT)
+            ids = _block_ids(bt, s0, bt_keys, BLOCK_SIZE, SPLIT)
             for split in range(s0, mid):  # full splits, unmasked; PREFETCH: ids one ahead
                 if PREFETCH:
-                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
                 else:
-                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
@@ -243,12 +257,12 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
                 if PREFETCH:
                     ids = nxt
-            ids = _block_ids(bt, mid, ctx_len, BLOCK_SIZE, SPLIT)
+            ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
             for split in range(mid, s1):  # the rest, masked
                 if PREFETCH:
-                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
                 else:
-                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
@@ -298,14 +312,15 @@ def _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, part, num_tokens, tok_glob, head, r
 @triton.jit
 def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
                             ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
-                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, bt_keys,
                             NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
                             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                             L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
                             PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr, L_COLS: tl.constexpr, PDL: tl.constexpr):
+                            EXP2: tl.constexpr, L_COLS: tl.constexpr, DECODE: tl.constexpr,
+                            PDL: tl.constexpr):
     """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
@@ -317,7 +332,7 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
     if LONG_FIRST:
         pid = tl.num_programs(0) - 1 - pid
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q)
+        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q, DECODE)
     if live:
         q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -325,12 +340,12 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
         mid = first
         if MASK_TAIL:  # as in the serial kernel
             mid = tl.maximum(first, tl.minimum(end, (first_pos + 1) // SPLIT))
-            ids = _block_ids(bt, first, ctx_len, BLOCK_SIZE, SPLIT)
+            ids = _block_ids(bt, first, bt_keys, BLOCK_SIZE, SPLIT)
             for split in range(first, mid):
                 if PREFETCH:
-                    nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
                 else:
-                    ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
                 m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
                                             pos, stride_kb, stride_ks, stride_kh, scale,
                                             BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
@@ -340,12 +355,12 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                              NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
                 if PREFETCH:
                     ids = nxt
-        ids = _block_ids(bt, mid, ctx_len, BLOCK_SIZE, SPLIT)
+        ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
         for split in range(mid, end):
             if PREFETCH:
-                nxt = _block_ids(bt, split + 1, ctx_len, BLOCK_SIZE, SPLIT)
+                nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
             else:
-                ids = _block_ids(bt, split, ctx_len, BLOCK_SIZE, SPLIT)
+                ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
             m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
                                         stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
                                         SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2, L_COLS)
@@ -363,7 +378,8 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, EXP2: tl.constexpr,
-                           PER_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                           PER_SPLIT: tl.constexpr, DECODE: tl.constexpr,
+                           PDL: tl.constexpr):
     """Split and chunk modes, step 2: merge the stored parts exactly as the serial kernel
     merges in registers (same :func:`_merge`, same order). ``PER_SPLIT``: the parts are
     single splits, folded from the empty state per chunk of CHUNK splits, then the chunks
@@ -376,7 +392,8 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q)
+        ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q,
+        DECODE)
     if live:
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D

@@ -399,6 +399,7 @@ class DecodeGraphs:
                 block_tables=r[:, _TABLE:_TABLE + self.table_width].contiguous(),
                 context_lens=r[:, _CONTEXT].contiguous(),
                 query_start_loc=self._query_start_loc[: part + 1],
+                one_token_per_seq=True,
             )))
         hidden = run_layers(self.attention, self.experts, batches, self.kv_caches)
         hidden = torch.cat(hidden) if m > 1 else hidden[0]  # [b, D]

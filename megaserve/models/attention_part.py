@@ -26,6 +26,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [S, max_blocks] int32, each sequence's blocks
     context_lens: torch.Tensor  # [S] int32, tokens in the cache after this step
     query_start_loc: torch.Tensor  # [S + 1] int32, row offsets of each sequence's tokens
+    one_token_per_seq: bool = False  # query_start_loc is 0, 1, ..., S (a decode batch)
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +115,7 @@ class AttentionPart:
         )  # [T, Hq, Dh]
         attn = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-            meta.query_start_loc, self.scale,
+            meta.query_start_loc, self.scale, one_token_per_seq=meta.one_token_per_seq,
         )  # [T, Hq, Dh]
         out = kernels.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)  # [T, D]
         x, h = kernels.rms_norm(out, w.post_norm, cfg.rms_norm_eps, residual=h)

@@ -4,7 +4,9 @@ The launch modes (serial, split, chunk) and loop switches (unmasked full splits,
 ids one split ahead, long rows first, a fold over head_dim chunks, fold warps, the l-dot's
 width) must not
 change a token's bits: every launch below equals the round-4 serial launch on a prefill,
-on single decodes at split and chunk boundaries and on a mixed batch. Chunks are lowered
+on single decodes at split and chunk boundaries, on a mixed batch and on a decode batch
+read as one token per sequence (``one_token_per_seq``); block-table entries past a
+sequence's context are out of range, so a read through one would fail. Chunks are lowered
 to 2 splits, so the two-level reduction crosses chunk boundaries at this small size. (Under the interpreter a dot accumulates serially over k in fp32
 (tests/kernels/interp_support.py), not in the tensor cores' k16 steps, so this checks the
 index, mask and loop logic; the tile-shape claim is checked on the GPU.)
@@ -47,11 +49,13 @@ def _child() -> None:
     write_kv_cache(k, v, kc, vc, table.long()[pos // bs] * bs + pos % bs)
     q = torch.randn(length, hq, dh, dtype=torch.float16)
 
-    def run(rows, lens, n_new, launch, exp2):
+    def run(rows, lens, n_new, launch, exp2, one_token_per_seq=False):
         qsl = torch.tensor([0, *itertools.accumulate(n_new)]).int()
-        tables = table[None].expand(len(lens), -1).contiguous()
+        tables = table[None].repeat(len(lens), 1)
+        for row, c in zip(tables, lens):
+            row[-(-c // bs):] = 10**6  # past the context: no block to read
         return paged_attention(rows, kc, vc, tables, torch.tensor(lens).int(), qsl, 0.25,
-                               launch=launch, exp2=exp2)
+                               launch=launch, exp2=exp2, one_token_per_seq=one_token_per_seq)
 
     ref = AttentionLaunch("serial", 64, 4, 2)
     lens, n_new = [length, 1, 65, 64, 100], [1, 1, 3, 64, 30]
@@ -81,6 +85,12 @@ def _child() -> None:
             for t in (63, 64, 127, 128, length - 1):
                 if not torch.equal(run(q[t : t + 1], [t + 1], [1], launch, exp2)[0], full[t]):
                     fails.append(f"decode {t} {launch} exp2={exp2}")
+            # A decode batch with query_start_loc promised to be 0, 1, ..., S.
+            dec = [length, 1, 64, 65, 128]
+            got = run(torch.stack([q[c - 1] for c in dec]), dec, [1] * len(dec), launch, exp2,
+                      one_token_per_seq=True)
+            if not torch.equal(got, torch.stack([full[c - 1] for c in dec])):
+                fails.append(f"one token per sequence {launch} exp2={exp2}")
     # Both arithmetics give the same values to within rounding.
     if not (fulls[False].float() - fulls[True].float()).abs().max().item() < 1e-2:
         fails.append("exp2=False differs from exp2=True by more than rounding")

@@ -179,6 +179,19 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
         assert torch.equal(got, serial), f"{launch}: mixed batch differs"
+    # A decode batch read as one token per sequence (the decode graphs' promise), with
+    # block-table entries past each context out of range: each token's own call's bits.
+    dec = [2500, 1, 64, 65, 1999, 1100, 1024, 1025]
+    dec_tables = table[None].repeat(len(dec), 1)
+    for row, c in zip(dec_tables, dec):
+        row[-(-c // bs):] = 10**6
+    dec_lens = torch.tensor(dec, device="cuda", dtype=torch.int32)
+    dec_qsl = torch.arange(len(dec) + 1, device="cuda", dtype=torch.int32)
+    want = torch.stack([full[c - 1] for c in dec])
+    for mode in (None, "serial", "split", "chunk"):
+        got = paged_attention(torch.stack([q[c - 1] for c in dec]), kc, vc, dec_tables,
+                              dec_lens, dec_qsl, scale, mode=mode, one_token_per_seq=True)
+        assert torch.equal(got, want), f"one token per sequence, mode {mode}"
 
 
 def test_paged_attention_exp2_split_equals_serial() -> None:
