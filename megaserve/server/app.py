@@ -90,6 +90,7 @@ async def serve(config: ServeConfig,
     Raises OSError if a port cannot be bound. A model that fails to load is logged and
     gives exit code 1.
     """
+    from megaserve.engine.gc_heap import frozen_heap
     from megaserve.server.grpc_service import GenerationService, build_grpc_server, set_health
     from megaserve.server.http_errors import use_json_errors
     from megaserve.server.openai_http import build_app
@@ -137,7 +138,8 @@ async def serve(config: ServeConfig,
                         core.engine.max_model_len)
     failure_watch = asyncio.create_task(_watch_failure(core, health))
     worker_watch = asyncio.create_task(_watch_workers(core, health))
-    await stop.wait()
+    with frozen_heap():  # the start-up heap out of every collection while serving
+        await stop.wait()
     failure_watch.cancel()
     worker_watch.cancel()
 
