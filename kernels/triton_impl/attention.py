@@ -408,6 +408,16 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def _parts_stages(launch: AttentionLaunch, splits_per_program: int) -> int:
+    """Pipeline stages of a split-mode parts launch: one where a program computes one
+    split (no loop to pipeline; a third of the shared memory, so more programs fit an SM
+    while most of a decode grid finds itself past the context), else the launch's.
+    ``$MEGASERVE_ATTN_PARTS_STAGES=0`` keeps the launch's (A/B runs)."""
+    if splits_per_program == 1 and os.environ.get("MEGASERVE_ATTN_PARTS_STAGES", "1") != "0":
+        return 1
+    return launch.num_stages
+
+
 def _splits_per_program(num_programs: int, max_splits: int) -> int:
     """Consecutive splits per split-mode program: a power of two that keeps about
     _SPLIT_MODE_PROGRAMS programs in the grid (launch shape only, never the bits)."""
@@ -495,7 +505,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
             NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
             BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
-            num_stages=launch.num_stages, **common, **loop, **pdl.launch_args(q.device))
+            num_stages=_parts_stages(launch, spp), **common, **loop,
+            **pdl.launch_args(q.device))
     else:
         _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
             q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
