@@ -11,8 +11,9 @@ full pass then took 1.3 ms.
 
 NOTE: frozen objects are never collected, so a process that builds and drops engines (the
 tests, an offline ``LLM`` used as a library) would keep the dropped engines' reference
-cycles. Only the code that owns a process's lifetime freezes (the server, the
-benchmarks), and only inside :func:`frozen_heap`, which unfreezes on exit.
+cycles. Only the code that owns a process's lifetime freezes: the server and the
+benchmarks inside :func:`frozen_heap`, which unfreezes on exit, and a worker process that
+serves until it exits with :func:`freeze_for_life`.
 """
 
 from __future__ import annotations
@@ -32,3 +33,12 @@ def frozen_heap() -> Iterator[int]:
         yield gc.get_freeze_count()
     finally:
         gc.unfreeze()
+
+
+def freeze_for_life() -> int:
+    """Collect, then freeze every object alive now, for good: for a process that serves
+    until it exits (a spawned worker), never for a thread in someone else's process.
+    Returns the number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -16,6 +16,7 @@ import torch
 
 from megaserve.comm import ChannelConfig, Endpoint, create_endpoint, exchange
 from megaserve.engine.config import EngineConfig
+from megaserve.engine.gc_heap import freeze_for_life
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs, Stop,
                                         WorkerFailure, WorkerReady, WorkerStats)
 from megaserve.runtime.placement import ExpertPlacement
@@ -69,6 +70,14 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
             endpoint.close()
 
 
+def settle_heap(transport: str) -> None:
+    """A spawned worker, built and about to serve until it exits, takes its start-up heap
+    out of the collector's scans (megaserve/engine/gc_heap.py); a thread worker
+    (``inproc``) shares its process and leaves the heap alone."""
+    if transport != "inproc":
+        freeze_for_life()
+
+
 def _connect(spec: WorkerSpec) -> Endpoint:
     options: dict = {}
     if spec.transport != "inproc":
@@ -109,6 +118,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> Non
     lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
     experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
     engine = LLMEngine(config, experts=experts)
+    settle_heap(spec.transport)
     outbox.put(WorkerReady(spec.role, spec.index))
     if lockstep is not None:
         _serve_attention_lockstep(spec, engine, experts, inbox, outbox)
@@ -191,6 +201,7 @@ def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
     )
     worker = ExpertWorker(model.experts, endpoint, torch.device(spec.device),
                           aggregation_wait_s=spec.engine.expert_aggregation_wait_ms / 1000)
+    settle_heap(spec.transport)
     outbox.put(WorkerReady(spec.role, spec.index))
     stop = False
 

@@ -1,8 +1,11 @@
-"""megaserve.engine.gc_heap: a serving process's start-up heap out of the collector's scans."""
+"""megaserve.engine.gc_heap: a serving process's start-up heap out of the collector's scans
+(the server and benches inside frozen_heap, spawned workers for good)."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 from megaserve import LLM, SamplingParams
 from megaserve.engine.gc_heap import frozen_heap
@@ -30,3 +33,15 @@ def test_frozen_heap_keeps_the_engine_out_of_collections_until_exit() -> None:
         assert gc.get_freeze_count() == 0 and _scanned(scheduler)
     finally:
         llm.shutdown()
+
+
+def test_spawned_workers_freeze_their_heap_thread_workers_do_not() -> None:
+    from megaserve.runtime.workers import settle_heap
+
+    settle_heap("inproc")  # a thread in this process: nothing frozen here
+    assert gc.get_freeze_count() == 0
+    code = ("import gc; from megaserve.runtime.workers import settle_heap; "
+            "settle_heap('tcp'); print(gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) > 1000
