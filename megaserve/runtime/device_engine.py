@@ -41,6 +41,7 @@ from megaserve.comm import ChannelConfig, RendezvousServer, create_endpoint, exc
 from megaserve.comm.relay import Mailboxes, Relay, Route
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import EngineStats, LLMEngine, derive_seed
+from megaserve.engine.gc_heap import freeze_for_life
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import load_model, resolve_dtype
@@ -151,6 +152,7 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
                               list(spec.moe_layers), device, relay=slots)
         torch.cuda.synchronize()
         handle = share_tensor(inbox.storage) if spec.transport == "cuda_ipc" else None
+        freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
         replies.put(WorkerReady(spec.index, handle))
 
         def parent_gone() -> bool:
