@@ -187,9 +187,9 @@ def prefill_run(engine, device: str, num: int, prompt_len: int, rng: random.Rand
     """Seconds to prefill ``num`` fresh prompts of ``prompt_len`` tokens (1 token out each),
     after a warm-up with other prompts (compiles the prefill shapes; no prefix-cache hits)."""
     seconds = []
-    for tag in ("warm", "timed"):
-        ids = _add(engine, rng, num, prompt_len, 1, f"prefill-{tag}")
-        with frozen_heap():  # as the server runs (decode_run)
+    with frozen_heap():  # as the server runs (decode_run); one collection for both runs
+        for tag in ("warm", "timed"):
+            ids = _add(engine, rng, num, prompt_len, 1, f"prefill-{tag}")
             _sync(device)
             t0 = time.perf_counter()
             done = 0
