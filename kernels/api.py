@@ -97,7 +97,7 @@ def write_kv_cache(
     """Store new keys/values into the paged cache (in place) before attention reads them.
 
     k, v: `[T, Hkv, Dh]`; k_cache, v_cache: `[num_blocks, block_size, Hkv, Dh]`;
-    slot_mapping: `[T]` int64, ``block_id * block_size + offset`` per token.
+    slot_mapping: `[T]` int32 or int64, ``block_id * block_size + offset`` per token.
     """
     _backend(k).write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
@@ -119,7 +119,7 @@ def rotary_and_cache(
     and the K/V cache write, as one pass.
 
     qkv: `[T, (Hq + 2 Hkv) * Dh]`, q heads then k heads then v heads (the QKV linear's
-    output); positions: `[T]` int64; cos, sin: `[max_positions, Dh]` in qkv.dtype (HF
+    output); positions: `[T]` int32 or int64; cos, sin: `[max_positions, Dh]` in qkv.dtype (HF
     rotate-half tables); q_norm, k_norm: `[Dh]` (Qwen3) or both None; k_cache, v_cache:
     `[num_blocks, block_size, Hkv, Dh]`, contiguous; slot_mapping: `[T]` int64 as in
     :func:`write_kv_cache` (negative: a padding token, nothing written).
@@ -228,9 +228,31 @@ def combine_residual(
     return _backend(expert_out).combine_residual(expert_out, topk_weights, residual, weight, eps)
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Row-invariant log-softmax in fp32. logits: `[B, V]` → `[B, V]` float32."""
-    return _backend(logits).log_softmax(logits)
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-invariant log-softmax in fp32. logits: `[B, V]`, any float dtype (read as
+    fp32, so bf16 logits give the bits of their fp32 copy) → `[B, V]` float32.
+
+    greedy_out: `[B]` int64 or None; receives each row's greedy token, the first maximum
+    of its log-probs (what ``torch.argmax`` of the output gives, and :func:`sample` at
+    temperature 0), without another pass over the output.
+    """
+    return _backend(logits).log_softmax(logits, greedy_out)
+
+
+def embed_tokens(
+    embed: torch.Tensor,
+    tokens: torch.Tensor,
+    sources: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The embedding rows of a batch's input tokens: embed `[V, D]`, tokens `[T]` int32
+    or int64 (any stride) → `[T, D]` in embed.dtype.
+
+    sources `[T]` int32 and sampled `[N]` int64, both or neither: a row whose source is
+    >= 0 takes token ``sampled[source]`` instead of its own (async scheduling: a decode
+    row's input is the previous step's sample, not yet read by the host). Exact copies.
+    """
+    return _backend(embed).embed_tokens(embed, tokens, sources, sampled)
 
 
 def counter_uniform(

@@ -306,12 +306,25 @@ def combine_residual(
     return rms_norm(out, weight, eps, residual=residual)  # out + residual: the same add
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
     x = _f32(logits)
     out = _output(*x.shape)
     if x.numel():
         cpu_ext.load().ms_log_softmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _lanes)
+    if greedy_out is not None:
+        greedy_out.copy_(out.argmax(dim=-1))
     return out
+
+
+def embed_tokens(embed: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor | None = None,
+                 sampled: torch.Tensor | None = None) -> torch.Tensor:
+    if (sources is None) != (sampled is None):
+        raise ValueError("embed_tokens: pass both sources and sampled, or neither")
+    ids = tokens.long()
+    if sources is not None:
+        src = sources.long()
+        ids = torch.where(src >= 0, sampled[src.clamp(min=0)], ids)
+    return embed[ids]
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

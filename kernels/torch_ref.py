@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu import composed_rotary_and_cache
-from .triton_impl import counter_uniform, log_softmax, sample  # noqa: F401 (API)
+from .triton_impl import counter_uniform, embed_tokens, log_softmax, sample  # noqa: F401 (API)
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - older torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "combine", "combine_residual", "counter_uniform", "expert_ffn", "linear", "log_softmax",
+    "combine", "combine_residual", "counter_uniform", "embed_tokens", "expert_ffn", "linear", "log_softmax",
     "paged_attention", "rms_norm", "rotary_and_cache", "sample", "silu_and_mul",
     "topk_route", "write_kv_cache",
 ]

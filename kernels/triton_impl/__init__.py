@@ -1,7 +1,7 @@
 """Triton implementation of the kernel API for CUDA tensors (see ``megaserve.kernels.api``).
 
 One module per kernel family: ``matmul`` (linear), ``rowwise`` (RMSNorm, SwiGLU,
-combine, combine + residual + RMSNorm, log-softmax), ``attention`` (KV write, q/k norm +
+combine, combine + residual + RMSNorm, log-softmax, embedding lookup), ``attention`` (KV write, q/k norm +
 rotary + KV write, paged attention), ``moe`` (routing, expert FFN), ``sampling`` (counter
 RNG, sampler). Importing defines kernels only; nothing
 is compiled or launched until a function is called.
@@ -12,13 +12,21 @@ from __future__ import annotations
 from .attention import paged_attention, rotary_and_cache, write_kv_cache
 from .matmul import linear
 from .moe import expert_ffn, topk_route
-from .rowwise import combine, combine_residual, log_softmax, rms_norm, silu_and_mul
+from .rowwise import (
+    combine,
+    combine_residual,
+    embed_tokens,
+    log_softmax,
+    rms_norm,
+    silu_and_mul,
+)
 from .sampling import counter_uniform, sample
 
 __all__ = [
     "combine",
     "combine_residual",
     "counter_uniform",
+    "embed_tokens",
     "expert_ffn",
     "linear",
     "log_softmax",

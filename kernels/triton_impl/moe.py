@@ -54,7 +54,8 @@ from .rowwise import silu_and_mul
 
 @triton.jit
 def _topk_kernel(logit_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                 RENORM: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                 RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -64,17 +65,22 @@ def _topk_kernel(logit_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
     probs = e / tl.sum(e, axis=0)
     remaining = tl.where(cols < E, probs, -1.0)
     total = 0.0
+    # The row's ids and weights stay in registers until one store of each.
+    ranks = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    ws = tl.zeros([BLOCK_K], tl.float32)
     for rank in tl.static_range(TOP_K):
-        best = tl.argmax(remaining, axis=0, tie_break_left=True)  # ties: lowest expert id
-        w = tl.max(remaining, axis=0)
-        tl.store(ids_ptr + row * TOP_K + rank, best.to(tl.int64))
-        tl.store(w_ptr + row * TOP_K + rank, w)
+        # one reduction for the value and its index; ties: lowest expert id
+        w, best = tl.max(remaining, axis=0, return_indices=True,
+                         return_indices_tie_break_left=True)
+        ids = tl.where(ranks == rank, best.to(tl.int64), ids)
+        ws = tl.where(ranks == rank, w, ws)
         total = total + w  # ascending rank order
         remaining = tl.where(cols == best, -2.0, remaining)
     if RENORM:
-        ranks = tl.arange(0, TOP_K)
-        ws = tl.load(w_ptr + row * TOP_K + ranks)
-        tl.store(w_ptr + row * TOP_K + ranks, ws / total)
+        ws = ws / total
+    tl.store(ids_ptr + row * TOP_K + ranks, ids, mask=ranks < TOP_K)
+    tl.store(w_ptr + row * TOP_K + ranks, ws, mask=ranks < TOP_K)
 
 
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -91,7 +97,8 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     if t:
         _topk_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOP_K=top_k,
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
+                           BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
                            **_launch_args(logits.device, "topk"))
     return ids, w
 

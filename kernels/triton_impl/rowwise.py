@@ -1,5 +1,5 @@
 """Row-wise Triton kernels: RMSNorm (+ residual), SwiGLU, combine (+ residual and the next
-RMSNorm), log-softmax.
+RMSNorm), log-softmax (+ the greedy token), the embedding lookup.
 
 Shape legend: T = tokens, D = hidden, I = intermediate, k = experts per token, V = vocab.
 
@@ -237,8 +237,9 @@ def _softmax_parts_kernel(x_ptr, m_ptr, s_ptr, V, stride_x, NUM_CHUNKS, BLOCK: t
 
 
 @triton.jit
-def _softmax_out_kernel(x_ptr, m_ptr, s_ptr, out_ptr, V, stride_x, stride_o, NUM_CHUNKS,
-                        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+def _softmax_out_kernel(x_ptr, m_ptr, s_ptr, out_ptr, gv_ptr, gi_ptr, V, stride_x, stride_o,
+                        NUM_CHUNKS, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                        GREEDY: tl.constexpr, PDL: tl.constexpr):
     """Chunk c of row r: ``(x - max) - log(sum_c s_c * exp(m_c - max))``; every chunk of a
     row folds the same parts the same way, so they agree on the row's max and log-sum."""
     pdl.wait_then_release(PDL)  # first: no memory access before it
@@ -253,14 +254,37 @@ def _softmax_out_kernel(x_ptr, m_ptr, s_ptr, out_ptr, V, stride_x, stride_o, NUM
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (x - row_max) - log_z, mask=mask)
+    y = (x - row_max) - log_z
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if GREEDY:  # the chunk's first maximum, for _greedy_fold_kernel
+        y = tl.where(mask, y, float("-inf"))
+        best = tl.argmax(y, axis=0, tie_break_left=True)
+        tl.store(gv_ptr + row * NUM_CHUNKS + tl.program_id(1), tl.max(y, axis=0))
+        tl.store(gi_ptr + row * NUM_CHUNKS + tl.program_id(1),
+                 tl.program_id(1) * BLOCK + best.to(tl.int64))
 
 
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits `[B, V]` → `[B, V]` float32: each row in chunks of ``_MAX_ROW_BLOCK`` columns,
-    one program per (row, chunk) in two launches (chunk max and exp-sum, then the output),
-    so a lone row (batch-1 decode over a 152k vocabulary) runs on many SMs. The chunking
-    and every reduction's shape are functions of V only: row-invariant."""
+@triton.jit
+def _greedy_fold_kernel(gv_ptr, gi_ptr, tok_ptr, NUM_CHUNKS, BLOCK_C: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Row r's greedy token: the first chunk holding the row's maximum, that chunk's first
+    maximum: the row's first maximum, as ``torch.argmax``."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
+    row = tl.program_id(0).to(tl.int64)
+    parts = tl.arange(0, BLOCK_C)
+    ok = parts < NUM_CHUNKS
+    vals = tl.load(gv_ptr + row * NUM_CHUNKS + parts, mask=ok, other=float("-inf"))
+    first = tl.argmax(vals, axis=0, tie_break_left=True)
+    tl.store(tok_ptr + row, tl.load(gi_ptr + row * NUM_CHUNKS + first))
+
+
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits `[B, V]` (any float dtype, read as fp32) → `[B, V]` float32: each row in
+    chunks of ``_MAX_ROW_BLOCK`` columns, one program per (row, chunk) in two launches
+    (chunk max and exp-sum, then the output), so a lone row (batch-1 decode over a 152k
+    vocabulary) runs on many SMs. The chunking and every reduction's shape are functions
+    of V only: row-invariant. ``greedy_out`` (`[B]` int64): each row's first maximum, from
+    the output launch's chunk maxima and a third launch of one program per row."""
     b, v = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     out = torch.empty(b, v, dtype=torch.float32, device=logits.device)
@@ -268,11 +292,64 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_MAX_ROW_BLOCK, triton.next_power_of_2(v))
     chunks = triton.cdiv(v, block)
+    block_c = max(16, triton.next_power_of_2(chunks))
     parts = torch.empty(2, b, chunks, dtype=torch.float32, device=logits.device)
+    greedy = greedy_out is not None
+    if greedy:
+        best_val = torch.empty(b, chunks, dtype=torch.float32, device=logits.device)
+        best_idx = torch.empty(b, chunks, dtype=torch.int64, device=logits.device)
+    else:
+        best_val, best_idx = parts[0], parts[1]  # unused
     launch = dict(num_warps=8, **pdl.launch_args(out.device))
     _softmax_parts_kernel[(b, chunks)](logits, parts[0], parts[1], v, logits.stride(0), chunks,
                                        BLOCK=block, **launch)
-    _softmax_out_kernel[(b, chunks)](logits, parts[0], parts[1], out, v, logits.stride(0),
-                                     out.stride(0), chunks, BLOCK=block,
-                                     BLOCK_C=max(16, triton.next_power_of_2(chunks)), **launch)
+    _softmax_out_kernel[(b, chunks)](logits, parts[0], parts[1], out, best_val, best_idx, v,
+                                     logits.stride(0), out.stride(0), chunks, BLOCK=block,
+                                     BLOCK_C=block_c, GREEDY=greedy, **launch)
+    if greedy:
+        if greedy_out.shape != (b,) or greedy_out.dtype != torch.int64:
+            raise ValueError(f"log_softmax: greedy_out must be [{b}] int64, got "
+                             f"{tuple(greedy_out.shape)} {greedy_out.dtype}")
+        _greedy_fold_kernel[(b,)](best_val, best_idx, greedy_out, chunks, BLOCK_C=block_c,
+                                  num_warps=1, **pdl.launch_args(out.device))
+    return out
+
+
+@triton.jit
+def _embed_kernel(embed_ptr, tok_ptr, src_ptr, sampled_ptr, out_ptr, D, stride_e, stride_t,
+                  stride_s, stride_o, HAS_SOURCES: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Row r: ``embed[token]``, token = ``sampled[source]`` where HAS_SOURCES and the
+    row's source is >= 0, else ``tokens[r]``."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
+    row = tl.program_id(0).to(tl.int64)
+    tok = tl.load(tok_ptr + row * stride_t).to(tl.int64)
+    if HAS_SOURCES:
+        src = tl.load(src_ptr + row * stride_s).to(tl.int64)
+        picked = tl.load(sampled_ptr + tl.maximum(src, 0), mask=src >= 0, other=0)
+        tok = tl.where(src >= 0, picked.to(tl.int64), tok)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        mask = d0 + cols < D
+        x = tl.load(embed_ptr + tok * stride_e + d0 + cols, mask=mask)
+        tl.store(out_ptr + row * stride_o + d0 + cols, x, mask=mask)
+
+
+def embed_tokens(embed: torch.Tensor, tokens: torch.Tensor, sources: torch.Tensor | None = None,
+                 sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``megaserve.kernels.api.embed_tokens``: one program per row, one launch."""
+    t = tokens.shape[0]
+    v, d = embed.shape
+    if embed.stride(1) != 1:
+        raise ValueError("embed_tokens: embedding rows must be contiguous")
+    if (sources is None) != (sampled is None):
+        raise ValueError("embed_tokens: pass both sources and sampled, or neither")
+    out = torch.empty(t, d, dtype=embed.dtype, device=embed.device)
+    if t and d:
+        has = sources is not None
+        _embed_kernel[(t,)](
+            embed, tokens, sources if has else tokens, sampled if has else tokens, out, d,
+            embed.stride(0), tokens.stride(0), sources.stride(0) if has else 0, out.stride(0),
+            HAS_SOURCES=has, BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=4,
+            **pdl.launch_args(out.device))
     return out

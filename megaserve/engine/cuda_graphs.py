@@ -221,6 +221,8 @@ class DecodeGraphs:
         self.sampled = sampled
         self._host_tokens = HostTokens(device, max_batch)
         self._out: torch.Tensor | None = None  # the last run's `[b, V]` log-probs
+        # The forward's greedy tokens (argmax of each row's log-probs, first maximum)
+        self._greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self._query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -298,8 +300,11 @@ class DecodeGraphs:
             return kernels.sample(
                 logprobs, floats[:, 0], top_ks, floats[:, 1], floats[:, 2], seeds,
                 self._static[:n, _POSITION].long() + 1)
-        # kernels.sample's rule for greedy rows, without its host reads: argmax, first maximum.
-        return logprobs.argmax(dim=-1)
+        # kernels.sample's rule for greedy rows (argmax, first maximum), computed by the
+        # forward's log-softmax. On CPU, HostTokens keeps the tensor itself as the host's
+        # copy: one the next forward does not overwrite.
+        greedy = self._greedy[:n]
+        return greedy if greedy.is_cuda else greedy.clone()
 
     def last_logprobs(self, n: int) -> torch.Tensor:
         """The last run's log-probs `[n, V]` float32 (valid until the next run)."""
@@ -388,22 +393,19 @@ class DecodeGraphs:
         m = self.microbatches
         part = b // m  # captured sizes are multiples of m
         batches = []
-        source = rows[:, self._extra + _SOURCE].long()  # [b]
-        tokens = torch.where(source >= 0, self.sampled.tokens[source.clamp(min=0)],
-                             rows[:, _TOKEN].long())  # [b]
         for i in range(m):
             r = rows[i * part:(i + 1) * part]
-            batches.append(MicroBatch(tokens[i * part:(i + 1) * part], AttentionMetadata(
-                positions=r[:, _POSITION].long(),
-                slot_mapping=r[:, _SLOT].long(),
+            batches.append(MicroBatch(r[:, _TOKEN], AttentionMetadata(
+                positions=r[:, _POSITION],
+                slot_mapping=r[:, _SLOT],
                 block_tables=r[:, _TABLE:_TABLE + self.table_width].contiguous(),
                 context_lens=r[:, _CONTEXT].contiguous(),
                 query_start_loc=self._query_start_loc[: part + 1],
                 one_token_per_seq=True,
-            )))
+            ), sources=r[:, self._extra + _SOURCE], sampled=self.sampled.tokens))
         hidden = run_layers(self.attention, self.experts, batches, self.kv_caches)
         hidden = torch.cat(hidden) if m > 1 else hidden[0]  # [b, D]
-        return kernels.log_softmax(self.attention.logits(hidden))
+        return kernels.log_softmax(self.attention.logits(hidden), self._greedy[:b])
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)

@@ -21,8 +21,8 @@ from megaserve.models.config import ModelConfig
 class AttentionMetadata:
     """Where the tokens of one (micro-)batch sit in their sequences and in the KV cache."""
 
-    positions: torch.Tensor  # [T] int64, position of each token in its sequence (rotary)
-    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per token
+    positions: torch.Tensor  # [T] int32/int64, position of each token in its sequence (rotary)
+    slot_mapping: torch.Tensor  # [T] int32/int64, cache slot (block * block_size + offset)
     block_tables: torch.Tensor  # [S, max_blocks] int32, each sequence's blocks
     context_lens: torch.Tensor  # [S] int32, tokens in the cache after this step
     query_start_loc: torch.Tensor  # [S + 1] int32, row offsets of each sequence's tokens
@@ -80,9 +80,11 @@ class AttentionPart:
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids `[T]` int64 → hidden states `[T, D]`."""
-        return self.embed_tokens[input_ids]
+    def embed(self, input_ids: torch.Tensor, sources: torch.Tensor | None = None,
+              sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids `[T]` int32/int64 → hidden states `[T, D]`; a row whose source (`[T]`
+        int32) is >= 0 embeds ``sampled[source]`` instead (``kernels.embed_tokens``)."""
+        return kernels.embed_tokens(self.embed_tokens, input_ids, sources, sampled)
 
     def input_norm(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The input RMSNorm of ``layer``: h `[T, D]` → x `[T, D]` (layer 0's, or where no
@@ -182,9 +184,10 @@ class AttentionPart:
         return h, x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: h `[B, D]` → logits `[B, V]` float32."""
+        """Final norm and LM head: h `[B, D]` → logits `[B, V]` in the model's dtype
+        (``kernels.log_softmax`` reads them as fp32: no float copy of a 152k-wide row)."""
         x = kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
-        return kernels.linear(x, self.lm_head).float()
+        return kernels.linear(x, self.lm_head)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,12 @@ class LocalExperts:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int32 or int64
     meta: AttentionMetadata
+    # Async scheduling (decode graphs): [T] int32 row of ``sampled`` holding a row's
+    # input token, or -1 (input_ids); sampled: [N] int64, the last step's samples.
+    sources: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
 
 
 @dataclass
@@ -83,7 +87,8 @@ def run_layers(
     Each layer's end (expert combine or dense MLP, residual add) and the next layer's
     input norm are one step (:meth:`AttentionPart.finish_moe`), so ``inputs[i]`` carries
     the normed input of the layer about to run."""
-    hidden = [attention.embed(mb.input_ids) for mb in micro_batches]  # [T_i, D] each
+    hidden = [attention.embed(mb.input_ids, mb.sources, mb.sampled)
+              for mb in micro_batches]  # [T_i, D] each
     inputs = [attention.input_norm(0, h) for h in hidden]
     pending: list[_Pending | None] = [None] * len(micro_batches)
     num_layers = attention.config.num_layers

@@ -167,6 +167,18 @@ def test_log_softmax_accuracy_and_invariance():
     got = cpu.log_softmax(logits)
     assert rel_err(got, torch.log_softmax(logits.double(), -1)) < 1e-6
     assert torch.equal(cpu.log_softmax(logits[3:4])[0], got[3])
+    greedy = torch.full((9,), -1, dtype=torch.int64)
+    assert torch.equal(cpu.log_softmax(logits, greedy), got)
+    assert torch.equal(greedy, got.argmax(-1))
+
+
+def test_embed_tokens_from_tokens_or_sampled():
+    table = torch.randn(20, 8)
+    rows = torch.tensor([[3, 1], [7, -1], [19, 0]], dtype=torch.int32)
+    out = cpu.embed_tokens(table, rows[:, 0], rows[:, 1], torch.tensor([5, 6]))
+    assert torch.equal(out, table[[6, 7, 5]])
+    with pytest.raises(ValueError, match="both"):
+        cpu.embed_tokens(table, rows[:, 0], rows[:, 1])
 
 
 def test_counter_uniform_is_a_pure_function():

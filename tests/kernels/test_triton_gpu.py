@@ -81,6 +81,24 @@ def test_rms_norm_and_rowwise() -> None:
     lsm = log_softmax(logits)
     assert _rel_err(lsm, torch.log_softmax(logits.double(), -1)) < 1e-5
     assert torch.equal(log_softmax(logits[3:4]), lsm[3:4])
+    # bf16 logits read as fp32; the greedy tokens are torch.argmax's (ties: first maximum)
+    half = logits.to(BF16)
+    half[0, [70000, 150000, 900]] = 40.0
+    half[1, 151935] = 40.0
+    greedy = torch.full((20,), -1, dtype=torch.int64, device="cuda")
+    lsm = log_softmax(half, greedy)
+    assert torch.equal(lsm, log_softmax(half.float()))
+    assert torch.equal(greedy, lsm.argmax(-1)) and greedy[:2].tolist() == [900, 151935]
+
+
+def test_embed_tokens_gpu() -> None:
+    from megaserve.kernels.triton_impl import embed_tokens
+
+    table = torch.randn(1000, 2048, device="cuda", dtype=BF16)
+    rows = torch.tensor([[3, 2], [7, -1], [999, 0], [0, -1]], dtype=torch.int32, device="cuda")
+    sampled = torch.tensor([11, 12, 13], device="cuda")
+    out = embed_tokens(table, rows[:, 0], rows[:, 1], sampled)
+    assert torch.equal(out, table[torch.tensor([13, 7, 11, 0], device="cuda")])
 
 
 def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:

@@ -129,6 +129,24 @@ def check_rowwise(torch, ti) -> None:
     lsm = ti.log_softmax(logits)
     assert _rel_err(lsm, torch.log_softmax(logits.double(), -1)) < 1e-5
     assert torch.equal(ti.log_softmax(logits[2:3])[0], lsm[2])
+    # greedy_out: torch.argmax of the output (first maximum), across chunks of 4096 too
+    logits[0, 4500] = logits[0, 4700] = logits[0, 900] = 30.0  # three-way tie: 900
+    logits[1, 4999] = 30.0  # the last column of the last, partial chunk
+    logits[2, 4100] = logits[2, 4101] = 30.0  # tie inside the second chunk
+    greedy = torch.full((4,), -7, dtype=torch.int64)
+    lsm = ti.log_softmax(logits, greedy)
+    assert greedy.tolist()[:3] == [900, 4999, 4100]
+    assert torch.equal(greedy, lsm.argmax(-1))
+    # half logits read as fp32: the bits of the fp32 copy
+    half = logits.half()
+    assert torch.equal(ti.log_softmax(half), ti.log_softmax(half.float()))
+    # embed_tokens: rows from the tokens, or from ``sampled`` where a source is set
+    table = torch.randn(50, 72, dtype=torch.float16)
+    rows = torch.tensor([[3, 1], [7, -1], [49, 0], [0, -1]], dtype=torch.int32)
+    sampled = torch.tensor([11, 12, 13], dtype=torch.int64)
+    out = ti.embed_tokens(table, rows[:, 0], rows[:, 1], sampled)  # strided int32 columns
+    assert torch.equal(out, table[torch.tensor([12, 7, 11, 0])])
+    assert torch.equal(ti.embed_tokens(table, torch.tensor([5, 5, 2])), table[[5, 5, 2]])
 
 
 def _attention_ref(torch, q, k, v, positions, scale):
@@ -192,6 +210,11 @@ def check_moe(torch, ti) -> None:
     assert torch.allclose(w.sum(-1), torch.ones(7))
     ref_ids = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True).indices
     assert torch.equal(ids, ref_ids[:, :2])
+    for k in (3, 4):  # a padded BLOCK_K (k = 3) and a full one
+        ids, w = ti.topk_route(logits, k, True)
+        assert torch.equal(ids, ref_ids[:, :k])
+        probs = torch.softmax(logits.double(), -1).gather(1, ids)
+        assert _rel_err(w, probs / probs.sum(-1, keepdim=True)) < 1e-6
     _check_expert_ffn(torch, ti)
 
 
