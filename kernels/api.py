@@ -229,8 +229,10 @@ def combine_residual(
 
 
 def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Row-invariant log-softmax in fp32. logits: `[B, V]`, any float dtype (read as
-    fp32, so bf16 logits give the bits of their fp32 copy) → `[B, V]` float32.
+    """Row-invariant log-softmax in fp32. logits: `[B, V]`, any float dtype, computed in
+    fp32 → `[B, V]` float32. A row's bits are a function of the row and its dtype (a
+    backend's reduction layout may follow the width of the loads): callers pass the LM
+    head's output as it is, on every path.
 
     greedy_out: `[B]` int64 or None; receives each row's greedy token, the first maximum
     of its log-probs (what ``torch.argmax`` of the output gives, and :func:`sample` at

@@ -184,8 +184,9 @@ class AttentionPart:
         return h, x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: h `[B, D]` → logits `[B, V]` in the model's dtype
-        (``kernels.log_softmax`` reads them as fp32: no float copy of a 152k-wide row)."""
+        """Final norm and LM head: h `[B, D]` → logits `[B, V]` in the model's dtype, as
+        every path hands them to ``kernels.log_softmax`` (no float copy of a 152k-wide
+        row; its bits follow the dtype)."""
         x = kernels.rms_norm(h, self.final_norm, self.config.rms_norm_eps)
         return kernels.linear(x, self.lm_head)
 
