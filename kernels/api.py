@@ -121,7 +121,7 @@ def rotary_and_cache(
     qkv: `[T, (Hq + 2 Hkv) * Dh]`, q heads then k heads then v heads (the QKV linear's
     output); positions: `[T]` int32 or int64; cos, sin: `[max_positions, Dh]` in qkv.dtype (HF
     rotate-half tables); q_norm, k_norm: `[Dh]` (Qwen3) or both None; k_cache, v_cache:
-    `[num_blocks, block_size, Hkv, Dh]`, contiguous; slot_mapping: `[T]` int64 as in
+    `[num_blocks, block_size, Hkv, Dh]`, contiguous; slot_mapping: `[T]` as in
     :func:`write_kv_cache` (negative: a padding token, nothing written).
     Bitwise the composition it replaces: ``rms_norm`` of each head (if q_norm), then
     ``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to qkv.dtype,

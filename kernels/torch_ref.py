@@ -26,8 +26,8 @@ except ImportError:  # pragma: no cover - older torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "combine", "combine_residual", "counter_uniform", "embed_tokens", "expert_ffn", "linear", "log_softmax",
-    "paged_attention", "rms_norm", "rotary_and_cache", "sample", "silu_and_mul",
+    "combine", "combine_residual", "counter_uniform", "embed_tokens", "expert_ffn", "linear",
+    "log_softmax", "paged_attention", "rms_norm", "rotary_and_cache", "sample", "silu_and_mul",
     "topk_route", "write_kv_cache",
 ]
 

@@ -1,9 +1,9 @@
 """Triton implementation of the kernel API for CUDA tensors (see ``megaserve.kernels.api``).
 
 One module per kernel family: ``matmul`` (linear), ``rowwise`` (RMSNorm, SwiGLU,
-combine, combine + residual + RMSNorm, log-softmax, embedding lookup), ``attention`` (KV write, q/k norm +
-rotary + KV write, paged attention), ``moe`` (routing, expert FFN), ``sampling`` (counter
-RNG, sampler). Importing defines kernels only; nothing
+combine, combine + residual + RMSNorm, log-softmax, embedding lookup), ``attention`` (KV
+write, q/k norm + rotary + KV write, paged attention), ``moe`` (routing, expert FFN),
+``sampling`` (counter RNG, sampler). Importing defines kernels only; nothing
 is compiled or launched until a function is called.
 """
 

@@ -279,7 +279,7 @@ def _greedy_fold_kernel(gv_ptr, gi_ptr, tok_ptr, NUM_CHUNKS, BLOCK_C: tl.constex
 
 
 def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits `[B, V]` (any float dtype, read as fp32) → `[B, V]` float32: each row in
+    """logits `[B, V]` (any float dtype, computed in fp32) → `[B, V]` float32: each row in
     chunks of ``_MAX_ROW_BLOCK`` columns, one program per (row, chunk) in two launches
     (chunk max and exp-sum, then the output), so a lone row (batch-1 decode over a 152k
     vocabulary) runs on many SMs. The chunking and every reduction's shape are functions
@@ -295,6 +295,9 @@ def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) ->
     block_c = max(16, triton.next_power_of_2(chunks))
     parts = torch.empty(2, b, chunks, dtype=torch.float32, device=logits.device)
     greedy = greedy_out is not None
+    if greedy and (greedy_out.shape != (b,) or greedy_out.dtype != torch.int64):
+        raise ValueError(f"log_softmax: greedy_out must be [{b}] int64, got "
+                         f"{tuple(greedy_out.shape)} {greedy_out.dtype}")
     if greedy:
         best_val = torch.empty(b, chunks, dtype=torch.float32, device=logits.device)
         best_idx = torch.empty(b, chunks, dtype=torch.int64, device=logits.device)
@@ -307,9 +310,6 @@ def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) ->
                                      logits.stride(0), out.stride(0), chunks, BLOCK=block,
                                      BLOCK_C=block_c, GREEDY=greedy, **launch)
     if greedy:
-        if greedy_out.shape != (b,) or greedy_out.dtype != torch.int64:
-            raise ValueError(f"log_softmax: greedy_out must be [{b}] int64, got "
-                             f"{tuple(greedy_out.shape)} {greedy_out.dtype}")
         _greedy_fold_kernel[(b,)](best_val, best_idx, greedy_out, chunks, BLOCK_C=block_c,
                                   num_warps=1, **pdl.launch_args(out.device))
     return out

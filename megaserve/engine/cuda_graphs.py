@@ -28,8 +28,9 @@ execution; their results are all that is read back.
 Host synchronisations and data-chosen launch grids break capture; the decode path has
 none (the expert FFN finds its group offsets with an align kernel on the device).
 Sampling stays outside the graph (``kernels.sample`` reads the sampling parameters on
-the host, so it is given the staging rows' host copies; a step of greedy rows only takes
-the argmax without it): :meth:`DecodeGraphs.sample` writes the tokens to a static device
+the host, so it is given the staging rows' host copies; a step of greedy rows takes the
+greedy tokens the forward's log-softmax computed, ``greedy_out``, and launches nothing):
+:meth:`DecodeGraphs.sample` writes the tokens to a static device
 buffer (:class:`SampledTokens`, shared with the model runner's eager steps), which the
 next step reads for rows whose source is set, and copies them to the host with one
 transfer (:class:`DecodeStep`).
