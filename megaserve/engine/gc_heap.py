@@ -23,14 +23,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+def _collect_and_freeze() -> int:
+    """Collect, then freeze every object alive now; the number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 @contextmanager
 def frozen_heap() -> Iterator[int]:
     """Collect, then freeze every object alive now for the body; unfreeze after it.
     Yields the number of objects frozen."""
-    gc.collect()
-    gc.freeze()
+    frozen = _collect_and_freeze()
     try:
-        yield gc.get_freeze_count()
+        yield frozen
     finally:
         gc.unfreeze()
 
@@ -39,6 +45,4 @@ def freeze_for_life() -> int:
     """Collect, then freeze every object alive now, for good: for a process that serves
     until it exits (a spawned worker), never for a thread in someone else's process.
     Returns the number of objects frozen."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+    return _collect_and_freeze()
