@@ -257,9 +257,10 @@ def _softmax_out_kernel(x_ptr, m_ptr, s_ptr, out_ptr, gv_ptr, gi_ptr, V, stride_
     y = (x - row_max) - log_z
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     if GREEDY:  # the chunk's first maximum, for _greedy_fold_kernel
-        y = tl.where(mask, y, float("-inf"))
-        best = tl.argmax(y, axis=0, tie_break_left=True)
-        tl.store(gv_ptr + row * NUM_CHUNKS + tl.program_id(1), tl.max(y, axis=0))
+        # one reduction for the value and its index; ties: the first column
+        top, best = tl.max(tl.where(mask, y, float("-inf")), axis=0, return_indices=True,
+                           return_indices_tie_break_left=True)
+        tl.store(gv_ptr + row * NUM_CHUNKS + tl.program_id(1), top)
         tl.store(gi_ptr + row * NUM_CHUNKS + tl.program_id(1),
                  tl.program_id(1) * BLOCK + best.to(tl.int64))
 
