@@ -37,7 +37,7 @@ import sweep_support  # scripts/sweep_support.py
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
           "lm_head": (151936, 2048)}  # name -> (N, K)
 PER_STEP = {"qkv": 48, "o_proj": 48, "router": 48, "lm_head": 1}
-SPLITS = {"qkv": [1, 2, 4, 8], "o_proj": [2, 4, 8, 16], "router": [1, 2, 4, 8, 16, 32],
+SPLITS = {"qkv": [1, 2, 4, 8], "o_proj": [1, 2, 4, 8, 16], "router": [1, 2, 4, 8, 16, 32],
           "lm_head": [1]}
 CHECK_MS = [1, 3, 8, 64]
 TIME_MS = [1, 8, 64, 256]
@@ -69,6 +69,12 @@ def launches(smoke: bool = False) -> dict:
         "f32k128s4w2": L("swap", 32, num_warps=2, num_stages=4, block_k=128),
         "f16k128s4w1": L("swap", 16, num_warps=1, num_stages=4, block_k=128),
         "f64k128s3pf": L("swap", 64, num_warps=4, num_stages=3, block_k=128, fold_last=False),
+        # deeper pipelines of small weight tiles: more bytes in flight per program
+        "f16k256s6w1": L("swap", 16, num_warps=1, num_stages=6, block_k=256),
+        "f16k128s8w1": L("swap", 16, num_warps=1, num_stages=8, block_k=128),
+        "f32k256s5w2": L("swap", 32, num_warps=2, num_stages=5, block_k=256),
+        "f32k128s8w2": L("swap", 32, num_warps=2, num_stages=8, block_k=128),
+        "f64k128s6": L("swap", 64, num_warps=4, num_stages=6, block_k=128),
     }
     return {nm: dataclasses.replace(lp, block_k=0) if smoke else lp for nm, lp in cands.items()}
 
@@ -187,9 +193,11 @@ def _timer(torch, smoke: bool):
             return (time.perf_counter() - t0) * 1e6 / reps
         return wall_us, lambda: 1e12
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from moe_bench import copy_bandwidth, graph_time_us
+    from moe_bench import graph_time_us
 
-    return graph_time_us, copy_bandwidth
+    from megaserve.bench.decode import measure_copy_bandwidth
+
+    return graph_time_us, lambda: measure_copy_bandwidth("cuda", 1 << 30)
 
 
 def main(argv: list[str]) -> int:
@@ -199,7 +207,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--deadline", type=float, default=230.0,
                         help="s after start: stop timing candidates, go to the step")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--ms", default=",".join(map(str, TIME_MS)),
+                        help="comma-separated M values of the timings (default: %(default)s)")
     args = parser.parse_args(argv)
+    time_ms = [int(v) for v in args.ms.split(",")]
     t0 = time.time()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     torch = _setup(args.smoke)
@@ -226,7 +237,7 @@ def main(argv: list[str]) -> int:
     data = {}
     for name, (n, k) in shapes.items():
         copies = 2 if args.smoke else max(PER_STEP[name], min(160, -(-CYCLE_BYTES // (2 * n * k))))
-        data[name] = _data(torch, dev, dt, n, k, max(TIME_MS), copies)
+        data[name] = _data(torch, dev, dt, n, k, max(time_ms), copies)
     res: dict = {"device": device, "copy_Bps": bw, "bad": bad, "calls": {}, "step": {}}
 
     def call_us(name, m, cfg, lp, cycle=True) -> float:
@@ -248,13 +259,13 @@ def main(argv: list[str]) -> int:
 
     best: dict = {}  # (name, m) -> (us, S, launch name)
     for name, (n, k) in shapes.items():
-        for m in TIME_MS:
+        for m in time_ms:
             cfg, lp = baseline_plan(n, k, m, dt)
             report(name, m, "baseline", call_us(name, m, cfg, lp))
             cfg, lp = current_plan(n, k, m, dt)
             report(name, m, "in force", call_us(name, m, cfg, lp))
     for name, (n, k) in shapes.items():
-        for m in TIME_MS:
+        for m in time_ms:
             for s in splits(name, k):
                 if time.time() - t0 > args.deadline:
                     break
@@ -282,7 +293,7 @@ def main(argv: list[str]) -> int:
     res["best"] = {f"{nm}:{m}": [us, s, ln] for (nm, m), (us, s, ln) in best.items()}
 
     step_bytes = sum(PER_STEP[nm] * 2 * n * k for nm, (n, k) in shapes.items())
-    for m in TIME_MS:
+    for m in time_ms:
         plans = {"baseline": {nm: baseline_plan(n, k, m, dt) for nm, (n, k) in shapes.items()},
                  "in force": {nm: current_plan(n, k, m, dt) for nm, (n, k) in shapes.items()}}
         if all((nm, m) in best for nm in shapes):
