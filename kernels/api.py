@@ -82,6 +82,21 @@ def rms_norm(
     return _backend(x).rms_norm(x, weight, eps, residual)
 
 
+def linear_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection, the residual add and the next RMSNorm: ``rms_norm(linear(x, weight),
+    norm_weight, eps, residual)``, bitwise. x: `[T, K]`, weight: `[D, K]`, residual:
+    `[T, D]`; returns ``(norm(h) * norm_weight, h)``. A backend may leave the linear's
+    split-K parts for the norm's kernel to fold (Triton: decode rows).
+    """
+    return _backend(x).linear_rms_norm(x, weight, norm_weight, eps, residual)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation: gate_up `[T, 2I]` (gate first, then up) → `silu(gate) * up` `[T, I]`."""
     return _backend(gate_up).silu_and_mul(gate_up)
@@ -177,6 +192,16 @@ def topk_route(
     ordered by descending weight (rank order), the order combine sums in.
     """
     return _backend(router_logits).topk_route(router_logits, top_k, renormalize)
+
+
+def route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router and the routing: ``topk_route(linear(x, weight), top_k, renormalize)``,
+    bitwise. x: `[T, D]`, weight: `[E, D]`. A backend may leave the router's split-K parts
+    for the top-k's kernel to fold (Triton: decode rows).
+    """
+    return _backend(x).route(x, weight, top_k, renormalize)
 
 
 def expert_ffn(

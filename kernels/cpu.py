@@ -133,6 +133,11 @@ def rms_norm(
     return (y, x) if residual is not None else y
 
 
+def linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm(linear(x, weight), norm_weight, eps, residual)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -247,6 +252,10 @@ def topk_route(
         cpu_ext.load().ms_topk_route(logits.data_ptr(), num_tokens, num_experts, top_k,
                                      int(renormalize), ids.data_ptr(), weights.data_ptr(), _lanes)
     return ids, weights
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool):
+    return topk_route(linear(x, weight), top_k, renormalize)
 
 
 def expert_ffn(

@@ -47,6 +47,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (y, x) if residual is not None else y
 
 
+def linear_rms_norm(x, weight, norm_weight, eps, residual):
+    return rms_norm(linear(x, weight), norm_weight, eps, residual)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up `[T, 2I]` → `[T, I]`."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -166,6 +170,10 @@ def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
     return ids, w
+
+
+def route(x, weight, top_k, renormalize):
+    return topk_route(linear(x, weight), top_k, renormalize)
 
 
 def expert_ffn(x, expert_ids, w_gate_up, w_down, *, rows_per_token: int = 1) -> torch.Tensor:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from .attention import paged_attention, rotary_and_cache, write_kv_cache
 from .matmul import linear
-from .moe import expert_ffn, topk_route
+from .moe import expert_ffn, route, topk_route
 from .rowwise import (
     combine,
     combine_residual,
     embed_tokens,
+    linear_rms_norm,
     log_softmax,
     rms_norm,
     silu_and_mul,
@@ -29,10 +30,12 @@ __all__ = [
     "embed_tokens",
     "expert_ffn",
     "linear",
+    "linear_rms_norm",
     "log_softmax",
     "paged_attention",
     "rms_norm",
     "rotary_and_cache",
+    "route",
     "sample",
     "silu_and_mul",
     "topk_route",

@@ -264,6 +264,30 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
     return min(cands, key=lambda lp: launch_cost_us(m, n, k, cfg, lp, num_sms))
 
 
+@dataclass(frozen=True)
+class Parts:
+    """A linear's output left as the split-K parts of a swap launch, for the kernel that
+    consumes it to fold (no fold tail or fold launch here): ws `[S, N, M]` fp32
+    (feature-major, as swap mode stores them); bias `[N]` or None. The output is
+    ``cast(((ws[0] + ws[1]) + ...) + bias)`` in ``dtype``, transposed (the module NOTE);
+    consumer kernels fold with ``matmul_kernels.fold_row_parts``."""
+
+    ws: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+    @property
+    def num_rows(self) -> int:
+        return self.ws.shape[2]
+
+
+# Parts are left unfolded for calls of at most this many rows: a consumer program reads
+# one token's parts at a stride of M elements, so each 32-byte sector it loads serves it
+# alone; at 8 rows that is 8x the bytes of the folded row, all from L2.
+PARTS_MAX_M = 8
+_PARTS_ENV = "MEGASERVE_LINEAR_PARTS"  # "0": never leave parts unfolded (A/B runs)
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
 # Buffers replaced by larger ones stay alive (and zeroed): a captured CUDA graph keeps
 # launching with the address it was captured with.
@@ -309,6 +333,14 @@ def tma_readable(t: torch.Tensor) -> bool:
             and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor | Parts:
+    """:func:`linear`, or where its launch would fold split parts (swap mode, more than
+    one split, at most ``PARTS_MAX_M`` rows) those parts unfolded (:class:`Parts`), which
+    the consumer kernel folds. The same bits either way."""
+    return _linear(x, weight, bias, fold=os.environ.get(_PARTS_ENV, "1") == "0")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            *, mode: str | None = None, config: MatmulConfig | None = None,
            launch: Launch | None = None) -> torch.Tensor:
@@ -320,6 +352,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     arithmetic, for tests and tuning; the launch never changes the bits (checked bitwise
     on an H200 by tests/kernels/test_triton_gpu.py and scripts/matmul_sweep.py).
     """
+    out = _linear(x, weight, bias, mode=mode, config=config, launch=launch)
+    assert isinstance(out, torch.Tensor)  # fold=True
+    return out
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            *, mode: str | None = None, config: MatmulConfig | None = None,
+            launch: Launch | None = None, fold: bool = True) -> torch.Tensor | Parts:
+    """:func:`linear`; ``fold=False``: :func:`linear_parts`."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: shapes {tuple(x.shape)} and {tuple(weight.shape)} do not match")
     if x.dtype != weight.dtype:
@@ -354,11 +395,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ws = (torch.empty(num_splits, n, m, dtype=torch.float32, device=x.device)
               if num_splits > 1 else out)
         counters = _tile_counters(x.device, tiles_f)
+        unfolded = not fold and num_splits > 1 and m <= PARTS_MAX_M
         mk.linear_swap_kernel[(tiles_f, num_splits)](
             w_desc, x_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
             NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, HAS_BIAS=bias is not None,
-            FOLD_LAST=lp.fold_last, BLOCK_F=lp.block_m, BLOCK_T=block_t,
+            FOLD_LAST=lp.fold_last and not unfolded, BLOCK_F=lp.block_m, BLOCK_T=block_t,
             BLOCK_K=block_k, **warps)
+        if unfolded:
+            return Parts(ws, bias, x.dtype)
         if not lp.fold_last and num_splits > 1:
             _fold_parts(ws, out, bias, m, 1, out.stride(0), bias_inner=False)
         return out

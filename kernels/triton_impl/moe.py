@@ -48,19 +48,38 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .matmul import tma_readable
-from .rowwise import silu_and_mul
+from .matmul import Parts, linear_parts, tma_readable
+from .matmul_kernels import fold_row_parts
+from .rowwise import PARTS_RELOAD, silu_and_mul
 
 
 @triton.jit
-def _topk_kernel(logit_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
-                 RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, M, stride_l,
+                 TOP_K: tl.constexpr, RENORM: tl.constexpr, PARTS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RELOAD: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """PARTS > 0: the router's logits are the PARTS unfolded parts at ws_ptr
+    (:class:`matmul.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here and
+    stored to logit_ptr; with RELOAD loaded back before the softmax (rowwise
+    _rms_norm_kernel's docstring: the softmax's sum then reads a row loaded as it is
+    without parts)."""
     pdl.wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
-    x = tl.load(logit_ptr + row * stride_l + cols, mask=cols < E, other=float("-inf"))
-    x = x.to(tl.float32)
+    if PARTS > 0:
+        logits = fold_row_parts(ws_ptr, bias_ptr, cols, row, cols < E, M, E, PARTS,
+                                HAS_BIAS).to(logit_ptr.dtype.element_ty)
+        tl.store(logit_ptr + row * stride_l + cols, logits, mask=cols < E)
+        if RELOAD:
+            tl.debug_barrier()  # the block's stores are visible to its loads
+            logits = tl.load(logit_ptr + row * stride_l + cols, mask=cols < E,
+                             other=float("-inf"))
+        else:
+            logits = tl.where(cols < E, logits, float("-inf"))
+    else:
+        logits = tl.load(logit_ptr + row * stride_l + cols, mask=cols < E,
+                         other=float("-inf"))
+    x = logits.to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=0))
     probs = e / tl.sum(e, axis=0)
     remaining = tl.where(cols < E, probs, -1.0)
@@ -83,24 +102,45 @@ def _topk_kernel(logit_ptr, ids_ptr, w_ptr, E, stride_l, TOP_K: tl.constexpr,
     tl.store(w_ptr + row * TOP_K + ranks, ws, mask=ranks < TOP_K)
 
 
-def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-    """router_logits `[T, E]` → (ids `[T, k]` int64, weights `[T, k]` float32), rank order."""
-    t, e = router_logits.shape
+def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: bool):
+    """router_logits `[T, E]` → (ids `[T, k]` int64, weights `[T, k]` float32), rank order.
+
+    router_logits may be the router's unfolded :class:`matmul.Parts`, folded here to the
+    bits of the folded logits."""
+    parts = router_logits if isinstance(router_logits, Parts) else None
+    if parts is not None:
+        t, e = parts.num_rows, parts.ws.shape[1]
+        logits = torch.empty(t, e, dtype=parts.dtype, device=parts.ws.device)
+    else:
+        t, e = router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"topk_route: top_k={top_k} must be in 1..{e}")
     if top_k & (top_k - 1) and renormalize:
         # tl.arange needs a power of two; renormalise on the host side of the kernel.
         ids, w = topk_route(router_logits, top_k, False)
         return ids, w / _ordered_sum(w).unsqueeze(-1)
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    if parts is None:
+        logits = (router_logits if router_logits.stride(1) == 1
+                  else router_logits.contiguous())
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ws = parts.ws if parts is not None else logits
+    bias = parts.bias if parts is not None and parts.bias is not None else logits
     if t:
-        _topk_kernel[(t,)](logits, ids, w, e, logits.stride(0), TOP_K=top_k,
-                           RENORM=renormalize, BLOCK_E=triton.next_power_of_2(e),
+        _topk_kernel[(t,)](logits, ids, w, ws, bias, e, t, logits.stride(0), TOP_K=top_k,
+                           RENORM=renormalize, PARTS=ws.shape[0] if parts is not None else 0,
+                           HAS_BIAS=parts is not None and parts.bias is not None,
+                           RELOAD=parts is not None and PARTS_RELOAD,
+                           BLOCK_E=triton.next_power_of_2(e),
                            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
                            **_launch_args(logits.device, "topk"))
     return ids, w
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool):
+    """See ``megaserve.kernels.api.route``: the top-k folds the router's parts where
+    :func:`matmul.linear_parts` leaves them (decode rows)."""
+    return topk_route(linear_parts(x, weight), top_k, renormalize)
 
 
 def _ordered_sum(w: torch.Tensor) -> torch.Tensor:

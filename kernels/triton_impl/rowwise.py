@@ -18,7 +18,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import pdl
+from .matmul import Parts, linear_parts
+from .matmul_kernels import fold_row_parts
 
+# Kernels that fold a linear's parts store the row and load it back before reducing it
+# (_rms_norm_kernel's docstring); "0" reduces the folded row as it is (A/B runs).
+PARTS_RELOAD = os.environ.get("MEGASERVE_PARTS_RELOAD", "1") != "0"
 _MAX_ROW_BLOCK = 4096  # longer rows are reduced in chunks of this many elements
 
 
@@ -56,43 +61,79 @@ def norm_warps(block_d: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, D, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, bias_ptr, D, M, eps,
                      stride_x, stride_r, stride_o, stride_h,
-                     HAS_RES: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RES: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RELOAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """PARTS > 0 (with HAS_RES): x_ptr holds the PARTS unfolded parts of a linear's
+    output (:class:`matmul.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here;
+    h is then stored and, with RELOAD, loaded back, so that the reduction reads a row
+    loaded as the plain kernel loads its x (the layout of a reduction's operand, and with
+    it the order of its adds, may follow the width of the loads it comes from)."""
     pdl.wait_then_release(PDL)  # first: no memory access before it
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTS > 0:
+        x = fold_row_parts(x_ptr, bias_ptr, cols, row, mask, M, D, PARTS, HAS_BIAS).to(
+            out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x + r).to(x_ptr.dtype.element_ty)  # h = x + residual, in x.dtype
+        x = (x + r).to(out_ptr.dtype.element_ty)  # h = x + residual, in x.dtype
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
+        if RELOAD:
+            tl.debug_barrier()  # the block's stores of h are visible to its loads
+            x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
     h = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = rms_apply(h, rms_rstd(h, D, eps), w, x_ptr.dtype.element_ty)
+    y = rms_apply(h, rms_rstd(h, D, eps), w, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm(x: torch.Tensor | Parts, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """See ``megaserve.kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None."""
-    t, d = x.shape
+    """See ``megaserve.kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None.
+
+    x may be a linear's unfolded :class:`matmul.Parts` (with a residual), folded here
+    to the bits the folded linear would give."""
+    parts = x if isinstance(x, Parts) else None
+    if parts is not None:
+        if residual is None:
+            raise ValueError("rms_norm: unfolded parts need a residual")
+        x = parts.ws
+        t, d, dtype = parts.num_rows, parts.ws.shape[1], parts.dtype
+    else:
+        t, d = x.shape
+        dtype = x.dtype
+        x = x if x.stride(1) == 1 else x.contiguous()
     block_d = triton.next_power_of_2(d)
     if block_d > 65536:
         raise ValueError(f"rms_norm: hidden size {d} too large (max 65536)")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, d, dtype=dtype, device=x.device)
     h = torch.empty_like(out) if residual is not None else out
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     res = residual if residual is not None else x
+    bias = parts.bias if parts is not None and parts.bias is not None else out
     if t:
-        _rms_norm_kernel[(t,)](x, res, weight, out, h, d, float(eps),
+        _rms_norm_kernel[(t,)](x, res, weight, out, h, bias, d, t, float(eps),
                                x.stride(0), res.stride(0), out.stride(0), h.stride(0),
-                               HAS_RES=residual is not None, BLOCK_D=block_d,
-                               num_warps=norm_warps(block_d), **pdl.launch_args(x.device))
+                               HAS_RES=residual is not None,
+                               PARTS=parts.ws.shape[0] if parts is not None else 0,
+                               HAS_BIAS=parts is not None and parts.bias is not None,
+                               RELOAD=parts is not None and PARTS_RELOAD,
+                               BLOCK_D=block_d, num_warps=norm_warps(block_d),
+                               **pdl.launch_args(x.device))
     return (out, h) if residual is not None else out
+
+
+def linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``megaserve.kernels.api.linear_rms_norm``: the norm folds the linear's parts
+    where :func:`matmul.linear_parts` leaves them (decode rows)."""
+    return rms_norm(linear_parts(x, weight), norm_weight, eps, residual)
 
 
 @triton.jit

@@ -119,8 +119,9 @@ class AttentionPart:
             q, k_cache, v_cache, meta.block_tables, meta.context_lens,
             meta.query_start_loc, self.scale, one_token_per_seq=meta.one_token_per_seq,
         )  # [T, Hq, Dh]
-        out = kernels.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)  # [T, D]
-        x, h = kernels.rms_norm(out, w.post_norm, cfg.rms_norm_eps, residual=h)
+        # o_proj, the residual add and the post-attention norm
+        x, h = kernels.linear_rms_norm(attn.reshape(num_tokens, cfg.q_size), w.o_proj,
+                                       w.post_norm, cfg.rms_norm_eps, h)
         return h, x
 
     def is_moe(self, layer: int) -> bool:
@@ -128,8 +129,8 @@ class AttentionPart:
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, D]` → (topk_ids `[T, k]` int64, topk_weights `[T, k]` float32)."""
-        logits = kernels.linear(x, self.layers[layer].router)  # [T, E]
-        return kernels.topk_route(logits, self.config.top_k, self.config.norm_topk_prob)
+        return kernels.route(x, self.layers[layer].router, self.config.top_k,
+                             self.config.norm_topk_prob)
 
     def dense_mlp(
         self, layer: int, h: torch.Tensor, x: torch.Tensor

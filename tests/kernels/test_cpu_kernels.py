@@ -125,6 +125,24 @@ def test_topk_route_stable_ties_and_renormalisation():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_composed_projections_are_their_compositions(dtype):
+    """linear_rms_norm and route (one launch's worth of work on the GPU) give the bits of
+    the calls they compose, through the API's dispatch."""
+    from megaserve import kernels
+
+    torch.manual_seed(3)
+    x = torch.randn(5, 128).to(dtype)
+    w = (torch.randn(64, 128) / 12).to(dtype)
+    nw, res = torch.randn(64).to(dtype), torch.randn(5, 64).to(dtype)
+    got = kernels.linear_rms_norm(x, w, nw, 1e-6, res)
+    want = cpu.rms_norm(cpu.linear(x, w), nw, 1e-6, res)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = kernels.route(x, w, 4, True)
+    want = cpu.topk_route(cpu.linear(x, w), 4, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_ffn_accuracy_and_invariance(dtype):
     g = torch.Generator().manual_seed(2)
     e, d, inter = 4, 64, 48

@@ -93,6 +93,41 @@ def test_rms_norm_and_rowwise() -> None:
     assert torch.equal(greedy, lsm.argmax(-1)) and greedy[:2].tolist() == [900, 151935]
 
 
+@pytest.mark.parametrize("reload", [True, False])
+@pytest.mark.parametrize("d,k", [(2048, 4096), (4096, 4096), (1024, 2048), (3072, 2048),
+                                 (4096, 14336)])
+def test_norm_folds_linear_parts(monkeypatch, reload: bool, d: int, k: int) -> None:
+    """o_proj's split-K parts folded by the post-attention norm (decode rows, up to
+    PARTS_MAX_M) give the folded linear's bits, row by row; the same for a router's parts
+    folded by the top-k. ``reload=False`` reduces the folded row as it is (the kernels'
+    PARTS_RELOAD knob): checked so that a layout that happens to match is known."""
+    from megaserve.kernels.triton_impl import linear, matmul, moe, rms_norm, rowwise, topk_route
+
+    monkeypatch.setattr(rowwise, "PARTS_RELOAD", reload)
+    monkeypatch.setattr(moe, "PARTS_RELOAD", reload)
+    torch.manual_seed(d + k)
+    x = torch.randn(8, k, device="cuda", dtype=BF16)
+    w = torch.randn(d, k, device="cuda", dtype=BF16) / k**0.5
+    nw = torch.randn(d, device="cuda", dtype=BF16)
+    res = torch.randn(8, d, device="cuda", dtype=BF16)
+    routers = {e: torch.randn(e, k, device="cuda", dtype=BF16) / k**0.5
+               for e in (8, 60, 128, 256)}
+    for m in range(1, matmul.PARTS_MAX_M + 1):
+        parts = matmul.linear_parts(x[:m], w)
+        assert isinstance(parts, matmul.Parts), (d, k, m)  # these shapes split K
+        got = rms_norm(parts, nw, 1e-6, res[:m])
+        want = rms_norm(linear(x[:m], w), nw, 1e-6, res[:m])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (d, k, m)
+        for e, wr in routers.items():
+            for top_k, renorm in ((8, True), (2, False)):
+                parts = matmul.linear_parts(x[:m], wr)
+                if not isinstance(parts, matmul.Parts):
+                    continue
+                got = topk_route(parts, top_k, renorm)
+                want = topk_route(linear(x[:m], wr), top_k, renorm)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, m)
+
+
 def test_embed_tokens_gpu() -> None:
     from megaserve.kernels.triton_impl import embed_tokens
 

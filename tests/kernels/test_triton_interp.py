@@ -16,7 +16,7 @@ import pytest
 from tests.kernels import interp_support
 from tests.kernels.poison import poisoned_empty
 
-CHECKS = ["linear", "rms_norm", "rowwise", "attention", "moe", "moe_tma", "sampling"]
+CHECKS = ["linear", "rms_norm", "linear_parts", "rowwise", "attention", "moe", "moe_tma", "sampling"]
 
 
 def _rel_err(out, ref) -> float:
@@ -114,6 +114,44 @@ def check_rms_norm(torch, ti) -> None:
     assert _rel_err(y, ref) < 1e-2
     y1, _ = ti.rms_norm(x[4:5], w, 1e-6, res[4:5])
     assert torch.equal(y1[0], y[4])
+
+
+def check_linear_parts(torch, ti) -> None:
+    """A decode linear's split-K parts left to its consumer (o_proj's to the norm, the
+    router's to the top-k) give the bits of the folded output, with and without the
+    reload before the reduction; more rows than PARTS_MAX_M fold in the linear."""
+    mm, moe, rowwise = ti.matmul, ti.moe, ti.rowwise
+    x = torch.randn(12, 512, dtype=torch.float16)
+    w = torch.randn(64, 512, dtype=torch.float16) / 16
+    b = torch.randn(64, dtype=torch.float16)
+    nw = torch.randn(64, dtype=torch.float16)
+    res = torch.randn(12, 64, dtype=torch.float16)
+    assert mm.config_for(64, 512, torch.float16).split_len == 256  # two splits
+    for reload in (True, False):
+        rowwise.PARTS_RELOAD = moe.PARTS_RELOAD = reload
+        for m in (1, 5, mm.PARTS_MAX_M, mm.PARTS_MAX_M + 1):
+            for bias in (None, b):
+                parts = mm.linear_parts(x[:m], w, bias)
+                assert isinstance(parts, mm.Parts) == (m <= mm.PARTS_MAX_M), m
+                out = ti.linear(x[:m], w, bias)
+                want = ti.rms_norm(out, nw, 1e-6, res[:m])
+                got = ti.rms_norm(parts, nw, 1e-6, res[:m])
+                assert all(torch.equal(g, v) for g, v in zip(got, want)), (m, reload)
+                for k, renorm in ((8, True), (3, True), (2, False)):
+                    want = ti.topk_route(out, k, renorm)
+                    got = ti.topk_route(mm.linear_parts(x[:m], w, bias), k, renorm)
+                    assert all(torch.equal(g, v) for g, v in zip(got, want)), (m, k, reload)
+            got = ti.linear_rms_norm(x[:m], w, nw, 1e-6, res[:m])
+            want = ti.rms_norm(ti.linear(x[:m], w), nw, 1e-6, res[:m])
+            assert all(torch.equal(g, v) for g, v in zip(got, want)), m
+            got = ti.route(x[:m], w, 8, True)
+            want = ti.topk_route(ti.linear(x[:m], w), 8, True)
+            assert all(torch.equal(g, v) for g, v in zip(got, want)), m
+    rowwise.PARTS_RELOAD = moe.PARTS_RELOAD = True
+    # a token's bits whatever the other rows
+    alone = ti.linear_rms_norm(x[3:4], w, nw, 1e-6, res[3:4])
+    many = ti.linear_rms_norm(x[:7], w, nw, 1e-6, res[:7])
+    assert torch.equal(alone[0][0], many[0][3]) and torch.equal(alone[1][0], many[1][3])
 
 
 def check_rowwise(torch, ti) -> None:
