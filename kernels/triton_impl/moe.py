@@ -444,14 +444,21 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # 256 fell to 61% of its roofline (69% before); not adopted. All of them keep
 # pdl.wait_then_release, so adding one is a name here ("up", "down": the two expert
 # GEMMs); $MEGASERVE_MOE_PDL (names, comma-separated) replaces the set for tuning runs.
-PDL_KERNELS = frozenset({"topk", "align"})
+# Session 18 (after the router's and o_proj's parts went to their consumers): PDL on the
+# gate_up GEMM of decode calls (inline grouping, "decode_up") took batch 1 back to back
+# from 3.378 / 3.377 / 3.446 / 3.395 / 3.384 ms to 3.369 / 3.365 / 3.371 / 3.380 / 3.365
+# (five alternations over two calls); "decode_down" 3.369 / 3.373, both 3.399 / 3.378.
+# "decode_<name>" applies to calls with inline grouping only (at most
+# INLINE_ALIGN_MAX_ROWS rows), so no large call changes.
+PDL_KERNELS = frozenset({"topk", "align", "decode_up"})
 _PDL_ENV = "MEGASERVE_MOE_PDL"
 
 
-def _launch_args(device: torch.device, kernel: str) -> dict:
+def _launch_args(device: torch.device, kernel: str, inline: bool = False) -> dict:
     text = os.environ.get(_PDL_ENV)
     names = PDL_KERNELS if text is None else set(text.split(","))
-    return pdl.launch_args(device) if kernel in names else {"PDL": False}
+    on = kernel in names or (inline and f"decode_{kernel}" in names)
+    return pdl.launch_args(device) if on else {"PDL": False}
 
 
 @dataclass(frozen=True)
@@ -615,7 +622,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         # (one build for every R when the align pass groups the rows: BLOCK_R is unused)
         BLOCK_R=max(16, triton.next_power_of_2(r)) if grouping is None else 16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **_launch_args(a.device, "up" if swiglu else "down"))
+        **_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None))
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
