@@ -10,13 +10,12 @@ is compiled or launched until a function is called.
 from __future__ import annotations
 
 from .attention import paged_attention, rotary_and_cache, write_kv_cache
-from .matmul import linear
+from .matmul import linear, linear_rms_norm
 from .moe import expert_ffn, route, topk_route
 from .rowwise import (
     combine,
     combine_residual,
     embed_tokens,
-    linear_rms_norm,
     log_softmax,
     rms_norm,
     silu_and_mul,

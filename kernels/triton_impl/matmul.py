@@ -54,6 +54,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import matmul_kernels as mk
 from . import pdl
+from .parts import Parts
+from .rowwise import rms_norm
 
 # Programs we want in flight for a memory-bound (small M) product: about two per SM of
 # an H100/H200. A constant, so the split length is a function of (N, K) only.
@@ -264,23 +266,6 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
     return min(cands, key=lambda lp: launch_cost_us(m, n, k, cfg, lp, num_sms))
 
 
-@dataclass(frozen=True)
-class Parts:
-    """A linear's output left as the split-K parts of a swap launch, for the kernel that
-    consumes it to fold (no fold tail or fold launch here): ws `[S, N, M]` fp32
-    (feature-major, as swap mode stores them); bias `[N]` or None. The output is
-    ``cast(((ws[0] + ws[1]) + ...) + bias)`` in ``dtype``, transposed (the module NOTE);
-    consumer kernels fold with ``matmul_kernels.fold_row_parts``."""
-
-    ws: torch.Tensor
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def num_rows(self) -> int:
-        return self.ws.shape[2]
-
-
 # Parts are left unfolded for calls of at most this many rows: a consumer program reads
 # one token's parts at a stride of M elements, so each 32-byte sector it loads serves it
 # alone; at 8 rows that is 8x the bytes of the folded row, all from L2.
@@ -428,3 +413,10 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         if not lp.fold_last:
             _fold_parts(ws, out, bias, n, out.stride(0), 1, bias_inner=True)
     return out
+
+
+def linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See ``megaserve.kernels.api.linear_rms_norm``: the norm folds the linear's parts
+    where :func:`linear_parts` leaves them (decode rows)."""
+    return rms_norm(linear_parts(x, weight), norm_weight, eps, residual)

@@ -207,21 +207,6 @@ def _store_swapped(total, c_ptr, bias_ptr, feats, toks, mask, N, stride_cm,
 
 
 @triton.jit
-def fold_row_parts(ws_ptr, bias_ptr, feats, tok, mask, M, N, NUM_SPLITS: tl.constexpr,
-                   HAS_BIAS: tl.constexpr):
-    """Features ``feats`` of token ``tok`` of a swap launch's unfolded parts (ws `[S, N,
-    M]`, :class:`matmul.Parts`): the fp32 total (+ bias) before the cast, in the order of
-    the swap kernel's own fold, for a consumer kernel that folds them itself."""
-    offs = feats * M + tok
-    total = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, NUM_SPLITS):
-        total = total + tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total = total + tl.load(bias_ptr + feats, mask=mask, other=0.0).to(tl.float32)
-    return total
-
-
-@triton.jit
 def fold_parts_kernel(ws_ptr, c_ptr, bias_ptr, numel, inner, stride_outer, stride_inner,
                       NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BIAS_INNER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):

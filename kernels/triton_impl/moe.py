@@ -48,8 +48,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
-from .matmul import Parts, linear_parts, tma_readable
-from .matmul_kernels import fold_row_parts
+from .parts import Parts, fold_row_parts
+from .matmul import linear_parts, tma_readable
 from .rowwise import PARTS_RELOAD, silu_and_mul
 
 
@@ -59,7 +59,7 @@ def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, M, stride_l,
                  HAS_BIAS: tl.constexpr, RELOAD: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0: the router's logits are the PARTS unfolded parts at ws_ptr
-    (:class:`matmul.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here and
+    (:class:`parts.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here and
     stored to logit_ptr; with RELOAD loaded back before the softmax (rowwise
     _rms_norm_kernel's docstring: the softmax's sum then reads a row loaded as it is
     without parts)."""
@@ -105,7 +105,7 @@ def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, M, stride_l,
 def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: bool):
     """router_logits `[T, E]` → (ids `[T, k]` int64, weights `[T, k]` float32), rank order.
 
-    router_logits may be the router's unfolded :class:`matmul.Parts`, folded here to the
+    router_logits may be the router's unfolded :class:`parts.Parts`, folded here to the
     bits of the folded logits."""
     parts = router_logits if isinstance(router_logits, Parts) else None
     if parts is not None:

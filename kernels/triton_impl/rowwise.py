@@ -18,8 +18,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import pdl
-from .matmul import Parts, linear_parts
-from .matmul_kernels import fold_row_parts
+from .parts import Parts, fold_row_parts
 
 # Kernels that fold a linear's parts store the row and load it back before reducing it
 # (_rms_norm_kernel's docstring); "0" reduces the folded row as it is (A/B runs).
@@ -66,7 +65,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, bias_ptr, D, M, eps,
                      HAS_RES: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      RELOAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0 (with HAS_RES): x_ptr holds the PARTS unfolded parts of a linear's
-    output (:class:`matmul.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here;
+    output (:class:`parts.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here;
     h is then stored and, with RELOAD, loaded back, so that the reduction reads a row
     loaded as the plain kernel loads its x (the layout of a reduction's operand, and with
     it the order of its adds, may follow the width of the loads it comes from)."""
@@ -96,7 +95,7 @@ def rms_norm(x: torch.Tensor | Parts, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """See ``megaserve.kernels.api.rms_norm``. x: `[T, D]`; weight: `[D]`; residual: `[T, D]` or None.
 
-    x may be a linear's unfolded :class:`matmul.Parts` (with a residual), folded here
+    x may be a linear's unfolded :class:`parts.Parts` (with a residual), folded here
     to the bits the folded linear would give."""
     parts = x if isinstance(x, Parts) else None
     if parts is not None:
@@ -127,13 +126,6 @@ def rms_norm(x: torch.Tensor | Parts, weight: torch.Tensor, eps: float,
                                BLOCK_D=block_d, num_warps=norm_warps(block_d),
                                **pdl.launch_args(x.device))
     return (out, h) if residual is not None else out
-
-
-def linear_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See ``megaserve.kernels.api.linear_rms_norm``: the norm folds the linear's parts
-    where :func:`matmul.linear_parts` leaves them (decode rows)."""
-    return rms_norm(linear_parts(x, weight), norm_weight, eps, residual)
 
 
 @triton.jit
