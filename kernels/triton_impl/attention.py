@@ -234,7 +234,6 @@ def _rotary_cache_kernel(
     lanes). Narrow rows (BLOCK_D < 64) get no cap and one row a program: a cap of one
     column reorders Triton's layout.
     """
-    pdl.wait_then_release(PDL)  # first: no memory access before it
     NUM_HEADS: tl.constexpr = NUM_Q_HEADS + 2 * NUM_KV_HEADS
     dtype = qkv_ptr.dtype.element_ty
     if BLOCK_D >= 64:
@@ -259,8 +258,16 @@ def _rotary_cache_kernel(
         is_q = head < NUM_Q_HEADS
         is_v = head >= NUM_Q_HEADS + NUM_KV_HEADS
         rope = live & ~is_v  # q and k rows: normed and rotated
+        # Weights, tables and the step's positions and slots (pdl's NOTE: not written by
+        # the previous kernel) are read before the wait; qkv after it.
         slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int64)
         pos = tl.load(pos_ptr + tok, mask=rope, other=0)
+        c = tl.load(cos_ptr + (pos * stride_cos)[:, None] + cols[None, :],
+                    mask=rope[:, None] & mask[None, :], other=0.0)
+        s = tl.load(sin_ptr + (pos * stride_sin)[:, None] + cols[None, :],
+                    mask=rope[:, None] & mask[None, :], other=0.0)
+        if tile == 0:
+            pdl.wait_then_release(PDL)
         src = (qkv_ptr + tok * stride_qkv + head * Dh)[:, None] + cols[None, :]  # [R, BLOCK_D]
         x = tl.load(src, mask=live[:, None] & mask[None, :], other=0.0)
         raw = x  # a v row is copied as loaded
@@ -276,10 +283,6 @@ def _rotary_cache_kernel(
             rstd = rms_rstd_rows(h, Dh, eps)
             x = rms_apply(h, rstd, w, dtype)
             xp = rms_apply(xp.to(tl.float32), rstd, wp, dtype)
-        c = tl.load(cos_ptr + (pos * stride_cos)[:, None] + cols[None, :],
-                    mask=rope[:, None] & mask[None, :], other=0.0)
-        s = tl.load(sin_ptr + (pos * stride_sin)[:, None] + cols[None, :],
-                    mask=rope[:, None] & mask[None, :], other=0.0)
         rot = tl.where(lo[None, :], -xp, xp)
         # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype
         a = mul_rounded(x.to(tl.float32), c.to(tl.float32), NO_CONTRACT).to(dtype)

@@ -325,22 +325,31 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
     splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
     row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
     `[splits, T, Hq, Dh]`."""
-    pdl.wait_then_release(PDL)  # first: no memory access before it
+    if not DECODE:
+        pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     first = tl.program_id(2) * SPLITS_PER_PROG
     pid = tl.program_id(0)
     if LONG_FIRST:
         pid = tl.num_programs(0) - 1 - pid
+    # DECODE: the context lengths and the block table are step inputs (pdl's NOTE), read
+    # before the wait; q and the new token's K/V are the previous kernel's, read after it.
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
         ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q, DECODE)
     if live:
-        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
         end = tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)
+        if DECODE:
+            if end <= first:
+                return  # splits past the context: nothing to compute or wait for
         mid = first
         if MASK_TAIL:  # as in the serial kernel
             mid = tl.maximum(first, tl.minimum(end, (first_pos + 1) // SPLIT))
-            ids = _block_ids(bt, first, bt_keys, BLOCK_SIZE, SPLIT)
+        ids = _block_ids(bt, first, bt_keys, BLOCK_SIZE, SPLIT)
+        if DECODE:
+            pdl.wait_then_release(PDL)
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
+        if MASK_TAIL:
             for split in range(first, mid):
                 if PREFETCH:
                     nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
@@ -355,7 +364,8 @@ def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_
                              NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
                 if PREFETCH:
                     ids = nxt
-        ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
+            if mid > first:
+                ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
         for split in range(mid, end):
             if PREFETCH:
                 nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
@@ -389,12 +399,16 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     loaded per step (independent loads in flight), then merged one by one. Program axis 2
     takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
     elementwise, so a chunked fold gives the same bits."""
-    pdl.wait_then_release(PDL)  # first: no memory access before it
+    if not DECODE:
+        pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
+    # DECODE: the context lengths are a step input (pdl's NOTE), read before the wait
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
         ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q,
         DECODE)
     if live:
+        if DECODE:
+            pdl.wait_then_release(PDL)  # the parts are the previous kernel's
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D
         d = d0 + tl.arange(0, BLOCK_D)
