@@ -294,7 +294,8 @@ def _expert_gemm_kernel(
     SWIGLU: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     ROWS_PER_TOKEN: tl.constexpr, INLINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, EARLY_IDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ w[e].T``, both
     operands through pointer loads.
@@ -302,9 +303,12 @@ def _expert_gemm_kernel(
     GATHER: position p reads row ``order[p] // ROWS_PER_TOKEN`` of a (else row p);
     SCATTER: writes row ``order[p]`` of c (else row p). SWIGLU: N is I, the tile
     accumulates gate columns n and up columns N + n of w and stores ``silu(gate) * up``
-    (module NOTE's roundings).
+    (module NOTE's roundings). EARLY_IDS: the previous kernel did not write ids, order or
+    offsets (the down GEMM follows the gate_up GEMM), so the program finds its tile and
+    rows before its PDL wait (pdl's NOTE), and one past the last tile exits without it.
     """
-    pdl.wait_then_release(PDL)
+    if not EARLY_IDS:
+        pdl.wait_then_release(PDL)
     expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
                                             num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
                                             BLOCK_R, INLINE, False)
@@ -316,6 +320,8 @@ def _expert_gemm_kernel(
     col_ok = cols < N
     if GATHER or SCATTER:
         rows = _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
+    if EARLY_IDS:
+        pdl.wait_then_release(PDL)  # a is the previous kernel's
     if GATHER:
         src = rows // ROWS_PER_TOKEN
     else:
@@ -449,8 +455,10 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # from 3.378 / 3.377 / 3.446 / 3.395 / 3.384 ms to 3.369 / 3.365 / 3.371 / 3.380 / 3.365
 # (five alternations over two calls); "decode_down" 3.369 / 3.373, both 3.399 / 3.378.
 # "decode_<name>" applies to calls with inline grouping only (at most
-# INLINE_ALIGN_MAX_ROWS rows), so no large call changes.
-PDL_KERNELS = frozenset({"topk", "align", "decode_up"})
+# INLINE_ALIGN_MAX_ROWS rows), so no large call changes. Once the down GEMM found its tile
+# and rows before its wait (_expert_gemm_kernel's EARLY_IDS), PDL on it too: 3.337 /
+# 3.340 / 3.342 -> 3.301 / 3.297 / 3.292 ms (one call, alternating).
+PDL_KERNELS = frozenset({"topk", "align", "decode_up", "decode_down"})
 _PDL_ENV = "MEGASERVE_MOE_PDL"
 
 
@@ -638,7 +646,7 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         return out
     _expert_gemm_kernel[grid](
         a, w, out, ids, order, offsets, r, num_experts, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), **common)
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), EARLY_IDS=not swiglu, **common)
     return out
 
 
