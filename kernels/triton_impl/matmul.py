@@ -295,7 +295,7 @@ def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
+def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -360,8 +360,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
-    lp = launch or plan_launch(m, n, k, cfg, mode, num_sms)
+    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
+    lp = launch or plan_launch(m, n, k, cfg, mode, sms)
     block_k = lp.block_k or cfg.block_k
     if cfg.split_len % block_k:
         raise ValueError(f"linear: launch block_k={block_k} does not divide split_len="

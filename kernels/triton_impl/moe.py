@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 from .parts import Parts, fold_row_parts
-from .matmul import linear_parts, tma_readable
+from .matmul import linear_parts, num_sms, tma_readable
 from .rowwise import PARTS_RELOAD, silu_and_mul
 
 
@@ -457,8 +457,13 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # "decode_<name>" applies to calls with inline grouping only (at most
 # INLINE_ALIGN_MAX_ROWS rows), so no large call changes. Once the down GEMM found its tile
 # and rows before its wait (_expert_gemm_kernel's EARLY_IDS), PDL on it too: 3.337 /
-# 3.340 / 3.342 -> 3.301 / 3.297 / 3.292 ms (one call, alternating).
+# 3.340 / 3.342 -> 3.301 / 3.297 / 3.292 ms (one call, alternating). But the Mixtral
+# shape's batch 1 lost (6.301 / 6.312 -> 6.475 / 6.457 ms): its gate_up grid runs in
+# several waves (896 programs), and down's programs, launched early, hold SM slots those
+# waves need. So down launches early only after a gate_up grid of at most
+# _DOWN_PDL_MAX_WAVES programs per SM (Qwen3-30B-A3B at batch 1: 192 programs).
 PDL_KERNELS = frozenset({"topk", "align", "decode_up", "decode_down"})
+_DOWN_PDL_MAX_WAVES = 2
 _PDL_ENV = "MEGASERVE_MOE_PDL"
 
 
@@ -609,13 +614,13 @@ def _align(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
 def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  grouping: tuple[torch.Tensor, torch.Tensor] | None, tiles: GemmTiles, *,
                  swiglu: bool, gather: bool, scatter: bool,
-                 rows_per_token: int = 1) -> torch.Tensor:
+                 rows_per_token: int = 1, pdl_ok: bool = True) -> torch.Tensor:
     """a `[R / rows_per_token, K]` times each position's expert `w[e]` `[N', K]` → `[R, N]`
     (module NOTE); R = ids' length. grouping: the align pass's (offsets, order), or None:
     the programs group the rows from ``ids`` themselves (R <= INLINE_ALIGN_MAX_ROWS).
 
     N = N' // 2 with ``swiglu`` (silu(gate) * up), else N'. ``rows_per_token`` > 1 only
-    with ``gather``.
+    with ``gather``. ``pdl_ok=False``: no PDL launch, whatever PDL_KERNELS says.
     """
     r = ids.shape[0]
     offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
@@ -630,7 +635,8 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         # (one build for every R when the align pass groups the rows: BLOCK_R is unused)
         BLOCK_R=max(16, triton.next_power_of_2(r)) if grouping is None else 16,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None))
+        **(_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None)
+           if pdl_ok else {"PDL": False}))
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
@@ -682,5 +688,8 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
         gate_up = _expert_gemm(x, w_gate_up, ids, grouping, up, swiglu=False, gather=True,
                                scatter=False, rows_per_token=rows_per_token)  # [R, 2I]
         hidden = silu_and_mul(gate_up)
+    up_programs = (_max_tiles(r, num_experts, lp.up.block_m)
+                   * triton.cdiv(w_gate_up.shape[1] // 2, lp.up.block_n))
+    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
     return _expert_gemm(hidden, w_down, ids, grouping, lp.down, swiglu=False, gather=False,
-                        scatter=True)
+                        scatter=True, pdl_ok=up_programs <= _DOWN_PDL_MAX_WAVES * sms)
