@@ -50,7 +50,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import pdl
 from .parts import Parts, fold_row_parts
 from .matmul import linear_parts, num_sms, tma_readable
-from .rowwise import PARTS_RELOAD, silu_and_mul
+from . import rowwise
+from .rowwise import silu_and_mul
 
 
 @triton.jit
@@ -130,7 +131,7 @@ def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: boo
         _topk_kernel[(t,)](logits, ids, w, ws, bias, e, t, logits.stride(0), TOP_K=top_k,
                            RENORM=renormalize, PARTS=ws.shape[0] if parts is not None else 0,
                            HAS_BIAS=parts is not None and parts.bias is not None,
-                           RELOAD=parts is not None and PARTS_RELOAD,
+                           RELOAD=parts is not None and rowwise.PARTS_RELOAD,
                            BLOCK_E=triton.next_power_of_2(e),
                            BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
                            **_launch_args(logits.device, "topk"))

@@ -17,17 +17,18 @@ Usage, in every kernel a PDL launch may start early::
 
     _kernel[grid](..., **pdl.launch_args(device))
 
-NOTE: only kernels that call :func:`wait_then_release` before touching memory that the
-kernel before them may write may be launched with ``launch_pdl``; a grid launched early
-that read that memory first, or wrote anything, would race with its predecessor. A grid
-starts only once every program of the kernel before it has passed its own wait, so every
-kernel two or more launches back has completed: a kernel may *read* before its wait what
-only those, or the host, write. The decode kernels that do so read weights, tables
-(cos/sin) and a step's input columns (positions, slots, context lengths, block tables:
-copied in before the step, or computed at its start): rotary_and_cache, and the decode
-attention's parts and fold launches (``one_token_per_seq``), none of which follows a
-kernel that writes those. Kernels of other libraries (torch) never get the attribute:
-they start after their predecessor completes, as always.
+NOTE: a kernel launched with ``launch_pdl`` calls :func:`wait_then_release` before it
+writes anything and before it reads anything the kernel just before it may write; a grid
+launched early that did otherwise would race with its predecessor. A grid starts only
+once every program of the kernel before it has passed its own wait, so every kernel two
+or more launches back has completed: a kernel may *read* before its wait what only those
+kernels, or the host, write. The kernels that do so read weights, tables (cos/sin), a
+decode step's input columns (positions, slots, context lengths, block tables: copied in
+before the step, or computed at its start) and the routing of the kernel two launches
+back: rotary_and_cache, decode attention's parts and fold launches
+(``one_token_per_seq``), and the expert FFN's down GEMM (moe's EARLY_IDS). Kernels of
+other libraries (torch) never get the attribute: they start after their predecessor
+completes, as always.
 """
 
 from __future__ import annotations

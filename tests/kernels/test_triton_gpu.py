@@ -101,10 +101,9 @@ def test_norm_folds_linear_parts(monkeypatch, reload: bool, d: int, k: int) -> N
     PARTS_MAX_M) give the folded linear's bits, row by row; the same for a router's parts
     folded by the top-k. ``reload=False`` reduces the folded row as it is (the kernels'
     PARTS_RELOAD knob): checked so that a layout that happens to match is known."""
-    from megaserve.kernels.triton_impl import linear, matmul, moe, rms_norm, rowwise, topk_route
+    from megaserve.kernels.triton_impl import linear, matmul, rms_norm, rowwise, topk_route
 
     monkeypatch.setattr(rowwise, "PARTS_RELOAD", reload)
-    monkeypatch.setattr(moe, "PARTS_RELOAD", reload)
     torch.manual_seed(d + k)
     x = torch.randn(8, k, device="cuda", dtype=BF16)
     w = torch.randn(d, k, device="cuda", dtype=BF16) / k**0.5

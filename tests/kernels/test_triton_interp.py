@@ -120,7 +120,7 @@ def check_linear_parts(torch, ti) -> None:
     """A decode linear's split-K parts left to its consumer (o_proj's to the norm, the
     router's to the top-k) give the bits of the folded output, with and without the
     reload before the reduction; more rows than PARTS_MAX_M fold in the linear."""
-    mm, moe, rowwise = ti.matmul, ti.moe, ti.rowwise
+    mm, rowwise = ti.matmul, ti.rowwise
     x = torch.randn(12, 512, dtype=torch.float16)
     w = torch.randn(64, 512, dtype=torch.float16) / 16
     b = torch.randn(64, dtype=torch.float16)
@@ -128,7 +128,7 @@ def check_linear_parts(torch, ti) -> None:
     res = torch.randn(12, 64, dtype=torch.float16)
     assert mm.config_for(64, 512, torch.float16).split_len == 256  # two splits
     for reload in (True, False):
-        rowwise.PARTS_RELOAD = moe.PARTS_RELOAD = reload
+        rowwise.PARTS_RELOAD = reload
         for m in (1, 5, mm.PARTS_MAX_M, mm.PARTS_MAX_M + 1):
             for bias in (None, b):
                 parts = mm.linear_parts(x[:m], w, bias)
@@ -147,7 +147,7 @@ def check_linear_parts(torch, ti) -> None:
             got = ti.route(x[:m], w, 8, True)
             want = ti.topk_route(ti.linear(x[:m], w), 8, True)
             assert all(torch.equal(g, v) for g, v in zip(got, want)), m
-    rowwise.PARTS_RELOAD = moe.PARTS_RELOAD = True
+    rowwise.PARTS_RELOAD = True
     # a token's bits whatever the other rows
     alone = ti.linear_rms_norm(x[3:4], w, nw, 1e-6, res[3:4])
     many = ti.linear_rms_norm(x[:7], w, nw, 1e-6, res[:7])
