@@ -295,8 +295,14 @@ def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def num_sms(index: int) -> int:
+def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device for launch planning; an H100's 132 elsewhere (the
+    interpreter), where only the planning uses it."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 132
 
 
 def _fold_parts(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
@@ -360,8 +366,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
-    lp = launch or plan_launch(m, n, k, cfg, mode, sms)
+    lp = launch or plan_launch(m, n, k, cfg, mode, num_sms(x.device))
     block_k = lp.block_k or cfg.block_k
     if cfg.split_len % block_k:
         raise ValueError(f"linear: launch block_k={block_k} does not divide split_len="

@@ -47,10 +47,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import pdl
-from .parts import Parts, fold_row_parts
+from . import pdl, rowwise
 from .matmul import linear_parts, num_sms, tma_readable
-from . import rowwise
+from .parts import Parts, fold_row_parts
 from .rowwise import silu_and_mul
 
 
@@ -109,18 +108,16 @@ def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: boo
     router_logits may be the router's unfolded :class:`parts.Parts`, folded here to the
     bits of the folded logits."""
     parts = router_logits if isinstance(router_logits, Parts) else None
-    if parts is not None:
-        t, e = parts.num_rows, parts.ws.shape[1]
-        logits = torch.empty(t, e, dtype=parts.dtype, device=parts.ws.device)
-    else:
-        t, e = router_logits.shape
+    t, e = (parts.num_rows, parts.ws.shape[1]) if parts is not None else router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"topk_route: top_k={top_k} must be in 1..{e}")
     if top_k & (top_k - 1) and renormalize:
         # tl.arange needs a power of two; renormalise on the host side of the kernel.
         ids, w = topk_route(router_logits, top_k, False)
         return ids, w / _ordered_sum(w).unsqueeze(-1)
-    if parts is None:
+    if parts is not None:  # the kernel stores the folded logits here
+        logits = torch.empty(t, e, dtype=parts.dtype, device=parts.ws.device)
+    else:
         logits = (router_logits if router_logits.stride(1) == 1
                   else router_logits.contiguous())
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
@@ -691,6 +688,6 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
         hidden = silu_and_mul(gate_up)
     up_programs = (_max_tiles(r, num_experts, lp.up.block_m)
                    * triton.cdiv(w_gate_up.shape[1] // 2, lp.up.block_n))
-    sms = num_sms(x.device.index or 0) if x.is_cuda else 132
     return _expert_gemm(hidden, w_down, ids, grouping, lp.down, swiglu=False, gather=False,
-                        scatter=True, pdl_ok=up_programs <= _DOWN_PDL_MAX_WAVES * sms)
+                        scatter=True,
+                        pdl_ok=up_programs <= _DOWN_PDL_MAX_WAVES * num_sms(x.device))
