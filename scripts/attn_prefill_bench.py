@@ -55,8 +55,8 @@ VARIANTS = [
 # Check shapes (Hq, Hkv, Dh, block_size, context): scripts/attn_sweep.py's and this one's.
 CHECK_SHAPES = [(32, 8, 128, 16, 8192), (8, 8, 128, 32, 3000), (32, 4, 64, 32, 5000),
                 (16, 4, 64, 16, 2100), (HQ, HKV, DH, 16, 4096)]
-# Launches also checked (not timed): split mode with the narrow l-dot.
-EXTRA_CHECKS = [dict(mode="split", rows=16, num_warps=2, num_stages=3, fold_unroll=16,
+# Launches also checked (not timed): chunk mode with the narrow l-dot.
+EXTRA_CHECKS = [dict(mode="chunk", rows=16, num_warps=2, num_stages=3, fold_unroll=16,
                      mask_tail=True, prefetch=True, l_cols=16),
                 dict(mode="chunk", rows=64, num_warps=4, num_stages=2, l_cols=16)]
 

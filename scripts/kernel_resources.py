@@ -63,22 +63,22 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int,
 def main() -> None:
     # The bench shape: Hq=32, Hkv=8 (G=4), head_dim 128, cache blocks of 16, EXP2 arithmetic.
     common = dict(GROUP=4, G_PAD=4, SPLIT=64, CHUNK=16, HEAD_DIM=128, BLOCK_D=128,
-                  BLOCK_SIZE=16, NUM_Q_HEADS=32, L_BY_DOT=True, EXP2=True, LONG_FIRST=False)
+                  BLOCK_SIZE=16, NUM_Q_HEADS=32, EXP2=True, LONG_FIRST=False, L_COLS=16,
+                  DECODE=False, PDL=False)
     decode = dict(common, BLOCK_Q=4, MASK_TAIL=True, PREFETCH=True)
     launches = [
         ("serial decode r16 w2 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 2, 4),
         ("serial decode r16 w4 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 4, 4),
         ("chunk decode r16 w2 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 2, 3),
         ("chunk decode r16 w4 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 4, 3),
-        ("split parts r16 w2 s3 spp16", ak._attention_parts_kernel,
-         dict(decode, SPLITS_PER_PROG=16), 2, 3),
         ("fold 16 columns w1 (chunk parts)", ak._attention_fold_kernel,
-         dict(common, BLOCK_Q=1, BLOCK_D=16, UNROLL=16, PER_SPLIT=False), 1, 3),
+         dict(common, BLOCK_Q=1, BLOCK_D=16, UNROLL=16), 1, 3),
     ]
-    for rows, warps in ((64, 4), (128, 8)):
-        launches.append((f"serial prefill r{rows} w{warps} s2", ak._paged_attention_kernel,
-                         dict(common, BLOCK_Q=rows // 4, MASK_TAIL=True, PREFETCH=False,
-                              PARTS=False), warps, 2))
+    for rows, warps, stages in ((64, 4, 2), (128, 8, 2), (128, 8, 3)):
+        launches.append((f"serial prefill r{rows} w{warps} s{stages}",
+                         ak._paged_attention_kernel,
+                         dict(common, BLOCK_Q=rows // 4, MASK_TAIL=True,
+                              PREFETCH=stages > 2, PARTS=False), warps, stages))
     for name, fn, constexprs, warps, stages in launches:
         serial = fn is ak._paged_attention_kernel and not constexprs.get("PARTS")
         res = resources(fn, constexprs, warps, stages, fp32_ws=not serial)

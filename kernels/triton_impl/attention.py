@@ -9,30 +9,34 @@ KV head; its BLOCK_M = BLOCK_Q * G_PAD rows are (token, query head of the group)
 
     row r  →  token  r // G_PAD,  query head  kv_head * G + r % G_PAD   (r % G_PAD < G)
 
-Keys are reduced in two fixed levels. For each split of C keys, a row computes
-``m_s = max(scores)``, ``p = exp(scores - m_s)``, ``l_s = Σp``, ``o_s = p @ V`` (the
-round-6 EXP2 form does the same in log2 units: exp2, log2(e) folded into the scale,
-explicit FMAs; see attention_kernels and :func:`exp2_default`). The splits of each chunk
-of CHUNK_SPLITS splits are folded, ascending, from the empty state (-inf, 0, 0) with
-``(m, l, o) ← merge((m, l, o), (m_s, l_s, o_s))``; the chunk states are then merged,
-ascending, the same way, and the row's output is ``o / l``. A split or chunk lying
-wholly past a row's position is the empty state and merges as an exact identity: a row's
-bits depend on its own position and context only. (kernels.cpu folds its splits in one
-level; each backend's bits are its own.)
+Keys are reduced in two fixed levels. A chunk is CHUNK_SPLITS splits of C keys. A row
+runs the splits of a chunk in ascending order from the empty state (-inf, 0, 0) with one
+accumulator, FlashAttention's way, in log2 units (the EXP2 form: exp2, log2(e) folded
+into the scale, explicit FMAs; see attention_kernels and :func:`exp2_default`):
+
+    m' = max(m, max(scores_s))      alpha = exp2(m - m')      p = bf16(exp2(scores_s - m'))
+    l' = l * alpha + p @ 1          o' = p @ V accumulated by the dot into o * alpha
+
+The chunk states are then merged, ascending, with ``(m, l, o) ← merge((m, l, o),
+(m_c, l_c, o_c))``, and the row's output is ``o / l``. A split or chunk lying wholly past
+a row's position leaves its state unchanged, exactly: a row's bits depend on its own
+position and context only. (kernels.cpu folds its splits in one level; each backend's
+bits are its own.) Issue 14 moved the splits from a merge of fresh per-split states (a
+second accumulator, and a split mode that stored every split's state) to this one
+accumulator: a 4,096-token prefill 453 → 384 us on an H100, all launches still bitwise
+equal (docs/benchmarks.md, roofline round 8).
 
 Every step is layout-independent, so the tile (rows, warps, pipeline depth) is a launch
-choice, free per call: ``max`` is exact in any order; the scores, ``o_s`` and ``l_s`` are
-tensor-core dots (``l_s = p @ 1``, the same bf16 ``p`` that ``o_s`` uses), whose k16
-steps round each output element alike whatever the instruction's tile shape; ``exp``
-and ``merge`` are elementwise. (A ``tl.sum`` would reduce in an order set by the layout.)
+choice, free per call: ``max`` is exact in any order; the scores, ``p @ V`` and ``p @ 1``
+are tensor-core dots (the same bf16 ``p`` in both), whose k16 steps round each output
+element alike whatever the instruction's tile shape, starting from the accumulator they
+are given; ``exp2`` and ``merge`` are elementwise. (A ``tl.sum`` would reduce in an order
+set by the layout.)
 
-Three launch modes give the same bits: **serial** (one program per tile and KV head
-walks its chunks in registers), **chunk** (one program per (tile, KV head, chunk)
-stores the chunk's state in fp32, then a fold kernel merges the chunks) and **split**
-(programs over (tile, KV head, group of splits) store each split's (m_s, l_s, o_s) in
-fp32, then the fold kernel folds them into chunks and merges those). The two levels are
-what makes the chunk mode possible: few long sequences get a program per chunk and a
-fold over a few chunk states, not over every split.
+Two launch modes give the same bits: **serial** (one program per tile and KV head walks
+its chunks in registers) and **chunk** (one program per (tile, KV head, chunk) stores the
+chunk's state in fp32, then a fold kernel merges the chunks). The chunks are what makes
+a long context parallel for few sequences.
 
 The kernels are in :mod:`megaserve.kernels.triton_impl.attention_kernels`; its docstring describes
 the loop switches (masks only on diagonal splits, block ids one split ahead, long rows
@@ -52,24 +56,17 @@ import triton.language as tl
 from ..api import KV_SPLIT_SIZE
 from . import pdl
 from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd_rows
-from .attention_kernels import (
-    _attention_fold_kernel,
-    _attention_parts_kernel,
-    _paged_attention_kernel,
-)
+from .attention_kernels import _attention_fold_kernel, _paged_attention_kernel
 
-# Split mode below this many serial programs (about two per SM of an H100/H200), while
-# its fp32 parts fit in this many bytes.
+# Chunk mode below this many serial programs (about two per SM of an H100/H200), while
+# its fp32 chunk states fit in this many bytes.
 _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
-_SPLIT_MODE_PROGRAMS = 1056  # programs in a split-mode grid, about eight per SM
 # Splits per chunk, the first level of the reduction (NOTE): part of the arithmetic, so
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
 CHUNK_SPLITS = 16
-# Chunk mode (not split mode) when a chunk grid has at least this many programs.
-_CHUNK_MODE_PROGRAMS = 128
 _LOG2E = 1.4426950408889634
-# Tests set this: the output and the split / chunk workspaces start as NaN, so an element no
+# Tests set this: the output and the chunk workspaces start as NaN, so an element no
 # program wrote, or a part read before it was written, shows up instead of a previous
 # call's leftovers.
 POISON_BUFFERS = False
@@ -79,25 +76,24 @@ POISON_BUFFERS = False
 class AttentionLaunch:
     """How one call is launched: tile and grid only, never the arithmetic (see NOTE)."""
 
-    mode: str = "serial"  # 'serial' | 'split' | 'chunk' (module NOTE)
+    mode: str = "serial"  # 'serial' | 'chunk' (module NOTE)
     rows: int = 64  # tile rows (BLOCK_M), a power of two >= 16 (raised to G_PAD if larger)
     num_warps: int = 4
     num_stages: int = 2
-    splits_per_program: int = 0  # split mode: consecutive splits per program; 0 = auto
-    fold_tokens: int = 1  # split / chunk mode: tokens per fold program
-    fold_unroll: int = 8  # split / chunk mode: parts the fold loads before merging them
+    fold_tokens: int = 1  # chunk mode: tokens per fold program
+    fold_unroll: int = 8  # chunk mode: chunk states the fold loads before merging them
     # Round-5 loop switches (attention_kernels docstring; none changes the bits):
     mask_tail: bool = False  # masks only on splits that cross a row's position
     prefetch: bool = False  # block ids of the next split loaded one iteration ahead
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
-    fold_block_d: int = 0  # split / chunk mode: head_dim columns per fold program; 0 = all
-    fold_warps: int = 4  # split / chunk mode: warps per fold program
-    l_cols: int = 32  # columns of the ``l_s = p @ 1`` dot (equal columns; 16 or more)
+    fold_block_d: int = 0  # chunk mode: head_dim columns per fold program; 0 = all
+    fold_warps: int = 4  # chunk mode: warps per fold program
+    l_cols: int = 32  # columns of the ``p @ 1`` dot (equal columns; 16 or more)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("serial", "split", "chunk"):
-            raise ValueError("AttentionLaunch: mode must be 'serial', 'split' or 'chunk', "
-                             f"got {self.mode!r}")
+        if self.mode not in ("serial", "chunk"):
+            raise ValueError(f"AttentionLaunch: mode must be 'serial' or 'chunk', got "
+                             f"{self.mode!r}")
         fbd = self.fold_block_d
         if fbd and (fbd < 16 or fbd & (fbd - 1)):
             raise ValueError(f"AttentionLaunch: fold_block_d={self.fold_block_d} must be 0 "
@@ -106,10 +102,8 @@ class AttentionLaunch:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
-        if (self.rows < 16 or self.num_stages < 1 or self.splits_per_program < 0
-                or self.l_cols < 16):
-            raise ValueError("AttentionLaunch: bad rows/num_stages/splits_per_program/l_cols: "
-                             f"{self}")
+        if self.rows < 16 or self.num_stages < 1 or self.l_cols < 16:
+            raise ValueError(f"AttentionLaunch: bad rows/num_stages/l_cols: {self}")
 
 
 # Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-8).
@@ -133,16 +127,19 @@ class AttentionLaunch:
 # across splits (without ``prefetch``, or with 2 stages, each split waits for its own
 # loads). A 4,096-token prompt: 526 -> 449 us (l16 alone 489, +long_first 485); the second
 # 4,096 of an 8,192-token prompt: 1437 -> 1280 us (1272 at 2 stages). Without long_first,
-# deeper pipelines ran 3-5% slower (the long causal tiles then finish last). Split mode
-# and wider heads keep 2 stages (4 stages of 64 x 256 K/V tiles would not fit in shared
-# memory).
+# deeper pipelines ran 3-5% slower (the long causal tiles then finish last). Wider heads
+# keep 2 stages (4 stages of 64 x 256 K/V tiles would not fit in shared memory).
+# Roofline round 8 (the one-accumulator arithmetic, scripts/attn_accum_probe.py, H100):
+# the serial prefill tile runs 3 stages (4,096-token prompt: 4 stages 393 us, 3 stages 384,
+# 2 stages 487; second chunk of 8,192: 1113 / 1094 / 1263). Split mode is gone with the
+# per-split states: few sequences get chunk mode (its tiles as before).
 ROUND8_PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
-ROUND4_DECODE_TILE = dict(rows=16, num_warps=2, num_stages=3, fold_unroll=16)
-DECODE_SPLIT_TILE = dict(ROUND4_DECODE_TILE, mask_tail=True, prefetch=True)
-DECODE_CHUNK_TILE = dict(DECODE_SPLIT_TILE, num_warps=4)
-DECODE_SERIAL_TILE = dict(DECODE_SPLIT_TILE, num_warps=4, num_stages=4)
+DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3, fold_unroll=16, mask_tail=True,
+                   prefetch=True)
+DECODE_CHUNK_TILE = DECODE_TILE
+DECODE_SERIAL_TILE = dict(DECODE_TILE, num_stages=4)
 PREFILL_TILE = dict(ROUND8_PREFILL_TILE, l_cols=16, long_first=True)
-PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=4, prefetch=True)
+PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=3, prefetch=True)
 _DEEP_PREFILL_MAX_D = 128  # widest (padded) head_dim that gets PREFILL_SERIAL_TILE
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
 
@@ -369,27 +366,22 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int, head_dim: int = 128) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
-    decode-like batches (at most two new tokens per sequence), large ones otherwise; when
-    the serial grid would leave most SMs idle, chunk mode for decode if a program per
-    chunk gives enough programs, else split mode, either only while its fp32 parts stay
-    small (``ws_bytes``: the per-split parts; chunk parts take 1 / CHUNK_SPLITS of that).
-    (Chunked prefill of 512 tokens at 8192: serial 271 us, chunk mode 297; round 8.)
-    Serial prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
+    decode-like batches (at most two new tokens per sequence), large ones otherwise; chunk
+    mode when the serial grid would leave most SMs idle and a sequence can span several
+    chunks, while the fp32 chunk states (``ws_bytes``) stay small; else serial. Serial
+    prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
     decode_like = num_tokens <= 2 * num_seqs
-    tile = DECODE_SPLIT_TILE if decode_like else PREFILL_TILE
+    tile = DECODE_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, tile["rows"] // g_pad)  # (every decode tile has the same rows)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
-    if max_splits > 1 and programs < _SERIAL_MIN_PROGRAMS:
+    if (max_splits > CHUNK_SPLITS and programs < _SERIAL_MIN_PROGRAMS
+            and ws_bytes <= _MAX_WS_BYTES):
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
         fold = (dict(fold_block_d=16, fold_warps=1)
                 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else {})
-        if (decode_like and programs * max_chunks >= _CHUNK_MODE_PROGRAMS
-                and ws_bytes // max_splits * max_chunks <= _MAX_WS_BYTES):
-            return AttentionLaunch("chunk", **dict(DECODE_CHUNK_TILE, **fold))
-        if ws_bytes <= _MAX_WS_BYTES:
-            return AttentionLaunch("split", **dict(tile, **fold))
+        return AttentionLaunch("chunk", **dict(DECODE_CHUNK_TILE if decode_like else tile,
+                                               **fold))
     if decode_like:
         return AttentionLaunch("serial", **DECODE_SERIAL_TILE)
     deep = triton.next_power_of_2(head_dim) <= _DEEP_PREFILL_MAX_D
@@ -397,62 +389,40 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
 
 
 def exp2_default() -> bool:
-    """The arithmetic :func:`paged_attention` uses when ``exp2`` is not given: the round-6
-    EXP2 form (checked bitwise across every mode and tile on an H200, 4 shapes x 450 checks,
-    and ~1.3x faster on prefill), or the round-5 ``exp`` form with ``MEGASERVE_ATTN_EXP2=0``.
-    """
+    """The arithmetic :func:`paged_attention` uses when ``exp2`` is not given: the EXP2
+    form (round 6: ~1.3x faster on prefill than ``exp``), or the ``exp`` form with
+    ``MEGASERVE_ATTN_EXP2=0``."""
     return os.environ.get("MEGASERVE_ATTN_EXP2", "1") != "0"
 
 
 def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """fp32 split / chunk-mode scratch: uninitialised, or NaN under ``POISON_BUFFERS``."""
+    """fp32 chunk-mode scratch: uninitialised, or NaN under ``POISON_BUFFERS``."""
     if POISON_BUFFERS:
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _parts_stages(launch: AttentionLaunch, splits_per_program: int) -> int:
-    """Pipeline stages of a split-mode parts launch: one where a program computes one
-    split (no loop to pipeline; a third of the shared memory, so more programs fit an SM
-    while most of a decode grid finds itself past the context), else the launch's.
-    ``$MEGASERVE_ATTN_PARTS_STAGES=0`` keeps the launch's (A/B runs)."""
-    if splits_per_program == 1 and os.environ.get("MEGASERVE_ATTN_PARTS_STAGES", "1") != "0":
-        return 1
-    return launch.num_stages
-
-
-def _splits_per_program(num_programs: int, max_splits: int) -> int:
-    """Consecutive splits per split-mode program: a power of two that keeps about
-    _SPLIT_MODE_PROGRAMS programs in the grid (launch shape only, never the bits)."""
-    want = max(1, num_programs * max_splits // _SPLIT_MODE_PROGRAMS)
-    return min(16, triton.next_power_of_2(want))
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
-                    mode: str | None = None, splits_per_program: int | None = None,
-                    launch: AttentionLaunch | None = None,
-                    l_by_dot: bool = True, exp2: bool | None = None,
-                    parts_only: bool = False, one_token_per_seq: bool = False) -> torch.Tensor:
+                    mode: str | None = None, launch: AttentionLaunch | None = None,
+                    exp2: bool | None = None, parts_only: bool = False,
+                    one_token_per_seq: bool = False) -> torch.Tensor:
     """See ``megaserve.kernels.api.paged_attention``; no host synchronisation (graph-capturable).
 
     q `[T, Hq, Dh]`; caches `[blocks, block_size, Hkv, Dh]` (unit last stride);
     block_tables `[S, max_blocks]` int32; context_lens `[S]`; query_start_loc `[S+1]`.
     ``launch`` (default: :func:`choose_launch`) sets the tile, the mode ('serial': one
-    program walks a tile's chunks; 'chunk': a program per chunk, then an ordered fold;
-    'split': programs per group of splits, then the fold) and the grid; ``mode`` /
-    ``splits_per_program`` override those two fields. No
-    launch choice changes the bits (same per-split arithmetic, same merge order; checked
-    by the GPU tests and scripts/attn_sweep.py). ``l_by_dot=False`` is the round-3
-    formulation (``l_s`` by ``tl.sum``, layout-dependent), kept for the sweep only;
-    ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the round-6 EXP2
-    form (attention_kernels docstring), False the round-5 one (``exp``; other bits);
-    ``parts_only`` (split and chunk modes) skips the fold, so the sweep can time the two
-    kernels apart (the output is then unwritten). ``one_token_per_seq``: the caller's
-    promise that query_start_loc is 0, 1, ..., S (decode); the kernels then take tile s
-    as sequence s and read no query_start_loc (two dependent loads fewer on a decode
-    step's chain; the same bits; ``$MEGASERVE_ATTN_DECODE=0`` ignores it).
+    program walks a tile's chunks; 'chunk': a program per chunk, then an ordered fold) and
+    the grid; ``mode`` overrides the launch's. No launch choice changes the bits (same
+    arithmetic, same merge order; checked by the GPU tests and scripts/attn_sweep.py).
+    ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the EXP2 form
+    (attention_kernels docstring), False the ``exp`` one (other bits); ``parts_only``
+    (chunk mode) skips the fold, so the sweep can time the two kernels apart (the output
+    is then unwritten). ``one_token_per_seq``: the caller's promise that query_start_loc
+    is 0, 1, ..., S (decode); the kernels then take tile s as sequence s and read no
+    query_start_loc (two dependent loads fewer on a decode step's chain; the same bits;
+    ``$MEGASERVE_ATTN_DECODE=0`` ignores it).
     """
     exp2 = exp2_default() if exp2 is None else exp2
     t, num_q_heads, head_dim = q.shape
@@ -470,13 +440,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     # Upper bound on any sequence's splits, from shapes only (no host sync).
     max_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], KV_SPLIT_SIZE)
-    ws_bytes = max_splits * t * num_q_heads * (head_dim + 2) * 4
+    max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
+    ws_bytes = max_chunks * t * num_q_heads * (head_dim + 2) * 4
     if launch is None:
         launch = choose_launch(t, num_seqs, num_kv_heads, group, max_splits, ws_bytes,
                                head_dim)
-    if mode is not None or splits_per_program is not None:
-        launch = dataclasses.replace(launch, mode=mode or launch.mode,
-                                     splits_per_program=splits_per_program or 0)
+    if mode is not None:
+        launch = dataclasses.replace(launch, mode=mode)
     block_q = max(1, launch.rows // g_pad)
     decode = one_token_per_seq and os.environ.get("MEGASERVE_ATTN_DECODE", "1") != "0"
     if decode and t != num_seqs:
@@ -485,48 +455,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_seqs if decode else t // block_q + num_seqs, num_kv_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     common = dict(GROUP=group, G_PAD=g_pad, SPLIT=KV_SPLIT_SIZE, HEAD_DIM=head_dim,
-                  BLOCK_D=block_d, DECODE=decode)
-    loop = dict(MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
-                LONG_FIRST=launch.long_first, EXP2=exp2, L_COLS=launch.l_cols)
+                  CHUNK=CHUNK_SPLITS, BLOCK_D=block_d, EXP2=exp2, DECODE=decode)
     # EXP2 (attention_kernels docstring): scores in log2 units, log2(e) folded into scale.
     scale = float(scale) * _LOG2E if exp2 else float(scale)
-    kv_args = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-               block_tables.shape[1] * k_cache.shape[1])
-    max_chunks = triton.cdiv(max_splits, CHUNK_SPLITS)
     seq_args = (context_lens, query_start_loc)
     if launch.mode == "serial":
         ws_m = ws_l = ws_o = out  # no parts (the kernel's PARTS is off)
     else:
-        n_parts = max_splits if launch.mode == "split" else max_chunks
-        ws_m = _workspace((n_parts, t, num_q_heads), q.device)
-        ws_l = _workspace((n_parts, t, num_q_heads), q.device)
-        ws_o = _workspace((n_parts, t, num_q_heads, head_dim), q.device)
-    if launch.mode == "split":
-        spp = launch.splits_per_program or _splits_per_program(grid[0] * grid[1], max_splits)
-        _attention_parts_kernel[grid + (triton.cdiv(max_splits, spp),)](
-            q, k_cache, v_cache, block_tables, *seq_args, ws_m, ws_l, ws_o,
-            num_seqs, t, scale, q.stride(0), q.stride(1), *kv_args,
-            NUM_Q_HEADS=num_q_heads, SPLITS_PER_PROG=spp, BLOCK_Q=block_q,
-            BLOCK_SIZE=k_cache.shape[1], L_BY_DOT=l_by_dot, num_warps=launch.num_warps,
-            num_stages=_parts_stages(launch, spp), **common, **loop,
-            **pdl.launch_args(q.device))
-    else:
-        _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
-            q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
-            num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *kv_args, NUM_Q_HEADS=num_q_heads, BLOCK_Q=block_q, BLOCK_SIZE=k_cache.shape[1],
-            CHUNK=CHUNK_SPLITS, L_BY_DOT=l_by_dot, PARTS=launch.mode == "chunk",
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **common, **loop,
-            **pdl.launch_args(q.device))
-    if launch.mode != "serial" and not parts_only:
+        ws_m = _workspace((max_chunks, t, num_q_heads), q.device)
+        ws_l = _workspace((max_chunks, t, num_q_heads), q.device)
+        ws_o = _workspace((max_chunks, t, num_q_heads, head_dim), q.device)
+    _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
+        q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
+        num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_tables.shape[1] * k_cache.shape[1], NUM_Q_HEADS=num_q_heads, BLOCK_Q=block_q,
+        BLOCK_SIZE=k_cache.shape[1], MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
+        LONG_FIRST=launch.long_first, PARTS=launch.mode == "chunk", L_COLS=launch.l_cols,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **common,
+        **pdl.launch_args(q.device))
+    if launch.mode == "chunk" and not parts_only:
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
         fold_tiles = num_seqs if decode else t // fold_q + num_seqs
         _attention_fold_kernel[(fold_tiles, num_kv_heads, block_d // fold_d)](
             *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, CHUNK=CHUNK_SPLITS,
-            UNROLL=min(launch.fold_unroll, CHUNK_SPLITS), EXP2=exp2,
-            PER_SPLIT=launch.mode == "split", num_warps=launch.fold_warps, **common,
-            **pdl.launch_args(q.device))
+            NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, UNROLL=min(launch.fold_unroll, triton.next_power_of_2(max_chunks)),
+            num_warps=launch.fold_warps, **common, **pdl.launch_args(q.device))
     return out

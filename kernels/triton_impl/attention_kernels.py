@@ -1,5 +1,5 @@
 """Triton kernels of paged attention; the host side and the contract are in
-:mod:`megaserve.kernels.triton_impl.attention` (see its NOTE: the per-split arithmetic, fixed).
+:mod:`megaserve.kernels.triton_impl.attention` (see its NOTE: the arithmetic, fixed).
 
 Launch-only switches (constexpr, never the bits):
 
@@ -8,21 +8,20 @@ Launch-only switches (constexpr, never the bits):
   run without the context mask on the loads and with a per-row (not per-key) select in
   place of the causal ``where``. The round-5 device run found the version without any
   select NOT bitwise equal at head_dim 128 (FMA contraction of ``* scale`` and ``- m``,
-  1 bf16 ulp); with the select, the lead's round-6 baseline run (H200) passed every
-  check (4 shapes x 187), so the defaults use it.
+  1 bf16 ulp); with the select every check passed, so the defaults use it.
 * ``PREFETCH``: the block ids of split ``s + 1`` are loaded while split ``s`` is computed
   and carried in registers, so the K/V gathers of a split depend on no load of the same
   iteration (Triton's pipeliner then double-buffers them instead of chaining
   block-table load -> gather -> compute inside one iteration).
 * ``LONG_FIRST``: tiles are numbered from the last, so long causal rows start first.
 
-One arithmetic switch, ``EXP2`` (round 6, opt-in until checked on a device; it changes the
-bits of every launch alike, never between launches): ``scale`` arrives with log2(e) folded in, the split's max
-is taken over the raw dot products and scaled once per row (rounding is monotone, so this
-is the max of the scaled scores), ``p = exp2(fma(dot, scale, -m))`` with an explicit FMA,
-and the merge uses ``exp2`` and explicit FMAs. Nothing is left for the compiler to contract
-differently in the masked and unmasked paths, so no select is needed there; one per-row
-select keeps ``m_s`` out of the merge's subtraction (see ``_split_core``).
+One arithmetic switch, ``EXP2`` (round 6; it changes the bits of every launch alike, never
+between launches): ``scale`` arrives with log2(e) folded in, a split's max is taken over
+the raw dot products and scaled once per row (rounding is monotone, so this is the max of
+the scaled scores), ``p = exp2(fma(dot, scale, -m))`` with an explicit FMA, and the merge
+uses ``exp2`` and explicit FMAs. Nothing is left for the compiler to contract differently
+in the masked and unmasked paths, so no select is needed there; one per-row select keeps
+the scaled max out of the later subtractions (see ``_split_step``).
 """
 
 from __future__ import annotations
@@ -53,19 +52,17 @@ def _block_ids(bt, split, bt_keys, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr
     """Cache block of each key of ``split`` `[SPLIT]` (0 past the table row's ``bt_keys``
     keys). Bounded by the row, not by the context, so the load need not wait for the
     context length: an id past the context is never used to read the cache (those keys'
-    K/V loads are masked by the context in ``_split_core``)."""
+    K/V loads are masked by the context in ``_load_kv``)."""
     keys = split * SPLIT + tl.arange(0, SPLIT)
     return tl.load(bt + keys // BLOCK_SIZE, mask=keys < bt_keys, other=0).to(tl.int64)
 
 
 @triton.jit
-def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
-                stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
-                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                L_BY_DOT: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
-                L_COLS: tl.constexpr):
-    """(m_s, l_s, o_s) of one split for the tile's rows; see the NOTE in attention.py.
-    ``MASKED=False`` only for splits every row sees whole (module docstring)."""
+def _load_kv(kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, stride_kb, stride_ks,
+             stride_kh, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """The keys of ``split`` `[SPLIT]` and their K, V rows `[SPLIT, BLOCK_D]` (zeros past
+    the context when MASKED, and in padded columns)."""
     keys = split * SPLIT + tl.arange(0, SPLIT)
     base = block_ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
     d = tl.arange(0, BLOCK_D)
@@ -81,39 +78,55 @@ def _split_core(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos,
             dm = (d < HEAD_DIM)[None, :]
             k = tl.load(kc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
             v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=dm, other=0.0)
-    if EXP2:  # module docstring; scale includes log2(e)
+    return keys, k, v
+
+
+@triton.jit
+def _split_step(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos, m, l, o,
+                stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE: tl.constexpr,
+                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASKED: tl.constexpr, EXP2: tl.constexpr, L_COLS: tl.constexpr):
+    """A chunk's running state (m, l, o) for the tile's rows after one more split (the
+    NOTE in attention.py): the split's max joins ``m``, ``p`` is taken against the new
+    max, and ``p @ V`` accumulates inside the dot into ``o`` rescaled by ``alpha``.
+    ``MASKED=False`` only for splits every row sees whole (module docstring)."""
+    keys, k, v = _load_kv(kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, stride_kb,
+                          stride_ks, stride_kh, BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, MASKED)
+    if EXP2:
         raw = tl.dot(q, tl.trans(k))  # [BLOCK_M, SPLIT] fp32
         if MASKED:
             raw = tl.where(keys[None, :] <= pos[:, None], raw, float("-inf"))
-        # max exact in any order; -inf stays -inf. The (always true) per-row select
-        # keeps ``* scale`` a separate rounding: without it the serial kernel's merge
-        # contracted ``m_s - m_new`` into fma(max, scale, -m_new) while the fold, which
-        # loads m_s, subtracts; split and serial bits differed (H200, round 6; sm_90 PTX).
+        # max exact in any order; -inf stays -inf. The (always true) per-row select keeps
+        # ``* scale`` a separate rounding: without it the compiler contracted it into a
+        # later subtraction in one launch and not in another (H200, round 6; sm_90 PTX).
         m_s = tl.where(pos >= 0, tl.max(raw, axis=1) * scale, float("-inf"))
-        m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
-        p = tl.exp2(tl.fma(raw, scale, -m_safe[:, None])).to(v.dtype)
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(tl.fma(raw, scale, -m_ref[:, None])).to(v.dtype)
+        alpha = tl.exp2(m - m_ref)
     else:
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, SPLIT] fp32
+        scores = tl.dot(q, tl.trans(k)) * scale
         if MASKED:
             scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
         else:
             # Keep a select between ``* scale`` and ``- m``: without one the compiler
             # fused them into an FMA for head_dim 128 and the bits changed (H200, round
-            # 5). This per-row predicate is always true (bitwise on an H200, round 6).
+            # 5). This per-row predicate is always true.
             scores = tl.where(pos[:, None] >= 0, scores, float("-inf"))
-        m_s = tl.max(scores, axis=1)  # exact in any order
-        m_safe = tl.where(m_s == float("-inf"), 0.0, m_s)
-        p = tl.exp(scores - m_safe[:, None]).to(v.dtype)
-    o_s = tl.dot(p, v)  # [BLOCK_M, BLOCK_D] fp32
-    if L_BY_DOT:  # Σp as a dot: its k16 chain does not depend on the layout
-        # 32 equal columns, not 16: with a square [16, 16] result Triton laid all three
-        # dots of a 16-row tile out with the warps along the rows, each warp holding the
-        # whole tile (round 8, scripts/kernel_resources.py); now they split head_dim.
-        # (L_COLS, a launch choice: each column is the same k16 chain whatever the width.)
-        l_s = tl.max(tl.dot(p, tl.full([SPLIT, L_COLS], 1.0, v.dtype)), axis=1)
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # max: exact in any order
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_ref[:, None]).to(v.dtype)
+        alpha = tl.exp(m - m_ref)
+    # Σp as a dot: its k16 chain does not depend on the layout. L_COLS equal columns (a
+    # launch choice: each column is the same chain whatever the width); 16 or more, since
+    # a square [16, 16] result made Triton lay a 16-row tile's dots out with the warps
+    # along the rows, each warp holding the whole tile (round 8).
+    l_s = tl.max(tl.dot(p, tl.full([SPLIT, L_COLS], 1.0, v.dtype)), axis=1)
+    if EXP2:
+        l = tl.fma(l, alpha, l_s)
     else:
-        l_s = tl.sum(p.to(tl.float32), axis=1)
-    return m_s, l_s, o_s
+        l = l * alpha + l_s
+    return m_new, l, tl.dot(p, v, o * alpha[:, None])
 
 
 @triton.jit
@@ -164,7 +177,7 @@ def _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.co
 
 @triton.jit
 def _merge(m, l, o, m_s, l_s, o_s, EXP2: tl.constexpr):
-    """Fold split (or chunk) s into the running (m, l, o); the one merge every launch uses.
+    """Fold chunk state s into the running (m, l, o); the one merge every launch uses.
     Two empty states (m = m_s = -inf: a row that has seen no key of a chunk yet) merge to
     the empty state (-inf, 0, 0), not NaN; the select changes no finite case."""
     m_new = tl.maximum(m, m_s)
@@ -202,25 +215,26 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                             G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
                             CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_D: tl.constexpr, L_BY_DOT: tl.constexpr,
-                            MASK_TAIL: tl.constexpr, PREFETCH: tl.constexpr,
-                            LONG_FIRST: tl.constexpr, EXP2: tl.constexpr,
-                            PARTS: tl.constexpr, L_COLS: tl.constexpr, DECODE: tl.constexpr,
-                            PDL: tl.constexpr):
-    """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), folds
+                            BLOCK_D: tl.constexpr, MASK_TAIL: tl.constexpr,
+                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
+                            EXP2: tl.constexpr, PARTS: tl.constexpr, L_COLS: tl.constexpr,
+                            DECODE: tl.constexpr, PDL: tl.constexpr):
+    """Serial mode: one program walks all of its tile's chunks (CHUNK splits each), runs
     each chunk's splits from the empty state, merges the chunks into the row's state and
     writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
     is stored unnormalised at ws_m / ws_l `[chunks, T, Hq]` and ws_o `[chunks, T, Hq, Dh]`
     for the fold kernel (rows that reach the chunk only)."""
-    pdl.wait_then_release(PDL)  # first: no memory access before it
+    if not DECODE:
+        pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
     pid = tl.program_id(0)
     if LONG_FIRST:
         pid = tl.num_programs(0) - 1 - pid
+    # DECODE: the context lengths and the block table are step inputs (pdl's NOTE), read
+    # before the wait; q and the new token's K/V are the previous kernel's, read after it.
     live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
         ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q, DECODE)
     if live:
-        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         bt = bt_ptr + seq.to(tl.int64) * stride_bt
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         n_splits = last_pos // SPLIT + 1
@@ -232,6 +246,15 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
         if PARTS:
             c_lo = tl.program_id(2)
             c_hi = tl.minimum(c_hi, c_lo + 1)
+        if DECODE:
+            if c_hi <= c_lo:
+                return  # a chunk past the context: nothing to compute or wait for
+        # The block ids of the next split to run; with PREFETCH each loop leaves them one
+        # split ahead, so they are right for the next loop and the next chunk as well.
+        ids = _block_ids(bt, c_lo * CHUNK, bt_keys, BLOCK_SIZE, SPLIT)
+        if DECODE:
+            pdl.wait_then_release(PDL)
+        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -244,30 +267,26 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
             m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_c = tl.zeros([BLOCK_M], tl.float32)
             o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            ids = _block_ids(bt, s0, bt_keys, BLOCK_SIZE, SPLIT)
-            for split in range(s0, mid):  # full splits, unmasked; PREFETCH: ids one ahead
+            for split in range(s0, mid):  # full splits, unmasked
                 if PREFETCH:
                     nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
                 else:
                     ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
-                                            pos, stride_kb, stride_ks, stride_kh, scale,
-                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False, EXP2, L_COLS)
-                m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
+                m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, m_c, l_c, o_c, stride_kb, stride_ks,
+                                            stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM,
+                                            BLOCK_D, False, EXP2, L_COLS)
                 if PREFETCH:
                     ids = nxt
-            ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
             for split in range(mid, s1):  # the rest, masked
                 if PREFETCH:
                     nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
                 else:
                     ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
-                                            pos, stride_kb, stride_ks, stride_kh, scale,
-                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            True, EXP2, L_COLS)
-                m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
+                m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, m_c, l_c, o_c, stride_kb, stride_ks,
+                                            stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM,
+                                            BLOCK_D, True, EXP2, L_COLS)
                 if PREFETCH:
                     ids = nxt
             if PARTS:
@@ -285,8 +304,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
 def _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, part, first_key, num_tokens,
                  tok_glob, head, row_ok, pos, NUM_Q_HEADS: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Part ``part`` (a split or a chunk, starting at key ``first_key``) of the rows that
-    reach it, fp32, unnormalised."""
+    """Chunk state ``part`` (starting at key ``first_key``) of the rows that reach it, fp32,
+    unnormalised."""
     d = tl.arange(0, BLOCK_D)
     row_idx = (part * num_tokens + tok_glob) * NUM_Q_HEADS + head  # [BLOCK_M] int64
     reach = row_ok & (first_key <= pos)
@@ -310,95 +329,20 @@ def _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, part, num_tokens, tok_glob, head, r
 
 
 @triton.jit
-def _attention_parts_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ws_m_ptr,
-                            ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale, stride_qt,
-                            stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, bt_keys,
-                            NUM_Q_HEADS: tl.constexpr, SPLITS_PER_PROG: tl.constexpr,
-                            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                            L_BY_DOT: tl.constexpr, MASK_TAIL: tl.constexpr,
-                            PREFETCH: tl.constexpr, LONG_FIRST: tl.constexpr,
-                            EXP2: tl.constexpr, L_COLS: tl.constexpr, DECODE: tl.constexpr,
-                            PDL: tl.constexpr):
-    """Split mode, step 1: one program per (tile, KV head, SPLITS_PER_PROG consecutive
-    splits) stores each split's (m_s, l_s, o_s) of the rows it reaches (split <= the
-    row's last split), fp32, unmerged, at ws_m / ws_l `[splits, T, Hq]` and ws_o
-    `[splits, T, Hq, Dh]`."""
-    if not DECODE:
-        pdl.wait_then_release(PDL)  # first: no memory access before it
-    kv_head = tl.program_id(1)
-    first = tl.program_id(2) * SPLITS_PER_PROG
-    pid = tl.program_id(0)
-    if LONG_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
-    # DECODE: the context lengths and the block table are step inputs (pdl's NOTE), read
-    # before the wait; q and the new token's K/V are the previous kernel's, read after it.
-    live, seq, ctx_len, tok_glob, head, row_ok, pos, first_pos, last_pos = _tile_rows(
-        ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP, G_PAD, BLOCK_Q, DECODE)
-    if live:
-        bt = bt_ptr + seq.to(tl.int64) * stride_bt
-        end = tl.minimum(first + SPLITS_PER_PROG, last_pos // SPLIT + 1)
-        if DECODE:
-            if end <= first:
-                return  # splits past the context: nothing to compute or wait for
-        mid = first
-        if MASK_TAIL:  # as in the serial kernel
-            mid = tl.maximum(first, tl.minimum(end, (first_pos + 1) // SPLIT))
-        ids = _block_ids(bt, first, bt_keys, BLOCK_SIZE, SPLIT)
-        if DECODE:
-            pdl.wait_then_release(PDL)
-        q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
-        if MASK_TAIL:
-            for split in range(first, mid):
-                if PREFETCH:
-                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
-                else:
-                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-                m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
-                                            pos, stride_kb, stride_ks, stride_kh, scale,
-                                            BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT,
-                                            False, EXP2, L_COLS)
-                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split,
-                             split * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
-                             NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
-                if PREFETCH:
-                    ids = nxt
-            if mid > first:
-                ids = _block_ids(bt, mid, bt_keys, BLOCK_SIZE, SPLIT)
-        for split in range(mid, end):
-            if PREFETCH:
-                nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
-            else:
-                ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-            m_s, l_s, o_s = _split_core(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
-                                        stride_kb, stride_ks, stride_kh, scale, BLOCK_SIZE,
-                                        SPLIT, HEAD_DIM, BLOCK_D, L_BY_DOT, True, EXP2, L_COLS)
-            _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_s, l_s, o_s, split, split * SPLIT,
-                         num_tokens, tok_glob, head, row_ok, pos, NUM_Q_HEADS, HEAD_DIM,
-                         BLOCK_D)
-            if PREFETCH:
-                ids = nxt
-
-
-@triton.jit
 def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
                            num_seqs, num_tokens, stride_ot, stride_oh,
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
                            CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, UNROLL: tl.constexpr, EXP2: tl.constexpr,
-                           PER_SPLIT: tl.constexpr, DECODE: tl.constexpr,
-                           PDL: tl.constexpr):
-    """Split and chunk modes, step 2: merge the stored parts exactly as the serial kernel
-    merges in registers (same :func:`_merge`, same order). ``PER_SPLIT``: the parts are
-    single splits, folded from the empty state per chunk of CHUNK splits, then the chunks
-    merged; else the parts are chunk states, merged in order. A part past a row's reach is
+                           DECODE: tl.constexpr, PDL: tl.constexpr):
+    """Chunk mode, step 2: merge the stored chunk states in order, exactly as the serial
+    kernel merges them in registers (same :func:`_merge`). A chunk past a row's reach is
     the empty state (m = -inf, l = 0, o = 0), which is what the serial kernel merges there,
-    so the fold tile need not match the parts tile. UNROLL parts (UNROLL divides CHUNK) are
-    loaded per step (independent loads in flight), then merged one by one. Program axis 2
-    takes columns ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is
-    elementwise, so a chunked fold gives the same bits."""
+    so the fold tile need not match the parts tile. UNROLL chunk states are loaded per step
+    (independent loads in flight), then merged one by one. Program axis 2 takes columns
+    ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is elementwise, so a
+    chunked fold gives the same bits."""
     if not DECODE:
         pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
@@ -416,31 +360,14 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        n_splits = last_pos // SPLIT + 1
-        row_splits = pos // SPLIT + 1
-        if PER_SPLIT:
-            for chunk in range(0, tl.cdiv(n_splits, CHUNK)):
-                m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_c = tl.zeros([BLOCK_M], tl.float32)
-                o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for base in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, n_splits),
-                                  UNROLL):
-                    for j in tl.static_range(UNROLL):
-                        split = base + j
-                        m_s, l_s, o_s = _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, split,
-                                                   num_tokens, tok_glob, head,
-                                                   row_ok & (split < row_splits), d, d_ok,
-                                                   NUM_Q_HEADS, HEAD_DIM)
-                        m_c, l_c, o_c = _merge(m_c, l_c, o_c, m_s, l_s, o_s, EXP2)
-                m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
-        else:
-            row_chunks = tl.cdiv(row_splits, CHUNK)
-            for base in range(0, tl.cdiv(n_splits, CHUNK), UNROLL):
-                for j in tl.static_range(UNROLL):
-                    chunk = base + j
-                    m_s, l_s, o_s = _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, chunk, num_tokens,
-                                               tok_glob, head, row_ok & (chunk < row_chunks),
-                                               d, d_ok, NUM_Q_HEADS, HEAD_DIM)
-                    m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
+        n_chunks = tl.cdiv(last_pos // SPLIT + 1, CHUNK)
+        row_chunks = tl.cdiv(pos // SPLIT + 1, CHUNK)
+        for base in range(0, n_chunks, UNROLL):
+            for j in tl.static_range(UNROLL):
+                chunk = base + j
+                m_s, l_s, o_s = _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, chunk, num_tokens,
+                                           tok_glob, head, row_ok & (chunk < row_chunks), d,
+                                           d_ok, NUM_Q_HEADS, HEAD_DIM)
+                m, l, o = _merge(m, l, o, m_s, l_s, o_s, EXP2)
         _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
                     HEAD_DIM, BLOCK_D)

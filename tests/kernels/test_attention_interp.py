@@ -1,6 +1,6 @@
 """Paged-attention launch switches under the Triton interpreter (CPU, CI).
 
-The launch modes (serial, split, chunk) and loop switches (unmasked full splits, block
+The launch modes (serial, chunk) and loop switches (unmasked full splits, block
 ids one split ahead, long rows first, a fold over head_dim chunks, fold warps, the l-dot's
 width) must not
 change a token's bits: every launch below equals the round-4 serial launch on a prefill,
@@ -68,16 +68,16 @@ def _child() -> None:
         for launch in (AttentionLaunch("serial", 16, 2, 3, mask_tail=True, prefetch=True),
                        AttentionLaunch("serial", 32, 4, 3, mask_tail=True, prefetch=True,
                                        long_first=True),
-                       AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, prefetch=True,
+                       AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
                                        long_first=True, fold_block_d=16, fold_unroll=4,
                                        fold_warps=1),
-                       AttentionLaunch("split", 32, 4, 2, 1, fold_tokens=4),
+                       AttentionLaunch("chunk", 32, 4, 2, fold_tokens=4),
                        AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
                                        fold_block_d=16, fold_warps=1),
                        AttentionLaunch("chunk", 32, 4, 2, fold_tokens=2),
                        AttentionLaunch("serial", 32, 8, 3, mask_tail=True, prefetch=True,
                                        l_cols=16),
-                       AttentionLaunch("split", 16, 2, 3, 2, mask_tail=True, l_cols=16)):
+                       AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, l_cols=16)):
             if not torch.equal(run(q, [length], [length], launch, exp2), full):
                 fails.append(f"prefill {launch} exp2={exp2}")
             if not torch.equal(run(qb, lens, n_new, launch, exp2), want):
@@ -111,18 +111,24 @@ if __name__ == "__main__" and "--child" in sys.argv:
 
 
 def test_prefill_launch_choice() -> None:
-    """Serial prefill tiles of head_dim <= 128 run 4 stages with block ids one split ahead;
-    split mode and wider heads keep 2 stages (shared memory); decode is unchanged."""
-    from megaserve.kernels.triton_impl.attention import (DECODE_SERIAL_TILE, PREFILL_TILE,
-                                                         PREFILL_SERIAL_TILE, AttentionLaunch,
-                                                         choose_launch)
+    """Serial prefill tiles of head_dim <= 128 run 3 stages with block ids one split ahead;
+    wider heads keep 2 stages (shared memory); few sequences that can span several chunks
+    get chunk mode; decode that fills the GPU runs serial."""
+    from megaserve.kernels.triton_impl.attention import (DECODE_CHUNK_TILE, DECODE_SERIAL_TILE,
+                                                         PREFILL_TILE, PREFILL_SERIAL_TILE,
+                                                         AttentionLaunch, choose_launch)
 
-    ws = 64 * 4096 * 32 * 130 * 4  # the fp32 split parts of a 4,096-token prompt
+    ws = 4 * 4096 * 32 * 130 * 4  # the fp32 chunk states of a 4,096-token prompt
     assert choose_launch(4096, 1, 4, 8, 64, ws) == AttentionLaunch("serial",
                                                                    **PREFILL_SERIAL_TILE)
-    assert choose_launch(4096, 1, 4, 8, 64, ws, 64).num_stages == 4
+    assert choose_launch(4096, 1, 4, 8, 64, ws, 64).num_stages == 3
     assert choose_launch(4096, 1, 4, 8, 64, ws, 256) == AttentionLaunch("serial", **PREFILL_TILE)
-    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("split", **PREFILL_TILE)
+    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("chunk", **PREFILL_TILE)
     assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch("serial",
                                                                        **DECODE_SERIAL_TILE)
+    # Batch 1: chunk mode while a sequence can outgrow one chunk, else serial.
+    assert choose_launch(1, 1, 4, 8, 65, 1 << 20) == AttentionLaunch(
+        "chunk", **dict(DECODE_CHUNK_TILE, fold_block_d=16, fold_warps=1))
+    assert choose_launch(1, 1, 4, 8, 16, 1 << 20) == AttentionLaunch("serial",
+                                                                     **DECODE_SERIAL_TILE)
     assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]

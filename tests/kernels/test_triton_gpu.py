@@ -169,44 +169,41 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
     for chunk in (1, 37, 256, 512):
         outs = [run(q[a : a + chunk], min(a + chunk, length)) for a in range(0, length, chunk)]
         assert torch.equal(torch.cat(outs), full), f"chunked prefill, chunk {chunk}"
-    # Split and chunk modes (decode's auto choices) and serial mode: same bits, mixed
-    # batch too.
+    # Chunk mode (few sequences' auto choice) and serial mode: same bits, mixed batch too.
     lens = torch.tensor([2500, 1, 64, 65, 1999, 1100], device="cuda", dtype=torch.int32)
     n_new = torch.tensor([1, 1, 64, 3, 1, 130], device="cuda", dtype=torch.int32)
     qsl = torch.cat([n_new.new_zeros(1), n_new.cumsum(0)]).int()
     tables = table[None].expand(6, -1).contiguous()
     qm = torch.randn(int(n_new.sum()), hq, dh, device="cuda", dtype=BF16)
     serial = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="serial")
-    for mode in ("split", "chunk"):
-        got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode=mode)
-        assert torch.equal(got, serial), mode
+    got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, mode="chunk")
+    assert torch.equal(got, serial), "chunk"
     one_len = torch.tensor([length], device="cuda", dtype=torch.int32)
     one_qsl = torch.tensor([0, length], device="cuda", dtype=torch.int32)
-    for mode in ("split", "chunk"):
-        got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode=mode)
-        assert torch.equal(got, full), mode
+    got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, mode="chunk")
+    assert torch.equal(got, full), "chunk"
     # Tiles are a launch choice: 16-row (mma v2) and 64/128-row (wgmma) tiles, any warps
-    # and pipeline depth, serial or split, give the same bits (module NOTE).
+    # and pipeline depth, serial or chunk, give the same bits (module NOTE).
     from megaserve.kernels.triton_impl.attention import AttentionLaunch
 
     for launch in (AttentionLaunch("serial", 16, 4, 3), AttentionLaunch("serial", 32, 2, 2),
                    AttentionLaunch("serial", 64, 4, 2), AttentionLaunch("serial", 128, 8, 3),
-                   AttentionLaunch("split", 16, 4, 3, 4, fold_unroll=16),
-                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8),
+                   AttentionLaunch("chunk", 16, 4, 3, fold_unroll=16),
+                   AttentionLaunch("chunk", 64, 4, 2, fold_tokens=8),
                    # round-5 loop switches: unmasked full splits, block ids one ahead,
                    # long rows first, fold over head_dim chunks
                    AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
                                    long_first=True),
                    AttentionLaunch("serial", 64, 4, 2, mask_tail=True),
-                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                   AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=32),
-                   AttentionLaunch("split", 16, 4, 4, 4, mask_tail=True, prefetch=True,
+                   AttentionLaunch("chunk", 16, 4, 4, mask_tail=True, prefetch=True,
                                    long_first=True),
                    # round 6: prefill 128-row tiles with unmasked full splits, decode
                    # serial 4 stages, folds over 16 columns with one warp
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
                    AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
-                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                   AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=16, fold_warps=1),
                    # round 8: chunk mode (a program per chunk, then the fold), 4-warp
                    # decode tiles, 8-warp prefill tiles
@@ -218,7 +215,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("serial", 64, 8, 2, mask_tail=True),
                    # issue 14: prefill tiles whose K/V loads stay in flight across splits
                    # (3-4 stages, block ids one ahead), the 16-column l-dot, long rows
-                   # first (the default serial prefill tile: 4 stages and all of these)
+                   # first (the default serial prefill tile: 3 stages and all of these)
                    AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
                                    l_cols=16),
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True, long_first=True,
@@ -226,7 +223,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("serial", 128, 8, 4, mask_tail=True, prefetch=True),
                    AttentionLaunch("serial", 64, 4, 2, mask_tail=True, prefetch=True,
                                    l_cols=16),
-                   AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+                   AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, l_cols=16),
                    AttentionLaunch("chunk", 64, 4, 2, l_cols=16)):
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
@@ -242,16 +239,16 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
     dec_lens = torch.tensor(dec, device="cuda", dtype=torch.int32)
     dec_qsl = torch.arange(len(dec) + 1, device="cuda", dtype=torch.int32)
     want = torch.stack([full[c - 1] for c in dec])
-    for mode in (None, "serial", "split", "chunk"):
+    for mode in (None, "serial", "chunk"):
         got = paged_attention(torch.stack([q[c - 1] for c in dec]), kc, vc, dec_tables,
                               dec_lens, dec_qsl, scale, mode=mode, one_token_per_seq=True)
         assert torch.equal(got, want), f"one token per sequence, mode {mode}"
 
 
-def test_paged_attention_exp2_split_equals_serial() -> None:
-    """The opt-in EXP2 arithmetic (round 6): within bf16 rounding of the default, and its
-    serial and split modes give the same bits (the round-6 device run found them 1 ulp
-    apart before ``m_s`` got its select; this checks that fix)."""
+def test_paged_attention_exp2_chunk_equals_serial() -> None:
+    """The EXP2 arithmetic (round 6): within bf16 rounding of the ``exp`` form, and its
+    serial and chunk modes give the same bits (the round-6 device run found serial and
+    split mode 1 ulp apart before the split's max got its select; this checks that fix)."""
     from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     torch.manual_seed(1)
@@ -271,13 +268,13 @@ def test_paged_attention_exp2_split_equals_serial() -> None:
     old = paged_attention(q, kc, vc, table, torch.tensor([length], device="cuda").int(),
                           torch.tensor([0, length], device="cuda").int(), scale, exp2=False)
     assert (new.float() - old.float()).abs().max().item() < 3e-2
-    for launch in (AttentionLaunch("split", 16, 2, 3, fold_unroll=16, mask_tail=True,
+    for launch in (AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=32, fold_warps=1),
-                   AttentionLaunch("split", 64, 4, 2, 1, fold_tokens=8),
+                   AttentionLaunch("chunk", 64, 4, 2, fold_tokens=8),
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True)):
         assert torch.equal(run(q, length, launch=launch), new), f"EXP2 {launch}"
     for t in (0, 63, 64, 500, length - 1):
-        for mode in ("split", "chunk"):
+        for mode in ("serial", "chunk"):
             got = run(q[t : t + 1], t + 1, mode=mode)[0]
             assert torch.equal(got, new[t]), f"decode {t} {mode}"
 

@@ -216,20 +216,18 @@ def check_attention(torch, ti) -> None:
     q = torch.randn(length, hq, dh, dtype=torch.float16)
     scale = dh**-0.5
 
-    def run(q_rows, ctx_len, mode=None, spp=None):
+    def run(q_rows, ctx_len, mode=None):
         n = q_rows.shape[0]
         return ti.paged_attention(q_rows, kc, vc, table[None], torch.tensor([ctx_len]).int(),
-                                  torch.tensor([0, n]).int(), scale, mode=mode,
-                                  splits_per_program=spp)
+                                  torch.tensor([0, n]).int(), scale, mode=mode)
 
     full = run(q, length, "serial")  # prefill of all tokens
     ref = _attention_ref(torch, q, k_new, v_new, pos, scale)
     assert _rel_err(full, ref) < 1e-2
-    # split-KV mode (one program per split, ordered fold) gives the serial mode's bits
-    assert torch.equal(run(q, length, "split"), full), "split and serial modes differ"
-    assert torch.equal(run(q, length, "split", spp=2), full), "2 splits per program differ"
+    # chunk mode (a program per chunk, ordered fold) gives the serial mode's bits
+    assert torch.equal(run(q, length, "chunk"), full), "chunk and serial modes differ"
     for t in (0, 64, 149):
-        assert torch.equal(run(q[t : t + 1], t + 1, "split")[0], full[t]), f"split decode {t}"
+        assert torch.equal(run(q[t : t + 1], t + 1, "chunk")[0], full[t]), f"chunk decode {t}"
     for t in (0, 63, 64, 149):  # decode: token t alone with a context of t + 1
         assert torch.equal(run(q[t : t + 1], t + 1)[0], full[t]), f"decode token {t}"
     for chunk in (17, 64):  # chunked prefill
