@@ -123,7 +123,11 @@ def test_prefill_launch_choice() -> None:
                                                                    **PREFILL_SERIAL_TILE)
     assert choose_launch(4096, 1, 4, 8, 64, ws, 64).num_stages == 3
     assert choose_launch(4096, 1, 4, 8, 64, ws, 256) == AttentionLaunch("serial", **PREFILL_TILE)
-    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("chunk", **PREFILL_TILE)
+    # A short chunk of a long prompt: chunk mode while the serial grid fills a quarter of
+    # the SMs or less.
+    assert choose_launch(64, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("chunk", **PREFILL_TILE)
+    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("serial",
+                                                                       **PREFILL_SERIAL_TILE)
     assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch("serial",
                                                                        **DECODE_SERIAL_TILE)
     # Batch 1: chunk mode while a sequence can outgrow one chunk, else serial.
