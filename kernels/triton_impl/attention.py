@@ -23,8 +23,9 @@ a row's position leaves its state unchanged, exactly: a row's bits depend on its
 position and context only. (kernels.cpu folds its splits in one level; each backend's
 bits are its own.) Issue 14 moved the splits from a merge of fresh per-split states (a
 second accumulator, and a split mode that stored every split's state) to this one
-accumulator: a 4,096-token prefill 453 → 384 us on an H100, all launches still bitwise
-equal (docs/benchmarks.md, roofline round 8).
+accumulator: a 4,096-token prefill 453 → 384 us on an H100 at 16 splits a chunk, 417 at
+the 8 used (CHUNK_SPLITS), all launches still bitwise equal (docs/benchmarks.md, roofline
+round 8).
 
 Every step is layout-independent, so the tile (rows, warps, pipeline depth) is a launch
 choice, free per call: ``max`` is exact in any order; the scores, ``p @ V`` and ``p @ 1``
@@ -64,7 +65,10 @@ _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
 # Splits per chunk, the first level of the reduction (NOTE): part of the arithmetic, so
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
-CHUNK_SPLITS = 16
+# Roofline round 8 (scripts/attn_chunk_bench.py, H100, Hq 32 / Hkv 4 / head_dim 128, us):
+# 16 / 8 / 4 splits, a 4,096-token prompt 393 / 417 / ~459, a batch-1 decode at 4,096
+# keys 19.4 / 11.9 / 8.2 (a program per chunk and KV head: more chunks, more SMs).
+CHUNK_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and the chunk workspaces start as NaN, so an element no
 # program wrote, or a part read before it was written, shows up instead of a previous
@@ -129,10 +133,11 @@ class AttentionLaunch:
 # 4,096 of an 8,192-token prompt: 1437 -> 1280 us (1272 at 2 stages). Without long_first,
 # deeper pipelines ran 3-5% slower (the long causal tiles then finish last). Wider heads
 # keep 2 stages (4 stages of 64 x 256 K/V tiles would not fit in shared memory).
-# Roofline round 8 (the one-accumulator arithmetic, scripts/attn_accum_probe.py, H100):
-# the serial prefill tile runs 3 stages (4,096-token prompt: 4 stages 393 us, 3 stages 384,
-# 2 stages 487; second chunk of 8,192: 1113 / 1094 / 1263). Split mode is gone with the
-# per-split states: few sequences get chunk mode (its tiles as before).
+# Roofline round 8 (the one-accumulator arithmetic at 16 splits a chunk, a probe of both
+# arithmetics in one call, H100): the serial prefill tile runs 3 stages (4,096-token
+# prompt: 4 stages 393 us, 3 stages 384, 2 stages 487; second chunk of 8,192: 1113 / 1094
+# / 1263). Split mode went with the per-split states: few sequences get chunk mode (its
+# tiles as before).
 ROUND8_PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3, fold_unroll=16, mask_tail=True,
                    prefetch=True)
@@ -367,17 +372,18 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int, head_dim: int = 128) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
     decode-like batches (at most two new tokens per sequence), large ones otherwise; chunk
-    mode when the serial grid would leave most SMs idle (decode; prefill: three quarters
-    of them) and a sequence can span several chunks, while the fp32 chunk states
-    (``ws_bytes``) stay small; else serial. (A 512-token chunk of an 8,192-token prompt,
-    132 serial programs: serial 213 us, chunk mode 275; H100, roofline round 8.) Serial
-    prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
+    mode when the serial grid would leave most SMs idle (decode: fewer than two programs
+    an SM; prefill: fewer than one) and a sequence can span several chunks, while the
+    fp32 chunk states (``ws_bytes``) stay small; else serial. (Chunks of an 8,192-token
+    prompt on an H100, roofline round 8: 64 tokens, 20 serial programs: serial 233 us,
+    chunk mode 37; 256 tokens, 72: 207 / 121; 512 tokens, 132: 208 / 243.) Serial prefill
+    with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
     block_q = max(1, tile["rows"] // g_pad)  # (every decode tile has the same rows)
     programs = (num_tokens // block_q + num_seqs) * num_kv_heads
-    few = _SERIAL_MIN_PROGRAMS if decode_like else _SERIAL_MIN_PROGRAMS // 4
+    few = _SERIAL_MIN_PROGRAMS if decode_like else _SERIAL_MIN_PROGRAMS // 2
     if max_splits > CHUNK_SPLITS and programs < few and ws_bytes <= _MAX_WS_BYTES:
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
         fold = (dict(fold_block_d=16, fold_warps=1)

@@ -246,69 +246,56 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
         if PARTS:
             c_lo = tl.program_id(2)
             c_hi = tl.minimum(c_hi, c_lo + 1)
-        if c_hi <= c_lo:
-            return  # a chunk past the context: nothing to compute (nor, DECODE, to wait for)
-        s_lo = c_lo * CHUNK
-        s_hi = tl.minimum(c_hi * CHUNK, n_splits)
-        mid = tl.maximum(s_lo, tl.minimum(s_hi, full))
+        if DECODE:
+            if c_hi <= c_lo:
+                return  # a chunk past the context: nothing to compute or wait for
         # The block ids of the next split to run; with PREFETCH each loop leaves them one
-        # split ahead, so they are right for the next loop as well.
-        ids = _block_ids(bt, s_lo, bt_keys, BLOCK_SIZE, SPLIT)
+        # split ahead, so they are right for the next loop and the next chunk as well.
+        ids = _block_ids(bt, c_lo * CHUNK, bt_keys, BLOCK_SIZE, SPLIT)
         if DECODE:
             pdl.wait_then_release(PDL)
         q = _load_q(q_ptr, tok_glob, head, row_ok, stride_qt, stride_qh, HEAD_DIM, BLOCK_D)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the row's state, empty
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the chunk's state, empty
-        l_c = tl.zeros([BLOCK_M], tl.float32)
-        o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # One loop over the splits of every chunk (a loop per chunk drained the K/V
-        # pipeline at each chunk's end); a chunk's last split merges its state into the
-        # row's and starts the next from empty. (Loops inline, not in a helper: the
-        # interpreter runs range() over tensor bounds only in the kernel's own body.)
-        for split in range(s_lo, mid):  # full splits, unmasked
-            if PREFETCH:
-                nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
+        # (Loops inline, not in a helper: the interpreter runs range() over tensor bounds
+        # only in the kernel's own body.)
+        for chunk in range(c_lo, c_hi):
+            s0 = chunk * CHUNK
+            s1 = tl.minimum(s0 + CHUNK, n_splits)
+            mid = tl.maximum(s0, tl.minimum(s1, full))
+            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_c = tl.zeros([BLOCK_M], tl.float32)
+            o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for split in range(s0, mid):  # full splits, unmasked
+                if PREFETCH:
+                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
+                else:
+                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
+                m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, m_c, l_c, o_c, stride_kb, stride_ks,
+                                            stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM,
+                                            BLOCK_D, False, EXP2, L_COLS)
+                if PREFETCH:
+                    ids = nxt
+            for split in range(mid, s1):  # the rest, masked
+                if PREFETCH:
+                    nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
+                else:
+                    ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
+                m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head,
+                                            pos, m_c, l_c, o_c, stride_kb, stride_ks,
+                                            stride_kh, scale, BLOCK_SIZE, SPLIT, HEAD_DIM,
+                                            BLOCK_D, True, EXP2, L_COLS)
+                if PREFETCH:
+                    ids = nxt
+            if PARTS:
+                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_c, l_c, o_c, chunk,
+                             s0 * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
+                             NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
             else:
-                ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-            m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
-                                        m_c, l_c, o_c, stride_kb, stride_ks, stride_kh, scale,
-                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, False, EXP2,
-                                        L_COLS)
-            if not PARTS:
-                if split % CHUNK == CHUNK - 1:
-                    m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
-                    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    l_c = tl.zeros([BLOCK_M], tl.float32)
-                    o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            if PREFETCH:
-                ids = nxt
-        for split in range(mid, s_hi):  # the rest, masked
-            if PREFETCH:
-                nxt = _block_ids(bt, split + 1, bt_keys, BLOCK_SIZE, SPLIT)
-            else:
-                ids = _block_ids(bt, split, bt_keys, BLOCK_SIZE, SPLIT)
-            m_c, l_c, o_c = _split_step(q, kc_ptr, vc_ptr, ids, split, ctx_len, kv_head, pos,
-                                        m_c, l_c, o_c, stride_kb, stride_ks, stride_kh, scale,
-                                        BLOCK_SIZE, SPLIT, HEAD_DIM, BLOCK_D, True, EXP2,
-                                        L_COLS)
-            if not PARTS:
-                if split % CHUNK == CHUNK - 1:
-                    m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
-                    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    l_c = tl.zeros([BLOCK_M], tl.float32)
-                    o_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            if PREFETCH:
-                ids = nxt
-        if PARTS:
-            _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_c, l_c, o_c, c_lo, s_lo * SPLIT,
-                         num_tokens, tok_glob, head, row_ok, pos, NUM_Q_HEADS, HEAD_DIM,
-                         BLOCK_D)
-        else:
-            # The last chunk's state (the empty state, an exact identity, if the last
-            # split ended a chunk).
-            m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
+                m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
+        if not PARTS:
             _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, 0,
                         HEAD_DIM, BLOCK_D)
 

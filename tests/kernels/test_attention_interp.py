@@ -123,16 +123,16 @@ def test_prefill_launch_choice() -> None:
                                                                    **PREFILL_SERIAL_TILE)
     assert choose_launch(4096, 1, 4, 8, 64, ws, 64).num_stages == 3
     assert choose_launch(4096, 1, 4, 8, 64, ws, 256) == AttentionLaunch("serial", **PREFILL_TILE)
-    # A short chunk of a long prompt: chunk mode while the serial grid fills a quarter of
-    # the SMs or less.
-    assert choose_launch(64, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("chunk", **PREFILL_TILE)
-    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("serial",
+    # A short chunk of a long prompt: chunk mode while the serial grid has fewer programs
+    # than an H100 has SMs.
+    assert choose_launch(256, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("chunk", **PREFILL_TILE)
+    assert choose_launch(512, 1, 8, 4, 40, 1 << 20) == AttentionLaunch("serial",
                                                                        **PREFILL_SERIAL_TILE)
     assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch("serial",
                                                                        **DECODE_SERIAL_TILE)
     # Batch 1: chunk mode while a sequence can outgrow one chunk, else serial.
     assert choose_launch(1, 1, 4, 8, 65, 1 << 20) == AttentionLaunch(
         "chunk", **dict(DECODE_CHUNK_TILE, fold_block_d=16, fold_warps=1))
-    assert choose_launch(1, 1, 4, 8, 16, 1 << 20) == AttentionLaunch("serial",
+    assert choose_launch(1, 1, 4, 8, 8, 1 << 20) == AttentionLaunch("serial",
                                                                      **DECODE_SERIAL_TILE)
     assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]
