@@ -32,15 +32,17 @@ PF = dict(mode="serial", rows=128, num_warps=8, mask_tail=True)
 BASELINE = ("round-8 tile r128 w8 s2", dict(PF, num_stages=2))
 LF = dict(PF, long_first=True)
 VARIANTS = [
-    ("r128 w8 s2 l16", dict(PF, num_stages=2, l_cols=16)),
-    ("r128 w8 s2 long_first", dict(LF, num_stages=2)),
-    ("r128 w8 s2 l16 long_first", dict(LF, num_stages=2, l_cols=16)),
     ("r128 w8 s2 prefetch l16 long_first", dict(LF, num_stages=2, prefetch=True, l_cols=16)),
     ("r128 w8 s3 prefetch l16 long_first", dict(LF, num_stages=3, prefetch=True, l_cols=16)),
     ("r128 w8 s4 prefetch l16 long_first", dict(LF, num_stages=4, prefetch=True, l_cols=16)),
+    ("r64 w4 s2 l16 long_first", dict(LF, rows=64, num_warps=4, num_stages=2, l_cols=16)),
     ("r64 w4 s2 prefetch l16 long_first", dict(LF, rows=64, num_warps=4, num_stages=2,
                                                prefetch=True, l_cols=16)),
+    ("r64 w4 s3 prefetch l16 long_first", dict(LF, rows=64, num_warps=4, num_stages=3,
+                                               prefetch=True, l_cols=16)),
 ]
+# (Rounds 1-2 below timed the per-split arithmetic of the time; round 3, roofline round 8,
+# the one accumulator at 8 splits a chunk: docs/benchmarks.md.)
 # Round 1 of issue 14 (an H100, S=1 x 4096 / second 4096 of 8192, us; 5 x 155 checks passed):
 # round-8 tile 526 / 1456; s2 prefetch 523 / 1446; s3 555 / 1518; s3 prefetch 545 / 1495;
 # s4 prefetch 554 / 1521; s3 prefetch long_first 481 / 1365; s2 l16 489 / 1356; s3 prefetch

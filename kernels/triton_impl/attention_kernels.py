@@ -223,7 +223,8 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
     each chunk's splits from the empty state, merges the chunks into the row's state and
     writes ``o / l``. ``PARTS`` (chunk mode): program axis 2 picks one chunk, whose state
     is stored unnormalised at ws_m / ws_l `[chunks, T, Hq]` and ws_o `[chunks, T, Hq, Dh]`
-    for the fold kernel (rows that reach the chunk only)."""
+    for the fold kernel (rows that reach the chunk only); with DECODE, a sequence of one
+    chunk gets its output here instead, and the fold skips it."""
     if not DECODE:
         pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
@@ -241,8 +242,9 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
         full = 0  # splits below this are wholly visible to every row (MASK_TAIL)
         if MASK_TAIL:
             full = (first_pos + 1) // SPLIT
+        n_chunks = tl.cdiv(n_splits, CHUNK)
         c_lo = 0
-        c_hi = tl.cdiv(n_splits, CHUNK)
+        c_hi = n_chunks
         if PARTS:
             c_lo = tl.program_id(2)
             c_hi = tl.minimum(c_hi, c_lo + 1)
@@ -290,9 +292,16 @@ def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out
                 if PREFETCH:
                     ids = nxt
             if PARTS:
-                _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_c, l_c, o_c, chunk,
-                             s0 * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
-                             NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
+                if DECODE and n_chunks == 1:
+                    # The sequence's only chunk: its output, as the fold would write it
+                    # (merging one chunk into the empty state is exact), and the fold
+                    # skips the sequence.
+                    _store_rows(out_ptr, o_c, l_c, tok_glob, head, row_ok, stride_ot,
+                                stride_oh, 0, HEAD_DIM, BLOCK_D)
+                else:
+                    _store_parts(ws_m_ptr, ws_l_ptr, ws_o_ptr, m_c, l_c, o_c, chunk,
+                                 s0 * SPLIT, num_tokens, tok_glob, head, row_ok, pos,
+                                 NUM_Q_HEADS, HEAD_DIM, BLOCK_D)
             else:
                 m, l, o = _merge(m, l, o, m_c, l_c, o_c, EXP2)
         if not PARTS:
@@ -342,7 +351,8 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
     so the fold tile need not match the parts tile. UNROLL chunk states are loaded per step
     (independent loads in flight), then merged one by one. Program axis 2 takes columns
     ``[pid2 * BLOCK_D, +BLOCK_D)`` of head_dim: each column's merge is elementwise, so a
-    chunked fold gives the same bits."""
+    chunked fold gives the same bits. DECODE: a sequence of one chunk is skipped (the
+    parts kernel wrote its output)."""
     if not DECODE:
         pdl.wait_then_release(PDL)  # first: no memory access before it
     kv_head = tl.program_id(1)
@@ -352,6 +362,8 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         DECODE)
     if live:
         if DECODE:
+            if tl.cdiv(last_pos // SPLIT + 1, CHUNK) == 1:
+                return  # one chunk: the parts kernel wrote the output itself
             pdl.wait_then_release(PDL)  # the parts are the previous kernel's
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D
