@@ -362,9 +362,12 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         DECODE)
     if live:
         if DECODE:
+            # The parts are the previous kernel's. A program with nothing to fold waits too:
+            # a grid whose programs all exit unwaited would let the next kernel start before
+            # the parts kernel has finished (pdl's NOTE).
+            pdl.wait_then_release(PDL)
             if tl.cdiv(last_pos // SPLIT + 1, CHUNK) == 1:
                 return  # one chunk: the parts kernel wrote the output itself
-            pdl.wait_then_release(PDL)  # the parts are the previous kernel's
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D
         d = d0 + tl.arange(0, BLOCK_D)

@@ -22,11 +22,14 @@ writes anything and before it reads anything the kernel just before it may write
 launched early that did otherwise would race with its predecessor. A grid starts only
 once every program of the kernel before it has passed its own wait, so every kernel two
 or more launches back has completed: a kernel may *read* before its wait what only those
-kernels, or the host, write. The kernels that do so read weights, tables (cos/sin), a
-decode step's input columns (positions, slots, context lengths, block tables: copied in
-before the step, or computed at its start) and the routing of the kernel two launches
-back: rotary_and_cache, decode attention's parts and fold launches
-(``one_token_per_seq``), and the expert FFN's down GEMM (moe's EARLY_IDS). Kernels of
+kernels, or the host, write. (A program that exits before its wait counts as having
+passed it: a grid may skip the wait in some programs only while others in it always
+wait, which is why decode attention's fold waits even where it has nothing to fold.)
+The kernels that read before their wait read weights, tables (cos/sin), a decode step's
+input columns (positions, slots, context lengths, block tables: copied in before the
+step, or computed at its start) and the routing of the kernel two launches back:
+rotary_and_cache, decode attention and its fold (``one_token_per_seq``), and the expert
+FFN's down GEMM (moe's EARLY_IDS). Kernels of
 other libraries (torch) never get the attribute: they start after their predecessor
 completes, as always.
 """
