@@ -66,8 +66,8 @@ _MAX_WS_BYTES = 256 << 20
 # Splits per chunk, the first level of the reduction (NOTE): part of the arithmetic, so
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
 # Roofline round 8 (scripts/attn_chunk_bench.py, H100, Hq 32 / Hkv 4 / head_dim 128, us):
-# 16 / 8 / 4 splits, a 4,096-token prompt 393 / 417 / ~459, a batch-1 decode at 4,096
-# keys 19.4 / 11.9 / 8.2 (a program per chunk and KV head: more chunks, more SMs).
+# 16 / 8 splits, a 4,096-token prompt 393 / 417, a batch-1 decode at 4,096 keys 19.4 /
+# 11.9 (a program per chunk and KV head: more chunks, more SMs; 4 splits: 8.2).
 CHUNK_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and the chunk workspaces start as NaN, so an element no
