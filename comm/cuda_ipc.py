@@ -45,9 +45,8 @@ def share_tensor(tensor: Any) -> bytes:
 
 def open_tensor(data: bytes, user: Any = None) -> Any:
     """Map a tensor shared by :func:`share_tensor` into this process (no copy).
-    ``user``: the CUDA device whose kernels, copies and stream operations will read or write
-    it (peer access both ways, :func:`enable_peer_access`, when that is not the tensor's
-    own device).
+    ``user``: the CUDA device whose kernels and stream operations will read or write it
+    (:func:`enable_peer_access` when that is not the tensor's own device).
 
     NOTE: torch's sharing also exports an IPC event the opener waits on; buffers shared
     at start-up have no pending writes, and opening that event is where 4-GPU runs failed
@@ -57,18 +56,17 @@ def open_tensor(data: bytes, user: Any = None) -> Any:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     rebuild, args = pickle.loads(data)
-    if rebuild is rebuild_cuda_tensor:
-        if isinstance(args[-1], bool):
-            args = (*args[:-1], False)  # event_sync_required
-        if user is not None:  # before the mapping, so that it is made with peer access
-            enable_peer_access(user, args[6])  # args[6]: the storage's device index
-            enable_peer_access(args[6], user)
+    if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
+        args = (*args[:-1], False)  # event_sync_required
     try:
-        return rebuild(*args)
+        tensor = rebuild(*args)
     except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
         logger.warning("mapping a peer's CUDA buffer failed (%s); retrying once", e)
         time.sleep(0.05)
-        return rebuild(*args)
+        tensor = rebuild(*args)
+    if user is not None:
+        enable_peer_access(user, tensor.device)
+    return tensor
 
 
 def enable_peer_access(device: Any, peer: Any) -> None:
@@ -85,8 +83,7 @@ def enable_peer_access(device: Any, peer: Any) -> None:
 
     from .stream_flags import driver
 
-    device, peer = (torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
-                    for d in (device, peer))
+    device, peer = torch.device(device), torch.device(peer)
     if device.type != "cuda" or peer.type != "cuda" or device.index == peer.index:
         return
     if not torch.cuda.can_device_access_peer(device.index, peer.index):
