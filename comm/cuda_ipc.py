@@ -43,10 +43,8 @@ def share_tensor(tensor: Any) -> bytes:
     return pickle.dumps(reduce_tensor(tensor))
 
 
-def open_tensor(data: bytes, user: Any = None) -> Any:
+def open_tensor(data: bytes) -> Any:
     """Map a tensor shared by :func:`share_tensor` into this process (no copy).
-    ``user``: the CUDA device whose kernels and stream operations will read or write it
-    (:func:`enable_peer_access` when that is not the tensor's own device).
 
     NOTE: torch's sharing also exports an IPC event the opener waits on; buffers shared
     at start-up have no pending writes, and opening that event is where 4-GPU runs failed
@@ -59,52 +57,11 @@ def open_tensor(data: bytes, user: Any = None) -> Any:
     if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
         args = (*args[:-1], False)  # event_sync_required
     try:
-        tensor = rebuild(*args)
+        return rebuild(*args)
     except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
         logger.warning("mapping a peer's CUDA buffer failed (%s); retrying once", e)
         time.sleep(0.05)
-        tensor = rebuild(*args)
-    if user is not None:
-        enable_peer_access(user, tensor.device)
-    return tensor
-
-
-def enable_peer_access(device: Any, peer: Any) -> None:
-    """Let kernels and stream operations on CUDA ``device`` reach memory on ``peer``, in
-    this process (idempotent; nothing to do when they are one device).
-
-    NOTE: torch maps a peer process's buffer on the buffer's own GPU. The pointer is then
-    valid in every context of the process, but a kernel on another GPU that writes
-    through it faults (an illegal address: the device data plane's first run on two GPUs)
-    unless that GPU's context has peer access to the buffer's. Peer access is a property
-    of the pair of primary contexts (the ones torch uses), enabled from the accessing one.
-    """
-    import torch
-
-    from .stream_flags import driver
-
-    device, peer = torch.device(device), torch.device(peer)
-    if device.type != "cuda" or peer.type != "cuda" or device.index == peer.index:
-        return
-    if not torch.cuda.can_device_access_peer(device.index, peer.index):
-        raise RuntimeError(f"{device} cannot access the memory of {peer} (no peer access "
-                           "between them): put the workers that share buffers on GPUs that "
-                           "can reach each other")
-    drv = driver()
-    err, peer_dev = drv.cuDeviceGet(peer.index)
-    if int(err):
-        raise RuntimeError(f"cuDeviceGet({peer.index}) failed: {err}")
-    err, peer_ctx = drv.cuDevicePrimaryCtxRetain(peer_dev)
-    if int(err):
-        raise RuntimeError(f"cuDevicePrimaryCtxRetain({peer.index}) failed: {err}")
-    try:
-        with torch.cuda.device(device):
-            torch.cuda.current_stream(device).synchronize()  # device's context is current
-            (err,) = drv.cuCtxEnablePeerAccess(peer_ctx, 0)
-    finally:
-        drv.cuDevicePrimaryCtxRelease(peer_dev)
-    if int(err) and err != drv.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-        raise RuntimeError(f"cuCtxEnablePeerAccess({device} -> {peer}) failed: {err}")
+        return rebuild(*args)
 
 
 class CudaIpcEndpoint(TcpEndpoint):

@@ -31,7 +31,7 @@ ABORT = 2  # raised by the host to drain a stream whose producer is gone
 _driver: Any = None
 
 
-def driver():
+def _drv():
     """cuda-python's driver module (``cuda.bindings.driver``, or the older ``cuda.cuda``)."""
     global _driver
     if _driver is None:
@@ -53,7 +53,7 @@ def available() -> str | None:
 
         if not torch.cuda.is_available():
             return "no CUDA device"
-        driver()
+        _drv()
     except (ImportError, RuntimeError) as e:
         return str(e)
     return None
@@ -69,7 +69,7 @@ def _stream(stream: Any):
     import torch
 
     stream = torch.cuda.current_stream() if stream is None else stream
-    return driver().CUstream(stream.cuda_stream)
+    return _drv().CUstream(stream.cuda_stream)
 
 
 def _address(flag: Any) -> Any:
@@ -78,12 +78,12 @@ def _address(flag: Any) -> Any:
 
     if flag.dtype != torch.int32 or flag.numel() != 1:
         raise ValueError(f"a flag is one int32 element, got {flag.dtype} x {flag.numel()}")
-    return driver().CUdeviceptr(flag.data_ptr())
+    return _drv().CUdeviceptr(flag.data_ptr())
 
 
 def write(flag: Any, value: int, stream: Any = None) -> None:
     """Queue ``flag = value`` on ``stream`` (default: current), after its earlier work."""
-    drv = driver()
+    drv = _drv()
     _check(drv.cuStreamWriteValue32(_stream(stream), _address(flag), value,
                                     drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
            "cuStreamWriteValue32")
@@ -91,7 +91,7 @@ def write(flag: Any, value: int, stream: Any = None) -> None:
 
 def wait(flag: Any, value: int, stream: Any = None) -> None:
     """Queue a wait on ``stream`` until ``flag >= value`` (so ``ABORT`` also releases it)."""
-    drv = driver()
+    drv = _drv()
     _check(drv.cuStreamWaitValue32(_stream(stream), _address(flag), value,
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
            "cuStreamWaitValue32")
