@@ -43,19 +43,32 @@ def share_tensor(tensor: Any) -> bytes:
     return pickle.dumps(reduce_tensor(tensor))
 
 
-def open_tensor(data: bytes) -> Any:
-    """Map a tensor shared by :func:`share_tensor` into this process (no copy).
+def open_tensor(data: bytes, user: Any = None) -> Any:
+    """Map a tensor shared by :func:`share_tensor` into this process (no copy). ``user``:
+    the CUDA device whose kernels and stream operations will read and write it; the
+    buffer is mapped into that device's context and the tensor carries that device,
+    though its memory may be another GPU's (default: the buffer's own device).
 
     NOTE: torch's sharing also exports an IPC event the opener waits on; buffers shared
     at start-up have no pending writes, and opening that event is where 4-GPU runs failed
     intermittently (cudaErrorInvalidResourceHandle), so it is skipped; a failed open is
     retried once.
+
+    NOTE: torch maps a shared buffer in the context of the GPU it was allocated on. A
+    kernel on another GPU then faults on its pointer (an illegal address, even with peer
+    access enabled between the two: the device data plane's runs on two H200s), while
+    peer memcpys pass. Mapped in the user's context instead, CUDA enables peer access for
+    the mapping itself (``cudaIpcMemLazyEnablePeerAccess``, which torch passes).
     """
+    import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     rebuild, args = pickle.loads(data)
-    if rebuild is rebuild_cuda_tensor and isinstance(args[-1], bool):
-        args = (*args[:-1], False)  # event_sync_required
+    if rebuild is rebuild_cuda_tensor:
+        if isinstance(args[-1], bool):
+            args = (*args[:-1], False)  # event_sync_required
+        if user is not None:  # args[6]: the device the storage is mapped on
+            args = (*args[:6], torch.device(user).index, *args[7:])
     try:
         return rebuild(*args)
     except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError

@@ -141,7 +141,7 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
         part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids)
         inbox = ExpertInbox(spec.shape, device)
         if spec.transport == "cuda_ipc":
-            replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle))
+            replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle, user=device))
                         for handle in spec.replica_handles]
             slots = None
         else:  # this process's copies of the replicas' slots, sent from host memory
@@ -360,7 +360,8 @@ class DevicePlaneEngine:
                 raise RuntimeError(f"expert worker {message.index} failed: {message.reason}")
             inboxes[message.index] = (ExpertInbox(self.shape, self.device) if relayed else
                                       ExpertInbox(self.shape,
-                                                  storage=open_tensor(message.inbox_handle)))
+                                                  storage=open_tensor(message.inbox_handle,
+                                                                      user=self.device)))
         return [ExpertLink(inboxes[i], self._queues[i]) for i in range(len(self._processes))]
 
     def _check_processes(self) -> None:
