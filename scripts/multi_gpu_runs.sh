@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 13's runs on a machine with several GPUs (nvidia-h200-x2 / -x4 / -x8), one call:
 #   bash scripts/multi_gpu_runs.sh            (results under $OUT, default /tmp/multi_gpu)
-# Not run yet: no kind with several GPUs has been lent. Single-GPU dry runs of each step
-# are in docs/benchmarks.md (device data plane section).
+# Run in part on nvidia-h200-x2 in session 19 (step 1's cuda_ipc tests and a shorter step 2:
+# docs/benchmarks.md, "Across two GPUs"); single-GPU dry runs of each step are there too.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 MEGASERVE_CACHE=${MEGASERVE_CACHE:-/tmp/msc}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
