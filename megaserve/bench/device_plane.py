@@ -1,7 +1,9 @@
 """``megaserve bench device-plane``: the device data plane against the co-located engine.
 
-One process, one GPU, the same workload for every layout, the co-located single-process
-engine (CUDA graphs) measured first in the same run as the baseline::
+The same workload for every layout, the co-located single-process engine on one GPU (CUDA
+graphs) measured first in the same run as the baseline; ``cuda_ipc`` expert workers run
+on the other GPUs when there are several (``device_engine.expert_device``), else on the
+same one::
 
     megaserve bench device-plane --model random:qwen3-30b-a3b:16 --num-prompts 256 \\
         --input-len 64 --output-len 256 --microbatches 1,2 --transports inproc,cuda_ipc
