@@ -489,6 +489,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fold_tiles = num_seqs if decode else t // fold_q + num_seqs
         _attention_fold_kernel[(fold_tiles, num_kv_heads, block_d // fold_d)](
             *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q, UNROLL=min(launch.fold_unroll, triton.next_power_of_2(max_chunks)),
+            NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
+            UNROLL=min(launch.fold_unroll, triton.next_power_of_2(max_chunks)),
             num_warps=launch.fold_warps, **common, **pdl.launch_args(q.device))
     return out
