@@ -68,7 +68,9 @@ def open_tensor(data: bytes, user: Any = None) -> Any:
         if isinstance(args[-1], bool):
             args = (*args[:-1], False)  # event_sync_required
         if user is not None:  # args[6]: the device the storage is mapped on
-            args = (*args[:6], torch.device(user).index, *args[7:])
+            index = torch.device(user).index
+            args = (*args[:6], torch.cuda.current_device() if index is None else index,
+                    *args[7:])
     try:
         return rebuild(*args)
     except RuntimeError as e:  # torch.AcceleratorError is a RuntimeError
