@@ -49,7 +49,7 @@ def main() -> None:
         modes = [None, "serial", "chunk"] if kind == "prefill" and new < 1024 else [None]
         for mode in modes:
             us = _time_ms(lambda: attention.paged_attention(  # noqa: B023
-                q, kc, vc, table.contiguous(), lens, qsl, DH**-0.5, mode=mode,
+                q, kc, vc, table, lens, qsl, DH**-0.5, mode=mode,
                 one_token_per_seq=new == 1)) * 1e3
             print(f"{tag:6s} {kind} S={seqs} ctx={ctx} new={new} {mode or 'default'}: "
                   f"{us:8.1f} us", flush=True)

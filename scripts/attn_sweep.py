@@ -51,9 +51,8 @@ CHECK_VARIANTS = [
 # Round 8 candidates (timed below): the two-level reduction (attention NOTE) with chunk
 # mode, decode tiles of 2 and 4 warps (the mma layout now splits head_dim across warps),
 # prefill tiles of 8 warps (the chunk accumulator made 4-warp 64-row tiles spill).
-D16 = dict(mode="chunk", rows=16, num_warps=2, num_stages=3, fold_unroll=16, fold_block_d=16,
-           fold_warps=1, **NEW)  # the round-7 decode default's tile (then split mode)
-CH = D16
+CH = dict(mode="chunk", rows=16, num_warps=2, num_stages=3, fold_unroll=16, fold_block_d=16,
+          fold_warps=1, **NEW)  # the round-7 decode default's tile (then split mode)
 DECODE_VARIANTS = [
     ("chunk r16 w2 s2", dict(CH, num_stages=2), True),
     ("chunk r16 w2 s3", CH, True),

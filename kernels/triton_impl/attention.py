@@ -141,7 +141,6 @@ class AttentionLaunch:
 ROUND8_PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3, fold_unroll=16, mask_tail=True,
                    prefetch=True)
-DECODE_CHUNK_TILE = DECODE_TILE
 DECODE_SERIAL_TILE = dict(DECODE_TILE, num_stages=4)
 PREFILL_TILE = dict(ROUND8_PREFILL_TILE, l_cols=16, long_first=True)
 PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=3, prefetch=True)
@@ -388,8 +387,7 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
         fold_programs = (num_tokens + num_seqs) * num_kv_heads
         fold = (dict(fold_block_d=16, fold_warps=1)
                 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else {})
-        return AttentionLaunch("chunk", **dict(DECODE_CHUNK_TILE if decode_like else tile,
-                                               **fold))
+        return AttentionLaunch("chunk", **dict(tile, **fold))
     if decode_like:
         return AttentionLaunch("serial", **DECODE_SERIAL_TILE)
     deep = triton.next_power_of_2(head_dim) <= _DEEP_PREFILL_MAX_D

@@ -361,12 +361,13 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         ctx_ptr, qsl_ptr, num_seqs, tl.program_id(0), kv_head, GROUP, G_PAD, BLOCK_Q,
         DECODE)
     if live:
+        n_chunks = tl.cdiv(last_pos // SPLIT + 1, CHUNK)
         if DECODE:
             # The parts are the previous kernel's. A program with nothing to fold waits too:
             # a grid whose programs all exit unwaited would let the next kernel start before
             # the parts kernel has finished (pdl's NOTE).
             pdl.wait_then_release(PDL)
-            if tl.cdiv(last_pos // SPLIT + 1, CHUNK) == 1:
+            if n_chunks == 1:
                 return  # one chunk: the parts kernel wrote the output itself
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         d0 = tl.program_id(2) * BLOCK_D
@@ -375,7 +376,6 @@ def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_p
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the empty state
         l = tl.zeros([BLOCK_M], tl.float32)
         o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        n_chunks = tl.cdiv(last_pos // SPLIT + 1, CHUNK)
         row_chunks = tl.cdiv(pos // SPLIT + 1, CHUNK)
         for base in range(0, n_chunks, UNROLL):
             for j in tl.static_range(UNROLL):

@@ -114,7 +114,7 @@ def test_prefill_launch_choice() -> None:
     """Serial prefill tiles of head_dim <= 128 run 3 stages with block ids one split ahead;
     wider heads keep 2 stages (shared memory); few sequences that can span several chunks
     get chunk mode; decode that fills the GPU runs serial."""
-    from megaserve.kernels.triton_impl.attention import (DECODE_CHUNK_TILE, DECODE_SERIAL_TILE,
+    from megaserve.kernels.triton_impl.attention import (DECODE_SERIAL_TILE, DECODE_TILE,
                                                          PREFILL_TILE, PREFILL_SERIAL_TILE,
                                                          AttentionLaunch, choose_launch)
 
@@ -132,7 +132,7 @@ def test_prefill_launch_choice() -> None:
                                                                        **DECODE_SERIAL_TILE)
     # Batch 1: chunk mode while a sequence can outgrow one chunk, else serial.
     assert choose_launch(1, 1, 4, 8, 65, 1 << 20) == AttentionLaunch(
-        "chunk", **dict(DECODE_CHUNK_TILE, fold_block_d=16, fold_warps=1))
+        "chunk", **dict(DECODE_TILE, fold_block_d=16, fold_warps=1))
     assert choose_launch(1, 1, 4, 8, 8, 1 << 20) == AttentionLaunch("serial",
                                                                      **DECODE_SERIAL_TILE)
     assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]
