@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from megaserve.bench import roofline
+from megaserve.engine.config import default_max_num_batched_tokens
 from megaserve.engine.gc_heap import frozen_heap
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 
@@ -282,7 +283,8 @@ def main(argv: list[str]) -> int:
 
     spec = DEFAULT_GPUS.get(catalog_gpu(name) or "")
     options["max_num_seqs"] = max(batches)
-    options["max_num_batched_tokens"] = max(options["max_num_batched_tokens"], max(batches))
+    steps = options["max_num_batched_tokens"] or default_max_num_batched_tokens(device)
+    options["max_num_batched_tokens"] = max(steps, max(batches))
     max_ctx = args.input_len + max(
         decode_tokens(b, args.input_len, options["max_num_batched_tokens"], args.warmup_steps,
                       args.steps, args.profile_steps) for b in batches)

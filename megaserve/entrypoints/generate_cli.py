@@ -69,8 +69,9 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig.__dataclass_fields__
     parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
                         help="sequences per step")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=d["max_num_batched_tokens"].default, help="tokens per step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: vLLM's for the device; on a GPU of "
+                             ">= 70 GiB other than an A100 8192 for a server, 16384 offline)")
     parser.add_argument("--block-size", type=int, default=d["block_size"].default,
                         help="tokens per KV-cache block")
     parser.add_argument("--gpu-memory-utilization", type=float,

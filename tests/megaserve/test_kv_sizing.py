@@ -11,7 +11,9 @@ import torch
 
 from megaserve import LLM
 from megaserve.engine import memory
-from megaserve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from megaserve.engine.config import (CPU_MAX_NUM_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE_BYTES,
+                                     EngineConfig, batched_tokens_for,
+                                     default_max_num_batched_tokens)
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 
 GIB = 1 << 30
@@ -80,6 +82,26 @@ def test_config_validates_and_resolves_auto_device(monkeypatch):
                 dict(device="tpu"), dict(device="auto:0")):
         with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
             EngineConfig(**bad)
+
+
+def test_max_num_batched_tokens_defaults_follow_vllms_table():
+    gib = 1 << 30
+    assert batched_tokens_for(80 * gib, "NVIDIA H100 80GB HBM3") == 16384
+    assert batched_tokens_for(80 * gib, "NVIDIA H100 80GB HBM3", "server") == 8192
+    assert batched_tokens_for(141 * gib, "NVIDIA H200", "server") == 8192
+    assert batched_tokens_for(80 * gib, "NVIDIA A100-SXM4-80GB") == 8192
+    assert batched_tokens_for(80 * gib, "NVIDIA A100-SXM4-80GB", "server") == 2048
+    assert batched_tokens_for(48 * gib, "NVIDIA L40S") == 8192
+    with pytest.raises(ValueError, match="usage"):
+        batched_tokens_for(80 * gib, "NVIDIA H100", "offline")
+    assert default_max_num_batched_tokens("cpu") == CPU_MAX_NUM_BATCHED_TOKENS == 2048
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 2048
+    if not torch.cuda.is_available():  # no GPU to ask: the table's small-GPU row
+        assert default_max_num_batched_tokens("cuda") == 8192
+        assert default_max_num_batched_tokens("cuda", "server") == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=512).max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(device="cpu", max_num_batched_tokens=0)
 
 
 def test_cli_flags_use_vllm_names_and_reach_the_config():
