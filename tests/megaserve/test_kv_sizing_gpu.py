@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megaserve import LLM, SamplingParams
+from megaserve.engine.config import EngineConfig, default_max_num_batched_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +52,12 @@ def test_kv_cache_memory_bytes_overrides_utilization():
         plan = llm.engine.kv_plan
         assert plan.source == "kv_cache_memory_bytes"
         assert plan.memory_bytes <= 256 << 20 < plan.memory_bytes + plan.bytes_per_block
+
+
+def test_max_num_batched_tokens_default_reads_this_gpu():
+    """vLLM's table, from the device's own memory and name (an H100 / H200: 16384 offline,
+    8192 for a server)."""
+    props = torch.cuda.get_device_properties(0)
+    big = props.total_memory >= 70 * GIB and "a100" not in props.name.lower()
+    assert EngineConfig(device="cuda").max_num_batched_tokens == (16384 if big else 8192)
+    assert default_max_num_batched_tokens("cuda:0", "server") == (8192 if big else 2048)
