@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..api import KV_SPLIT_SIZE
-from . import pdl
+from . import attention_gluon, pdl
 from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd_rows
 from .attention_kernels import _attention_fold_kernel, _paged_attention_kernel
 
@@ -93,6 +93,9 @@ class AttentionLaunch:
     fold_block_d: int = 0  # chunk mode: head_dim columns per fold program; 0 = all
     fold_warps: int = 4  # chunk mode: warps per fold program
     l_cols: int = 32  # columns of the ``p @ 1`` dot (equal columns; 16 or more)
+    # Serial prefill on Hopper runs attention_gluon's kernel where it applies
+    # (:func:`gluon_applies`; the same bits); False keeps the Triton kernel and this tile.
+    gluon: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "chunk"):
@@ -394,6 +397,16 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     return AttentionLaunch("serial", **(PREFILL_SERIAL_TILE if deep else tile))
 
 
+def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, g_pad: int) -> bool:
+    """Whether a serial prefill call can run attention_gluon's kernel: a Hopper GPU (its
+    wgmma), bf16, head_dim 128, a query group that tiles the kernel's 64-row warp groups, and
+    ``$MEGASERVE_ATTN_GLUON`` not "0" (A/B runs)."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+            and q.shape[2] == 128 and g_pad <= attention_gluon.BLOCK_M // 2
+            and torch.cuda.get_device_capability(q.device)[0] == 9
+            and os.environ.get("MEGASERVE_ATTN_GLUON", "1") != "0")
+
+
 def exp2_default() -> bool:
     """The arithmetic :func:`paged_attention` uses when ``exp2`` is not given: the EXP2
     form (round 6: ~1.3x faster on prefill than ``exp``), or the ``exp`` form with
@@ -471,6 +484,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ws_m = _workspace((max_chunks, t, num_q_heads), q.device)
         ws_l = _workspace((max_chunks, t, num_q_heads), q.device)
         ws_o = _workspace((max_chunks, t, num_q_heads, head_dim), q.device)
+    if (launch.mode == "serial" and launch.gluon and not decode and exp2
+            and gluon_applies(q, k_cache, g_pad)):
+        attention_gluon.launch(q, k_cache, v_cache, block_tables, context_lens,
+                               query_start_loc, out, scale, KV_SPLIT_SIZE, CHUNK_SPLITS,
+                               launch.l_cols)
+        return out
     _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
         q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
         num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

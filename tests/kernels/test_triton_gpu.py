@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -226,6 +228,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, l_cols=16),
                    AttentionLaunch("chunk", 64, 4, 2, l_cols=16)):
+        launch = dataclasses.replace(launch, gluon=False)  # the Triton tiles (default: Gluon)
         got = paged_attention(q, kc, vc, table[None], one_len, one_qsl, scale, launch=launch)
         assert torch.equal(got, full), f"{launch}: bits differ from the default launch"
         got = paged_attention(qm, kc, vc, tables, lens, qsl, scale, launch=launch)
@@ -243,6 +246,65 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
         got = paged_attention(torch.stack([q[c - 1] for c in dec]), kc, vc, dec_tables,
                               dec_lens, dec_qsl, scale, mode=mode, one_token_per_seq=True)
         assert torch.equal(got, want), f"one token per sequence, mode {mode}"
+
+
+@pytest.mark.parametrize("hkv", [4, 8, 16])
+def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int) -> None:
+    """Hopper's Gluon prefill kernel (attention_gluon) gives the Triton serial kernel's bits:
+    whole prompts, chunked prefill (context longer than the new tokens), prompts that end
+    mid-tile and mid-block, several sequences per call; K/V past each context poisoned
+    with NaN; within bf16 rounding of a float64 reference; a sequence's rows the same
+    alone and batched."""
+    from megaserve.kernels.triton_impl import attention
+    from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's (wgmma)")
+    monkeypatch.setattr(attention, "POISON_BUFFERS", True)
+    torch.manual_seed(hkv)
+    hq, dh, bs = 32, 128, 16
+    ctx = [3001, 77, 1024, 700, 4096]
+    new = [701, 77, 1024, 1, 333]
+    blocks = [-(-c // bs) for c in ctx]
+    kc = torch.randn(sum(blocks) + 2, bs, hkv, dh, device="cuda", dtype=BF16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(sum(blocks), device="cuda").int() + 2  # blocks 0, 1: spare
+    tables = torch.zeros(len(ctx), max(blocks), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, (c, b) in enumerate(zip(ctx, blocks)):
+        tables[i, :b] = perm[start : start + b]
+        start += b
+        if c % bs:  # keys past the context in its last block
+            kc[tables[i, b - 1], c % bs:] = float("nan")
+            vc[tables[i, b - 1], c % bs:] = float("nan")
+    kc[:2] = float("nan")
+    vc[:2] = float("nan")
+    q = torch.randn(sum(new), hq, dh, device="cuda", dtype=BF16)
+    lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.tensor([0] + new, device="cuda", dtype=torch.int32).cumsum(0).int()
+    scale = dh**-0.5
+    assert attention.gluon_applies(q, kc, 32 // hkv)
+    triton_serial = AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
+                                    long_first=True, l_cols=16, gluon=False)
+    want = paged_attention(q, kc, vc, tables, lens, qsl, scale, launch=triton_serial)
+    got = paged_attention(q, kc, vc, tables, lens, qsl, scale, mode="serial")
+    assert not got.isnan().any()
+    assert torch.equal(got, want), "Gluon against Triton, mixed batch"
+    a = 0
+    for i, (c, n) in enumerate(zip(ctx, new)):
+        one = paged_attention(q[a : a + n], kc, vc, tables[i : i + 1], lens[i : i + 1],
+                              torch.tensor([0, n], device="cuda", dtype=torch.int32), scale,
+                              mode="serial")
+        assert torch.equal(one, got[a : a + n]), f"sequence {i} alone"
+        keys = torch.arange(c, device="cuda")
+        k = kc[tables[i].long()[keys // bs], keys % bs].double().repeat_interleave(hq // hkv, 1)
+        v = vc[tables[i].long()[keys // bs], keys % bs].double().repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a : a + n].double(), k) * scale
+        qpos = torch.arange(c - n, c, device="cuda")
+        s = s.masked_fill(keys[None, None, :] > qpos[None, :, None], float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+        assert _rel_err(one, ref) < 1e-2, f"sequence {i} against float64"
+        a += n
 
 
 def test_paged_attention_exp2_chunk_equals_serial() -> None:
