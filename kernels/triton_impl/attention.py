@@ -41,7 +41,10 @@ a long context parallel for few sequences.
 
 The kernels are in :mod:`megaserve.kernels.triton_impl.attention_kernels`; its docstring describes
 the loop switches (masks only on diagonal splits, block ids one split ahead, long rows
-first), launch choices like the tile.
+first), launch choices like the tile. On Hopper, serial prefill runs the same arithmetic
+in Gluon (:mod:`megaserve.kernels.triton_impl.attention_gluon`: warp-specialised, its dots
+in flight across the softmax; :func:`gluon_applies`), whose bits the GPU tests compare
+with the Triton kernel's.
 """
 
 from __future__ import annotations

@@ -5,22 +5,29 @@ step for step, with the tensor-core dots kept in flight across the softmax.
 Why a second kernel: Triton 3.6 waits for every Hopper dot right after issuing it unless
 the dot's result is the next iteration's accumulator, so in the Triton kernel no softmax
 overlaps an MMA (ncu: tensor pipe 36% busy on a 4,096-token prompt; docs/benchmarks.md,
-roofline round 9). Here each warp group issues the scores of split j+1 before the softmax
-of split j, and the ``p @ V`` of split j runs while the softmax of split j+1 does
-(FlashAttention-3's pipelining inside a warp group):
+roofline round 9).
 
-    top of j:  K/V of j+1 visible (cp.async wait + barrier); issue S(j+1) = Q K(j+1)^T
-               softmax of S(j) -> p(j), alpha(j), m      (S(j+1), P V(j-1) in flight)
-               wait P V(j-1); o <- o * alpha(j); issue p(j) @ 1 and p(j) @ V(j)
-               wait S(j+1) and p(j) @ 1; l <- fma(l, alpha(j), max(p(j) @ 1))
+One program owns a (tile of BLOCK_Q tokens, KV head), as the Triton serial kernel, in
+three warp groups (``gl.warp_specialize``):
 
-The K/V of each split are gathered through the block table by cp.async into a ring of
-``STAGES`` shared-memory slots, one split ahead of its use. The dots are the same k16
-chains as ``tl.dot``'s, the elementwise steps are the same operations in the same order,
-and chunks of CHUNK splits are merged with the same merge, so the output is bitwise the
-Triton kernel's (checked by the GPU tests against it). Launch-only: the Triton kernel
-stays the reference and the path for everything this one does not cover (decode, chunk
-mode, other head sizes, pre-Hopper GPUs).
+* a load group gathers each split's K and V rows through the block table by cp.async
+  into a ring of STAGES shared-memory slots (mbarriers: ``ready`` when a slot's copies
+  have landed, ``free`` when both compute groups are done with it);
+* two compute groups take 64 rows of the tile each. Iteration j of a compute group, with
+  p(j) and alpha(j) from the iteration before and S(j+1) = Q K(j+1)^T in registers:
+
+      o <- o * alpha(j);  issue p(j) @ 1, p(j) @ V(j), S(j+2)      (async wgmma)
+      softmax of S(j+1) -> p(j+1), alpha(j+1)                        (while they run)
+      wait for all three;  l <- fma(l, alpha(j), max(p(j) @ 1));  free the slot of j
+
+Nothing is in flight at a loop edge, and the register operands of the dots stay live
+until their wait: otherwise ptxas serialises every wgmma of the kernel.
+
+The dots are the same k16 chains as ``tl.dot``'s, the elementwise steps are the same
+operations in the same order, and chunks of CHUNK splits are merged with the same merge,
+so the output is bitwise the Triton kernel's (the GPU tests compare them). It is a launch
+choice: the Triton kernel stays the reference and runs everything this one does not cover
+(decode, chunk mode, other head sizes and dtypes, other GPUs; attention.gluon_applies).
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
                                                               mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
 
