@@ -283,8 +283,8 @@ def main(argv: list[str]) -> int:
 
     spec = DEFAULT_GPUS.get(catalog_gpu(name) or "")
     options["max_num_seqs"] = max(batches)
-    steps = options["max_num_batched_tokens"] or default_max_num_batched_tokens(device)
-    options["max_num_batched_tokens"] = max(steps, max(batches))
+    step_tokens = options["max_num_batched_tokens"] or default_max_num_batched_tokens(device)
+    options["max_num_batched_tokens"] = max(step_tokens, max(batches))
     max_ctx = args.input_len + max(
         decode_tokens(b, args.input_len, options["max_num_batched_tokens"], args.warmup_steps,
                       args.steps, args.profile_steps) for b in batches)

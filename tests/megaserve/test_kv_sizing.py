@@ -84,24 +84,28 @@ def test_config_validates_and_resolves_auto_device(monkeypatch):
             EngineConfig(**bad)
 
 
-def test_max_num_batched_tokens_defaults_follow_vllms_table():
-    gib = 1 << 30
-    assert batched_tokens_for(80 * gib, "NVIDIA H100 80GB HBM3") == 16384
-    assert batched_tokens_for(80 * gib, "NVIDIA H100 80GB HBM3", "server") == 8192
-    assert batched_tokens_for(141 * gib, "NVIDIA H200", "server") == 8192
-    assert batched_tokens_for(80 * gib, "NVIDIA A100-SXM4-80GB") == 8192
-    assert batched_tokens_for(80 * gib, "NVIDIA A100-SXM4-80GB", "server") == 2048
-    assert batched_tokens_for(48 * gib, "NVIDIA L40S") == 8192
+def test_max_num_batched_tokens_defaults_follow_vllms_table(monkeypatch):
+    assert batched_tokens_for(80 * GIB, "NVIDIA H100 80GB HBM3") == 16384
+    assert batched_tokens_for(80 * GIB, "NVIDIA H100 80GB HBM3", "server") == 8192
+    assert batched_tokens_for(141 * GIB, "NVIDIA H200", "server") == 8192
+    assert batched_tokens_for(80 * GIB, "NVIDIA A100-SXM4-80GB") == 8192
+    assert batched_tokens_for(80 * GIB, "NVIDIA A100-SXM4-80GB", "server") == 2048
+    assert batched_tokens_for(48 * GIB, "NVIDIA L40S") == 8192
     with pytest.raises(ValueError, match="usage"):
-        batched_tokens_for(80 * gib, "NVIDIA H100", "offline")
+        batched_tokens_for(80 * GIB, "NVIDIA H100", "offline")
     assert default_max_num_batched_tokens("cpu") == CPU_MAX_NUM_BATCHED_TOKENS == 2048
     assert EngineConfig(device="cpu").max_num_batched_tokens == 2048
-    if not torch.cuda.is_available():  # no GPU to ask: the table's small-GPU row
-        assert default_max_num_batched_tokens("cuda") == 8192
-        assert default_max_num_batched_tokens("cuda", "server") == 2048
     assert EngineConfig(device="cpu", max_num_batched_tokens=512).max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(device="cpu", max_num_batched_tokens=0)
+
+    def no_gpu(device):
+        raise RuntimeError("no CUDA GPUs are available")
+
+    # A process that cannot ask the GPU (a Ray driver without one): the small-GPU row.
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    assert default_max_num_batched_tokens("cuda") == 8192
+    assert default_max_num_batched_tokens("cuda:1", "server") == 2048
 
 
 def test_cli_flags_use_vllm_names_and_reach_the_config():
