@@ -374,11 +374,12 @@ def test_expert_ffn_reference_launches_and_row_invariance(e: int, d: int, i: int
     eids = torch.randint(0, e + 1, (r,), device="cuda")  # id e: routed nowhere
     routed = eids < e
     for ids in (eids, torch.randint(0, e + 1, (20000,), device="cuda")):  # 5 scan blocks
-        offsets, order = moe._align(ids, e)
-        counts = torch.bincount(ids, minlength=e + 1)[:e]
-        assert offsets.tolist() == [0] + counts.cumsum(0).tolist()
-        n = int((ids < e).sum())
-        assert torch.equal(order[:n].long(), torch.sort(ids, stable=True).indices[:n])
+        for chunked in (False, True):  # both align passes: the same integers
+            offsets, order = moe._align(ids, e, chunked=chunked)
+            counts = torch.bincount(ids, minlength=e + 1)[:e]
+            assert offsets.tolist() == [0] + counts.cumsum(0).tolist()
+            n = int((ids < e).sum())
+            assert torch.equal(order[:n].long(), torch.sort(ids, stable=True).indices[:n])
     out = expert_ffn(x, eids, wgu, wd)
     assert not out[routed].isnan().any(), "routed rows left unwritten"
     for row in routed.nonzero()[:4, 0].tolist():

@@ -267,13 +267,14 @@ def _check_expert_ffn(torch, ti) -> None:
     routed = eids < e
     # The align pass: offsets are the counts' prefix sums, order a stable grouping (9000
     # rows: several blocks of the scan).
-    for ids in (eids, torch.randint(0, e + 1, (9000,))):
-        offsets, order = moe._align(ids, e)
+    for ids, chunked in ((eids, False), (eids, True), (torch.randint(0, e + 1, (9000,)), False),
+                         (torch.randint(0, e + 1, (9000,)), True)):  # both align passes
+        offsets, order = moe._align(ids, e, chunked=chunked)
         counts = torch.bincount(ids, minlength=e + 1)[:e]
         assert offsets.tolist() == [0] + counts.cumsum(0).tolist(), offsets
         n = int((ids < e).sum())
         stable = torch.sort(ids, stable=True).indices[:n]
-        assert torch.equal(order[:n].long(), stable), "order not stably grouped"
+        assert torch.equal(order[:n].long(), stable), f"order not stably grouped ({chunked})"
     with poisoned_empty():  # outputs must be written wherever they are defined
         out = ti.expert_ffn(x, eids, wgu, wd)
         assert not out[routed].isnan().any(), "routed rows left unwritten"
