@@ -8,7 +8,9 @@ chunk of an 8,192-token prompt (context 8,192, the first half from the cache). E
 variant is timed (median of CUDA-graph replays) next to the default launch
 (:func:`choose_launch`'s pick, ``default``) and SDPA flash (the whole 4,096 causal prompt;
 for the second chunk, flash's causal 8,192-token prompt, whose FLOP/s is the reference),
-and checked bitwise (``torch.equal``) against the default launch: on both timed shapes and,
+and checked bitwise (``torch.equal``) against the default launch (on Hopper the Gluon
+serial kernel; the variants are Triton tiles, ``gluon=False`` unless they say otherwise):
+on both timed shapes and,
 in parallel child processes, on the shapes of scripts/attn_sweep.py (whole prefill, chunked
 prefill of 37 and 1000 tokens, single decodes, a mixed batch). TFLOP/s counts the causal
 FLOPs ``4 * T * ctx_avg * Hq * Dh`` (``ctx_avg``: a row's mean number of visible keys).
@@ -131,7 +133,7 @@ def time_cases(budget_s: float) -> list[dict]:
             if time.time() > t_end:
                 print(f"  {case} {name}: skipped (budget)", flush=True)
                 continue
-            launch = None if var is None else AttentionLaunch(**var)
+            launch = None if var is None else AttentionLaunch(**{"gluon": False, **var})
             fn = lambda launch=launch: paged_attention(  # noqa: E731
                 q, kc, vc, table, lens, qsl, scale, launch=launch)
             try:

@@ -10,7 +10,9 @@ the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full pr
 decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
 sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
 The checks use paged_attention's default arithmetic (the round-6 EXP2 form; run with
-``MEGASERVE_ATTN_EXP2=0`` to check the round-5 form); the timed variants name theirs.
+``MEGASERVE_ATTN_EXP2=0`` to check the round-5 form); the timed variants name theirs. The
+variants are Triton tiles (``gluon=False`` unless a variant says otherwise: on Hopper the
+default serial prefill launch is the Gluon kernel).
 """
 
 from __future__ import annotations
@@ -133,8 +135,10 @@ class LaunchChecks:
                            dtype=torch.int32)
         tb = (self.table[None].expand(len(lens), -1).contiguous() if tables is None
               else tables)
+        if launch is not None:
+            launch = AttentionLaunch(**{"gluon": False, **launch})
         return paged_attention(rows, self.kc, self.vc, tb, lens_t, qsl, self.scale,
-                               launch=None if launch is None else AttentionLaunch(**launch))
+                               launch=launch)
 
     def expect(self, name, got, want) -> None:
         import torch
@@ -241,7 +245,7 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
             if not warm_only and time.time() > t_end:
                 print(f"  {case} {vname}: skipped (sweep budget)", flush=True)
                 continue
-            launch = None if var is None else AttentionLaunch(**var)
+            launch = None if var is None else AttentionLaunch(**{"gluon": False, **var})
             fn = lambda launch=launch, exp2=exp2: paged_attention(  # noqa: E731
                 q, kc, vc, table, lens, qsl, scale, launch=launch, exp2=exp2)
             try:
