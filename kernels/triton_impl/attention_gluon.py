@@ -275,8 +275,9 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
 
 
 # Launch constants: 16 tokens x 8 heads a tile, two compute warp groups of 64 rows and one
-# load warp group; four K/V slots (the split whose p @ V is in flight, the one in use, the
-# next, the one loading). Registers: 12 warps x 168 = 2 x 4 x 232 + 4 x 40 (setmaxnreg).
+# load warp group; four K/V slots (in iteration j: split j, its p @ V in flight; j + 1; j +
+# 2, its scores in flight; j + 3, loading; 3 or 5 slots ran slower). Registers: 12 warps x
+# 168 = 2 x 4 x 232 + 4 x 40 (setmaxnreg; other splits ran slower, docs round 9).
 BLOCK_M = 128
 STAGES = 4
 LOAD_WARPS = 4
