@@ -32,26 +32,23 @@ choice: the Triton kernel stays the reference and runs everything this one does 
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
                                                               mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .attention_kernels import _find_seq  # scalar index math: the Triton kernel's own
 
-@gluon.jit
-def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: gl.constexpr):
-    """attention_kernels._find_seq: the sequence whose tiles hold ``pid``."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = gl.load(qsl_ptr + mid) // BLOCK_Q + mid
-        if first_tile <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+
+@triton.constexpr_function
+def _rows_layout(head_dim, warps):
+    """Rows of ``head_dim`` bf16 over ``warps`` warps, 16 bytes a thread: the layout of
+    the Q and K/V gathers."""
+    return gl.BlockedLayout(size_per_thread=[1, 8],
+                            threads_per_warp=[32 * 8 // head_dim, head_dim // 8],
+                            warps_per_cta=[warps, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -63,9 +60,7 @@ def _producer(k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, bt, ctx_len, bt_keys,
     compute two splits' scores ahead) into slot ``split % STAGES`` (zeros past the
     context), once both consumers are done with the slot's previous split (``free``);
     ``ready`` completes when every producer thread's copies have landed."""
-    LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                          threads_per_warp=[32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                          warps_per_cta=[WARPS, 1], order=[1, 0])
+    LOAD: gl.constexpr = _rows_layout(HEAD_DIM, WARPS)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
     for split in range(0, n_splits + 2):
         keys = split * SPLIT + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, LOAD))
@@ -209,9 +204,7 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
     two halves of the tile's rows; LOAD_WARPS more gather K/V."""
     BLOCK_M: gl.constexpr = BLOCK_Q * G_PAD
     HALF: gl.constexpr = BLOCK_M // 2
-    LOAD: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                          threads_per_warp=[32 * 8 // HEAD_DIM, HEAD_DIM // 8],
-                                          warps_per_cta=[num_warps, 1], order=[1, 0])
+    LOAD: gl.constexpr = _rows_layout(HEAD_DIM, num_warps)
     kv_head = gl.program_id(1)
     pid = gl.num_programs(0) - 1 - gl.program_id(0)
     seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
@@ -293,7 +286,7 @@ def launch(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    g_pad = 1 << (group - 1).bit_length()
+    g_pad = triton.next_power_of_2(group)
     block_q = BLOCK_M // g_pad
     num_seqs = context_lens.shape[0]
     grid = (t // block_q + num_seqs, num_kv_heads)
