@@ -215,7 +215,10 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 _STEP_US = {(128, 128): 0.45, (64, 128): 0.26, (128, 64): 0.26, (128, 256): 0.80}
 _WS_BYTES_PER_US = 3.0e6
 _FOLD_LAUNCH_US = 3.0
-_TALL = {(128, 128): Launch("fold"), (128, 256): Launch("fold", 128, 256, 8, 3),
+# 128x256 folds take 4 stages: on an H100 (scripts/prefill_linears.py: Qwen3-30B-A3B's qkv
+# and o_proj and a 4096 x 4096 weight, 3 and 4 stages timed back to back) 4 stages ran 2-8%
+# faster at 16,384 rows and within 3% either way at 1,024-4,096 (docs/benchmarks.md).
+_TALL = {(128, 128): Launch("fold"), (128, 256): Launch("fold", 128, 256, 8, 4),
          (64, 128): Launch("fold", 64, 128, 4, 4),
          (128, 64): Launch("split", 128, 64, 4, 4, fold_last=False)}
 
@@ -244,7 +247,7 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
     M <= 64: the small-K rule's launch where one applies (:class:`SmallKRule`), else swap
     mode; the parts are folded by a second, parallel kernel where a tile has
     many of them (S >= 16, or S >= 8 and M <= 16), else by the tile's last program; 64-row
-    weight tiles from M = 8. M > 64: the cheapest of fold 128x128, 128x256 (3 stages),
+    weight tiles from M = 8. M > 64: the cheapest of fold 128x128, 128x256 (4 stages),
     64x128 and split 128x64 (parallel fold) by :func:`launch_cost_us`. Rules measured on
     an H200.
     """
