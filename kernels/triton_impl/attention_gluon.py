@@ -13,15 +13,19 @@ three warp groups (``gl.warp_specialize``):
 * a load group gathers each split's K and V rows through the block table by cp.async
   into a ring of STAGES shared-memory slots (mbarriers: ``ready`` when a slot's copies
   have landed, ``free`` when both compute groups are done with it);
-* two compute groups take 64 rows of the tile each. Iteration j of a compute group, with
-  p(j) and alpha(j) from the iteration before and S(j+1) = Q K(j+1)^T in registers:
+* two compute groups take 64 rows of the tile each, Q in registers (the A operand of
+  the score dots). Iteration j of a compute group, with p(j), alpha(j) and l(j) = max(p(j)
+  @ 1) from the iteration before:
 
-      o <- o * alpha(j);  issue p(j) @ 1, p(j) @ V(j), S(j+2)      (async wgmma)
-      softmax of S(j+1) -> p(j+1), alpha(j+1)                        (while they run)
-      wait for all three;  l <- fma(l, alpha(j), max(p(j) @ 1));  free the slot of j
+      o <- o * alpha(j);  issue S(j+1) = Q K(j+1)^T, then p(j) @ V(j)   (async wgmma)
+      wait for S(j+1);  softmax of S(j+1) -> p(j+1), alpha(j+1)   (p(j) @ V(j) runs)
+      issue p(j+1) @ 1;  wait for both;  l <- fma(l, alpha(j), l(j));  free the slot of j
 
 Nothing is in flight at a loop edge, and the register operands of the dots stay live
-until their wait: otherwise ptxas serialises every wgmma of the kernel.
+until their wait: otherwise ptxas serialises every wgmma of the kernel. The p(j+1) @ 1
+dot issued before the wait keeps the softmax ahead of it: ptxas sinks code whose results
+are used only after a ``wgmma.wait_group`` below that wait (here: the whole softmax), which
+leaves no dot running during it.
 
 The dots are the same k16 chains as ``tl.dot``'s, the elementwise steps are the same
 operations in the same order, and chunks of CHUNK splits are merged with the same merge,
@@ -56,13 +60,13 @@ def _producer(k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, bt, ctx_len, bt_keys,
               stride_kb, stride_ks, stride_kh, n_splits, STAGES: gl.constexpr,
               BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, HEAD_DIM: gl.constexpr,
               WARPS: gl.constexpr):
-    """The load partition: cp.async the K and V rows of splits 0..n_splits + 1 (the consumers
-    compute two splits' scores ahead) into slot ``split % STAGES`` (zeros past the
+    """The load partition: cp.async the K and V rows of splits 0..n_splits (the consumers
+    compute one split's scores ahead) into slot ``split % STAGES`` (zeros past the
     context), once both consumers are done with the slot's previous split (``free``);
     ``ready`` completes when every producer thread's copies have landed."""
     LOAD: gl.constexpr = _rows_layout(HEAD_DIM, WARPS)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    for split in range(0, n_splits + 2):
+    for split in range(0, n_splits + 1):
         keys = split * SPLIT + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, LOAD))
         ids = gl.load(bt + keys // BLOCK_SIZE, mask=keys < bt_keys, other=0).to(gl.int64)
         base = ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
@@ -104,12 +108,21 @@ def _softmax(raw, m, pos, first_key, masked, scale, SPLIT: gl.constexpr, S_L: gl
 
 
 @gluon.jit
-def _scores(q_half, k_bufs, ready, split, s_zero, STAGES: gl.constexpr):
+def _row_sum(p, ones, l_zero, L_L: gl.constexpr, S_ROWS: gl.constexpr):
+    """max over the columns of ``p @ 1`` (every column is the row's sum): l of one split."""
+    l_dot = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones,
+                          l_zero, use_acc=False, is_async=True)
+    l_dot = warpgroup_mma_wait(num_outstanding=0, deps=(l_dot,))
+    return gl.convert_layout(gl.max(l_dot, axis=1), S_ROWS)
+
+
+@gluon.jit
+def _scores(q_reg, k_bufs, ready, split, s_zero, STAGES: gl.constexpr):
     """Issue split's ``Q K^T`` once its K has landed (async: the caller waits)."""
     slot = split % STAGES
     mbarrier.wait(ready.index(slot), (split // STAGES) & 1)
     fence_async_shared()
-    return warpgroup_mma(q_half, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
+    return warpgroup_mma(q_reg, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False,
                          is_async=True)
 
 
@@ -137,13 +150,13 @@ def _consumer(q_half, k_bufs, v_bufs, ones, ready, free, out_ptr, row0, ctx_len,
     s_zero = gl.zeros([ROWS, SPLIT], gl.float32, S_L)
     l_zero = gl.zeros([ROWS, L_COLS], gl.float32, L_L)
     empty_m = gl.full([ROWS], float("-inf"), gl.float32, S_ROWS)
+    q_reg = q_half.load(gl.DotOperandLayout(0, S_L, 2))
 
-    # Split 0's softmax (a chunk starts from the empty state), split 1's scores.
-    s0 = warpgroup_mma_wait(num_outstanding=0,
-                            deps=(_scores(q_half, k_bufs, ready, 0, s_zero, STAGES),))
+    # Split 0's softmax and row sum (a chunk starts from the empty state).
+    s0, q_reg = warpgroup_mma_wait(
+        num_outstanding=0, deps=(_scores(q_reg, k_bufs, ready, 0, s_zero, STAGES), q_reg))
     p_cur, alpha_cur, m_run = _softmax(s0, empty_m, pos, 0, 0 >= whole, scale, SPLIT, S_L)
-    s_next = warpgroup_mma_wait(num_outstanding=0,
-                                deps=(_scores(q_half, k_bufs, ready, 1, s_zero, STAGES),))
+    l_cur = _row_sum(p_cur, ones, l_zero, L_L, S_ROWS)
     m = empty_m  # the row's state
     l = gl.zeros([ROWS], gl.float32, S_ROWS)
     o = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
@@ -154,27 +167,27 @@ def _consumer(q_half, k_bufs, v_bufs, ones, ready, free, out_ptr, row0, ctx_len,
         l_c = gl.zeros([ROWS], gl.float32, S_ROWS)  # the chunk's sum and accumulator
         o_c = gl.zeros([ROWS, HEAD_DIM], gl.float32, O_L)
         for split in range(c0, c1):
-            # In flight together: split's p @ 1 and p @ V, split + 2's scores, and split +
-            # 1's softmax (against the next chunk's empty state where split + 1 starts it).
+            # During split + 1's softmax (against the next chunk's empty state where split
+            # + 1 starts it), split's p @ V runs.
             o_c = o_c * gl.expand_dims(gl.convert_layout(alpha_cur, O_ROWS), 1)
-            p_l = gl.convert_layout(p_cur, gl.DotOperandLayout(0, L_L, 2))
+            s_nxt = _scores(q_reg, k_bufs, ready, split + 1, s_zero, STAGES)
             p_o = gl.convert_layout(p_cur, gl.DotOperandLayout(0, O_L, 2))
-            l_dot = warpgroup_mma(p_l, ones, l_zero, use_acc=False, is_async=True)
             o_c = warpgroup_mma(p_o, v_bufs.index(split % STAGES), o_c, is_async=True)
-            s_far = _scores(q_half, k_bufs, ready, split + 2, s_zero, STAGES)
+            s_nxt, q_reg = warpgroup_mma_wait(num_outstanding=1, deps=(s_nxt, q_reg))
             m_chunk = m_run
             m_in = gl.where(split + 1 == c1, empty_m, m_run)
-            p_nxt, alpha_nxt, m_run = _softmax(s_next, m_in, pos, (split + 1) * SPLIT,
+            p_nxt, alpha_nxt, m_run = _softmax(s_nxt, m_in, pos, (split + 1) * SPLIT,
                                                split + 1 >= whole, scale, SPLIT, S_L)
-            # (the dots' register operands stay live until they are done: ptxas would
-            # serialise every wgmma if the softmax could take their registers)
-            o_c, l_dot, s_far, p_l, p_o = warpgroup_mma_wait(
-                num_outstanding=0, deps=(o_c, l_dot, s_far, p_l, p_o))
+            l_dot = warpgroup_mma(gl.convert_layout(p_nxt, gl.DotOperandLayout(0, L_L, 2)),
+                                  ones, l_zero, use_acc=False, is_async=True)
+            # (p(j) stays live until its dot is done: ptxas would serialise every wgmma if
+            # the softmax could take its registers)
+            o_c, l_dot, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(o_c, l_dot, p_o))
             mbarrier.arrive(free.index(split % STAGES))  # split's K/V are done with
-            l_c = gl.fma(l_c, alpha_cur, gl.convert_layout(gl.max(l_dot, axis=1), S_ROWS))
+            l_c = gl.fma(l_c, alpha_cur, l_cur)
+            l_cur = gl.convert_layout(gl.max(l_dot, axis=1), S_ROWS)
             p_cur = p_nxt
             alpha_cur = alpha_nxt
-            s_next = s_far
         m, l, o = _merge(m, l, o, m_chunk, l_c, o_c, O_ROWS)
 
     out = o / gl.expand_dims(gl.convert_layout(l, O_ROWS), 1)
@@ -268,8 +281,8 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
 
 
 # Launch constants: 16 tokens x 8 heads a tile, two compute warp groups of 64 rows and one
-# load warp group; four K/V slots (in iteration j: split j, its p @ V in flight; j + 1; j +
-# 2, its scores in flight; j + 3, loading; 3 or 5 slots ran slower). Registers: 12 warps x
+# load warp group; four K/V slots (in iteration j: split j, its p @ V in flight; j + 1, its
+# scores in flight; j + 2 and j + 3, loading; 3 or 5 slots ran slower). Registers: 12 warps x
 # 168 = 2 x 4 x 232 + 4 x 40 (setmaxnreg; other splits ran slower, docs round 9).
 BLOCK_M = 128
 STAGES = 4
