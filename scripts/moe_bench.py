@@ -25,7 +25,12 @@ tiles of 32 or 64 rows), each checked bitwise, in --workers parallel processes
 (which also fill Triton's cache for the timings), against the planned launch and the old
 prefill launch (pointer loads, K step 64); cells are timed until --deadline. --tokens: a
 MoE layer's dispatch at T tokens, top-k: x expanded to [T*k, D] then expert_ffn (the old
-LocalExperts.dispatch) against expert_ffn(x, rows_per_token=k).
+LocalExperts.dispatch) against expert_ffn(x, rows_per_token=k). --gluon: the down GEMM
+alone at each size, the planned prefill launch's Triton TMA kernel (gluon=False) against
+moe_gluon's persistent kernel (Hopper), bitwise:
+
+    python scripts/moe_bench.py --rows 32768,131072 --rows-per-token 8 --tokens '' \
+        --layers 2 --gluon
 """
 
 from __future__ import annotations
@@ -158,6 +163,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10, help="calls per graph replay")
     p.add_argument("--tokens", default="1,8,64,256", help="dispatch timing ('' to skip)")
     p.add_argument("--out", default=".")
+    p.add_argument("--gluon", action="store_true", help="down GEMM: Triton vs moe_gluon")
     args = p.parse_args()
     t0 = time.time()
     shape = SHAPES[args.shape]
@@ -204,6 +210,8 @@ def main() -> None:
                                    args.reps) / layers
                 same = all(torch.equal(ffn(fn, j), ref[j]) for j in range(layers))
             report(name, us, same)
+        if args.gluon:
+            row["down_gluon"] = down_gluon(x, ids, wgu, wd, k_rows, e, peak, args.reps)
         row["align_us"] = graph_time_us(lambda: moe._align(ids[0], e))
         print(f"{r:>6} align {row['align_us']:.1f} us", flush=True)
         if args.sweep and str(r) in (args.sweep_rows or str(r)).split(","):
@@ -224,6 +232,38 @@ def main() -> None:
         results["dispatch"] = dispatch(
             shape, [int(v) for v in args.tokens.split(",")], wgu, wd, base, layers)
         out_file.write_text(json.dumps(results, indent=1))
+
+
+def down_gluon(x, ids, wgu, wd, rows_per_token: int, e: int, peak: float, reps: int) -> dict:
+    """The down GEMM of each layer alone: the prefill launch's Triton TMA kernel against
+    moe_gluon's (us per call, the median of three alternating timings; TFLOP/s; bitwise)."""
+    layers = len(ids)
+    grouping = [moe._align(t, e) for t in ids]
+    hidden = [moe._expert_gemm(x, wgu[j], ids[j], grouping[j], moe._PREFILL.up, swiglu=True,
+                               gather=True, scatter=False, rows_per_token=rows_per_token)
+              for j in range(layers)]
+
+    def down(j, gluon):
+        tiles = dataclasses.replace(moe._PREFILL.down, gluon=gluon)
+        return moe._expert_gemm(hidden[j], wd[j], ids[j], grouping[j], tiles, swiglu=False,
+                                gather=False, scatter=True, pdl_ok=False)
+
+    flops = ids[0].shape[0] * 2 * wd[0].shape[1] * wd[0].shape[2]
+    times = {"triton": [], "gluon": []}
+    for _ in range(3):  # alternating: a long run slows the clocks of whatever comes after
+        for name, gluon in (("triton", False), ("gluon", True)):
+            times[name].append(graph_time_us(
+                lambda g=gluon: [down(j, g) for j in range(layers)], reps) / layers)
+    out = {}
+    for name, ts in times.items():
+        us = sorted(ts)[1]
+        out[name] = {"us": us, "tflops": flops / us / 1e6}
+    out["bits_equal"] = all(torch.equal(down(j, True), down(j, False)) for j in range(layers))
+    print(f"{ids[0].shape[0]:>6} down GEMM: triton {out['triton']['us']:.1f} us "
+          f"({out['triton']['tflops']:.0f} TFLOP/s), gluon {out['gluon']['us']:.1f} us "
+          f"({out['gluon']['tflops']:.0f} TFLOP/s, {out['gluon']['tflops'] * 1e12 / peak:.0%} "
+          f"of matmul), bits equal {out['bits_equal']}", flush=True)
+    return out
 
 
 def _weights(shape: MoeShape, layers: int):

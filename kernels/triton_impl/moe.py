@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import pdl, rowwise
+from . import moe_gluon, pdl, rowwise
 from .matmul import linear_parts, num_sms, tma_readable
 from .parts import Parts, fold_row_parts
 from .rowwise import silu_and_mul
@@ -534,6 +534,8 @@ class GemmTiles:
     NOTE). tail_m (tma; 0: none): a tile with at most tail_m of its expert's rows left
     (the expert's last tile) runs with tail_m rows (less padding; the same tiles in the
     same order, so it reads its weights from L2 after the expert's other row tiles).
+    gluon (tma, the down GEMM): on Hopper, :mod:`moe_gluon`'s persistent kernel with its own
+    128 x 256 tiles (the same bits; block sizes, warps and stages here apply elsewhere).
     """
 
     block_m: int
@@ -545,6 +547,7 @@ class GemmTiles:
     join: bool = False
     n_major: bool = False
     tail_m: int = 0
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -557,8 +560,10 @@ class GemmTiles:
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"GemmTiles: bad num_warps={self.num_warps} / "
                              f"num_stages={self.num_stages}")
-        if (self.join or self.n_major) and not self.tma:
-            raise ValueError("GemmTiles: join and n_major need tma=True")
+        if (self.join or self.n_major or self.gluon) and not self.tma:
+            raise ValueError("GemmTiles: join, n_major and gluon need tma=True")
+        if self.gluon and self.tail_m:
+            raise ValueError("GemmTiles: the gluon kernel has no tail tiles (tail_m=0)")
         if self.tail_m and not (self.tma and 16 <= self.tail_m < self.block_m
                                 and not self.tail_m & (self.tail_m - 1)):
             raise ValueError(f"GemmTiles: tail_m={self.tail_m} must be 0, or with tma=True a "
@@ -598,14 +603,16 @@ class MoeLaunch:
 # Qwen3-30B-A3B 32768 rows (scripts/moe_bench.py --grid tails, same call): the FFN 700-710
 # us against 739 without; alone, gate_up 457 -> 445 us, down 252 -> 249. Mixtral-8x7B at
 # 8192 rows (1024 an expert: < 6% padding) was 3.5% slower with them (4736 against 4575
-# us), so larger calls take _PREFILL.
+# us), so larger calls take _PREFILL, whose down GEMM runs moe_gluon's persistent kernel on
+# Hopper (Qwen3-30B-A3B at 131,072 rows, a 16,384-token step: 770 -> 698 us, the same bits;
+# scripts/moe_bench.py --grid gluon). The 512-row bucket keeps its Triton tail tiles.
 _PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True),
-                     GemmTiles(128, 256, 8, 4, tma=True))
+                     GemmTiles(128, 256, 8, 4, tma=True, gluon=True))
 _BY_ROWS_PER_EXPERT = (
     (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
     (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))),
     (512, MoeLaunch(dataclasses.replace(_PREFILL.up, tail_m=64),
-                    dataclasses.replace(_PREFILL.down, tail_m=64))))
+                    dataclasses.replace(_PREFILL.down, tail_m=64, gluon=False))))
 # The align pass (_align) in chunks from this many rows: one program per expert scanning
 # every id twice took 21.6 / 82.3 us at 32,768 / 131,072 rows and 128 experts on an H100,
 # the chunked pass 13.1 / 17.9; below ~16k rows the one-launch pass is faster (4,096 rows:
@@ -705,6 +712,10 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **(_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None)
            if pdl_ok else {"PDL": False}))
+    if (tiles.gluon and grouping is not None and not (gather or swiglu) and scatter
+            and moe_gluon.applies(a, w)):
+        moe_gluon.launch(a, w, offsets, order, out, num_sms(a.device))
+        return out
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
