@@ -15,7 +15,8 @@ call's launch with the previous call's tail, as in a captured decode step); the 
 a layer (the QKV projection, o_proj) minus that linear alone. PDL modes: off
 (``MEGASERVE_PDL=0``), auto (where each tree's launch puts it). Every rotary launch is
 checked bitwise (q and both caches) against the base kernel's output. ``--smoke``: a CPU
-dry run under TRITON_INTERPRET=1 (tiny shapes, float16, host timings).
+dry run under TRITON_INTERPRET=1 (tiny shapes, float16, host timings; the base tree is this
+one unless ``--base`` names another).
 """
 
 from __future__ import annotations
@@ -47,9 +48,20 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     under test there)."""
     return x @ w.T if SMOKE else ti.linear(x, w)
 
-# (rows, warps, tiles) of attention.RotaryLaunch
-LAUNCHES = [(1, 1, 1), (4, 4, 1), (8, 8, 1), (16, 16, 1), (4, 4, 4), (8, 2, 1), (16, 2, 1),
-            (16, 4, 1), (32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 16, 1)]
+# Launches timed beside the default: tiles of (token, head) rows (rows, warps, tiles), then
+# tiles of tokens with all their heads (tokens, warps, tiles)
+LAUNCHES = [attention.RotaryLaunch(rows, warps, tiles) for rows, warps, tiles in (
+    (1, 1, 1), (4, 4, 1), (8, 8, 1), (16, 16, 1), (4, 4, 4), (8, 2, 1), (16, 2, 1), (16, 4, 1),
+    (32, 4, 1), (16, 4, 2), (32, 8, 1), (64, 16, 1))] + [
+    attention.RotaryLaunch(warps=warps, tiles=tiles, tokens=tokens) for tokens, warps, tiles in (
+        (1, 2, 1), (1, 4, 1), (1, 8, 1), (2, 4, 1), (2, 8, 1), (4, 8, 1), (1, 4, 2), (1, 4, 4))]
+
+
+def _name(launch: attention.RotaryLaunch) -> str:
+    """``r<rows>w<warps>x<tiles>`` for tiles of rows, ``t<tokens>w<warps>x<tiles>`` for
+    tiles of tokens."""
+    size = f"t{launch.tokens}" if launch.tokens else f"r{launch.rows}"
+    return f"{size}w{launch.warps}x{launch.tiles}"
 
 
 def _load_base(base: Path, name: str):
@@ -129,7 +141,7 @@ def bench_rotary(base, args, rows: list[dict]) -> list[dict]:
         ref_q = base.rotary_and_cache(*inputs, *ref_caches, slots, hq)
         num_rows = t * (hq + 2 * hkv)
         variants = [("base", None), ("default", None)]
-        variants += [("r{}w{}x{}".format(*x), attention.RotaryLaunch(*x)) for x in LAUNCHES]
+        variants += [(_name(x), x) for x in LAUNCHES]
         for name, launch in variants:
             if name == "base":
                 def fn():
@@ -146,7 +158,7 @@ def bench_rotary(base, args, rows: list[dict]) -> list[dict]:
                     failures.append(f"T={t} {name}")
             chosen = launch or (attention.rotary_launch(num_rows, True) if name == "default"
                                 else None)
-            chosen = chosen and "r{}w{}x{}".format(chosen.rows, chosen.warps, chosen.tiles)
+            chosen = chosen and _name(chosen)
             for mode in ("off", "auto"):
                 with _pdl(mode):
                     us = _time_us(fn, args.iters, args.reps)
@@ -201,7 +213,7 @@ def bench_pairs(base, base_rowwise, args, rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, required=True, help="base tree (git archive)")
+    parser.add_argument("--base", type=Path, required=not SMOKE, help="base tree (git archive)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1000, 4096])
     parser.add_argument("--pair-tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--hq", type=int, default=32)
@@ -214,6 +226,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU dry run (module docstring)")
+    if SMOKE:  # tiny shapes under the interpreter; 11 tokens leave a tail tile
+        parser.set_defaults(base=Path(__file__).resolve().parents[1], tokens=[1, 11],
+                            pair_tokens=[8], hq=6, hkv=2, dh=64, hidden=64, experts=8,
+                            iters=1, pair_iters=1, reps=1)
     args = parser.parse_args()
     if args.smoke:
         sys.path.insert(0, str(Path(__file__).parent))

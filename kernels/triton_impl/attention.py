@@ -186,36 +186,73 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 @dataclass(frozen=True)
 class RotaryLaunch:
     """How a rotary_and_cache call is launched: grid and warps only, never the bits (a row
-    is laid out as a one-warp program over it alone lays it out; see the kernel)."""
+    is laid out as a one-warp program over it alone lays it out; see the kernels).
 
-    rows: int = 1  # (token, head) rows per tile
+    Tiles of ``rows`` consecutive (token, head) rows (:func:`_rotary_cache_kernel`), or with
+    ``tokens``, tiles of that many tokens and all their heads (:func:`_rotary_tokens_kernel`:
+    a token's cos/sin rows, position and slot are loaded once for its heads)."""
+
+    rows: int = 1  # (token, head) rows per tile; 1 with tokens
     warps: int = 1  # warps per program; rows / warps rows a warp
     tiles: int = 1  # tiles per program, one after another
+    tokens: int = 0  # if > 0: tokens per tile, each with all its heads
 
     def __post_init__(self) -> None:
         for name in ("rows", "warps", "tiles"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"RotaryLaunch: {name}={v} must be a power of two")
-        if self.rows % self.warps:
+        if self.tokens < 0 or self.tokens & (self.tokens - 1):
+            raise ValueError(f"RotaryLaunch: tokens={self.tokens} must be 0 or a power of two")
+        if self.tokens and self.rows != 1:
+            raise ValueError(f"RotaryLaunch: rows={self.rows} with tokens={self.tokens}: "
+                             "a token tile holds all heads, leave rows at 1")
+        if not self.tokens and self.rows % self.warps:
             raise ValueError(f"RotaryLaunch: rows={self.rows} not a multiple of "
                              f"warps={self.warps}")
+
+    @property
+    def one_row(self) -> bool:
+        """One (token, head) row a tile: the launch for every row, where the others need
+        rows that :func:`_tileable` accepts."""
+        return self.rows == 1 and not self.tokens
 
 
 # Launches by (token, head) rows (scripts/rotary_bench.py on an H100, Qwen3-30B-A3B's 32 + 2
 # x 4 heads of 128, PDL on; one row a program was 1.35 / 1.55 / 3.87 / 8.75 / 26.7 / 102 us
 # at 1 / 8 / 64 / 256 / 1000 / 4096 tokens): one row a program below 1024 rows; 8 warps
-# of one row each to 8192 (64 tokens: 2.20 us); then 16 rows over 4 warps (256 / 1000 /
-# 4096 tokens: 4.51 / 11.6 / 47.1 us).
+# of one row each to 8192 (64 tokens: 2.20 us); then a token a program, its 40 heads over
+# 4 warps. Tiles of 16 rows over 4 warps took 4.51 / 11.6 / 47.1 us there (256 / 1000 /
+# 4096 tokens; 4096 tokens move ~84 MB, ~28 us at 3 TB/s), each row loading its token's
+# cos/sin rows again; the token tiles' H100 time is not measured yet.
 ROTARY_ONE_ROW = RotaryLaunch()
 ROTARY_DECODE = RotaryLaunch(rows=8, warps=8)
-ROTARY_PREFILL = RotaryLaunch(rows=16, warps=4)
+ROTARY_PREFILL = RotaryLaunch(warps=4, tokens=1)
 _ROTARY_TILED_ROWS = 1024
 _ROTARY_PREFILL_ROWS = 8192
 # The one-row launch without PDL above this many programs: a grid of many one-warp
 # programs ran ~2x slower with PDL on an H100 (4096 tokens x 40 heads: 198 vs 102 us;
 # 256 tokens: 13.2 vs 8.7 us).
 _ROTARY_PDL_ONE_ROW_PROGRAMS = 4096
+
+
+@triton.jit
+def _partner(ptrs, lo, lo_mask, hi_mask, HALF: tl.constexpr):
+    """rotate_half's partner of each column j of the rows at ``ptrs``: j + HALF in the first
+    half (``lo``), j - HALF after; two contiguous loads, laid out like the rows."""
+    return tl.where(lo, tl.load(ptrs + HALF, mask=lo_mask, other=0.0),
+                    tl.load(ptrs - HALF, mask=hi_mask, other=0.0))
+
+
+@triton.jit
+def _rotate(x, xp, c, s, lo, NO_CONTRACT: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` elementwise, each product and the sum rounded to
+    x's dtype; xp: each column's rotate_half partner (:func:`_partner`)."""
+    dtype = x.dtype
+    rot = tl.where(lo, -xp, xp)
+    a = mul_rounded(x.to(tl.float32), c.to(tl.float32), NO_CONTRACT).to(dtype)
+    b = mul_rounded(rot.to(tl.float32), s.to(tl.float32), NO_CONTRACT).to(dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -252,11 +289,9 @@ def _rotary_cache_kernel(
     hi = mask & (cols >= HALF)
     if HAS_NORM:  # the per-head RMSNorm weights, each column's rotary partner alike
         qw = tl.load(qw_ptr + cols, mask=mask, other=0.0)
-        qwp = tl.where(lo, tl.load(qw_ptr + cols + HALF, mask=lo, other=0.0),
-                       tl.load(qw_ptr + cols - HALF, mask=hi, other=0.0))
+        qwp = _partner(qw_ptr + cols, lo, lo, hi, HALF)
         kw = tl.load(kw_ptr + cols, mask=mask, other=0.0)
-        kwp = tl.where(lo, tl.load(kw_ptr + cols + HALF, mask=lo, other=0.0),
-                       tl.load(kw_ptr + cols - HALF, mask=hi, other=0.0))
+        kwp = _partner(kw_ptr + cols, lo, lo, hi, HALF)
     for tile in tl.static_range(TILES):
         rows = (tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)  # [R]
         live = rows < num_rows
@@ -278,11 +313,8 @@ def _rotary_cache_kernel(
         src = (qkv_ptr + tok * stride_qkv + head * Dh)[:, None] + cols[None, :]  # [R, BLOCK_D]
         x = tl.load(src, mask=live[:, None] & mask[None, :], other=0.0)
         raw = x  # a v row is copied as loaded
-        # rotate_half's partner of column j: j + HALF in the first half, j - HALF after
-        # (two contiguous loads, laid out like the row itself)
-        xp = tl.where(lo[None, :],
-                      tl.load(src + HALF, mask=rope[:, None] & lo[None, :], other=0.0),
-                      tl.load(src - HALF, mask=rope[:, None] & hi[None, :], other=0.0))
+        xp = _partner(src, lo[None, :], rope[:, None] & lo[None, :], rope[:, None] & hi[None, :],
+                      HALF)
         if HAS_NORM:  # the per-head RMSNorm of rms_norm, its partner column alike
             w = tl.where(is_q[:, None], qw[None, :], kw[None, :])
             wp = tl.where(is_q[:, None], qwp[None, :], kwp[None, :])
@@ -290,11 +322,7 @@ def _rotary_cache_kernel(
             rstd = rms_rstd_rows(h, Dh, eps)
             x = rms_apply(h, rstd, w, dtype)
             xp = rms_apply(xp.to(tl.float32), rstd, wp, dtype)
-        rot = tl.where(lo[None, :], -xp, xp)
-        # x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype
-        a = mul_rounded(x.to(tl.float32), c.to(tl.float32), NO_CONTRACT).to(dtype)
-        b = mul_rounded(rot.to(tl.float32), s.to(tl.float32), NO_CONTRACT).to(dtype)
-        y = (a.to(tl.float32) + b.to(tl.float32)).to(dtype)
+        y = _rotate(x, xp, c, s, lo[None, :], NO_CONTRACT)
         q_dst = (q_ptr + tok * stride_qt + head * Dh)[:, None] + cols[None, :]
         tl.store(q_dst, y, mask=(live & is_q)[:, None] & mask[None, :])
         # negative slots: padding tokens, nothing written
@@ -304,6 +332,91 @@ def _rotary_cache_kernel(
                  mask=(kv_row & rope & ~is_q)[:, None] & mask[None, :])
         tl.store(vc_ptr + cache - NUM_KV_HEADS * Dh, raw.to(vc_ptr.dtype.element_ty),
                  mask=(kv_row & is_v)[:, None] & mask[None, :])
+
+
+@triton.jit
+def _norm_heads(x, xp, w, wp, Dh, eps):
+    """The per-head RMSNorm of a tile ``x`` `[heads, tokens, BLOCK_D]` and of its partner
+    columns ``xp`` alike: each (head, token) row reduced by :func:`rms_rstd_rows` on the
+    tile seen as `[heads * tokens, BLOCK_D]` (a view: the rows keep their layout)."""
+    HEADS: tl.constexpr = x.shape[0]
+    TOKENS: tl.constexpr = x.shape[1]
+    BLOCK_D: tl.constexpr = x.shape[2]
+    h = x.to(tl.float32)
+    rstd = rms_rstd_rows(tl.reshape(h, [HEADS * TOKENS, BLOCK_D]), Dh, eps)  # [H * T, 1]
+    rstd = tl.reshape(rstd, [HEADS, TOKENS, 1])
+    return rms_apply(h, rstd, w, x.dtype), rms_apply(xp.to(tl.float32), rstd, wp, x.dtype)
+
+
+@triton.jit
+def _rotary_tokens_kernel(
+        # Pointers
+        qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+        # Shapes and strides
+        num_tokens, Dh, eps, stride_qkv, stride_cos, stride_sin, stride_qt,
+        # Meta-parameters
+        NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
+        KV_PAD: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+        NO_CONTRACT: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
+        TILES: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_rotary_cache_kernel`'s arithmetic over tiles of TOKENS consecutive tokens
+    and all their heads, TILES tiles a program: q heads as `[Q_PAD, TOKENS, BLOCK_D]`, k
+    and v heads as `[KV_PAD, TOKENS, BLOCK_D]` (heads past Hq / Hkv masked), each token's
+    cos/sin rows `[1, TOKENS, BLOCK_D]`, position and slot loaded once and broadcast over
+    its heads. Every load of a tile comes before its first store (no compiler hoists a load
+    above a store that may alias it), so a tile's reads are all in flight at once.
+
+    NOTE: each (head, token) row is laid out as in :func:`_rotary_cache_kernel`'s NOTE
+    (one warp's lanes, BLOCK_D / 32 contiguous columns a thread) on the same conditions,
+    plus one: every tile holds at least a row a warp (``Q_PAD * TOKENS`` and ``KV_PAD *
+    TOKENS >= num_warps``; the wrapper pads the heads so). Triton narrows the accesses of
+    a tile with fewer elements than BLOCK_D / 32 a thread, and splits its rows over warps.
+    """
+    cols = tl.max_contiguous(tl.arange(0, BLOCK_D), BLOCK_D // 32)[None, None, :]
+    mask = cols < Dh  # [1, 1, BLOCK_D]
+    lo = cols < HALF
+    hi = mask & (cols >= HALF)
+    q_heads = tl.arange(0, Q_PAD)[:, None, None]  # [Q_PAD, 1, 1]
+    kv_heads = tl.arange(0, KV_PAD)[:, None, None]  # [KV_PAD, 1, 1]
+    if HAS_NORM:  # the per-head RMSNorm weights, each column's rotary partner alike
+        qw = tl.load(qw_ptr + cols, mask=mask, other=0.0)
+        qwp = _partner(qw_ptr + cols, lo, lo, hi, HALF)
+        kw = tl.load(kw_ptr + cols, mask=mask, other=0.0)
+        kwp = _partner(kw_ptr + cols, lo, lo, hi, HALF)
+    for tile in tl.static_range(TILES):
+        first = (tl.program_id(0) * TILES + tile) * TOKENS
+        tok = first + tl.arange(0, TOKENS)[None, :, None]  # [1, T, 1]
+        live = tok < num_tokens
+        tok = tok.to(tl.int64)
+        # Weights, tables and the step's positions and slots (pdl's NOTE: not written by
+        # the previous kernel) are read before the wait; qkv after it.
+        slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + tok, mask=live, other=0)
+        c = tl.load(cos_ptr + pos * stride_cos + cols, mask=live & mask, other=0.0)  # [1, T, D]
+        s = tl.load(sin_ptr + pos * stride_sin + cols, mask=live & mask, other=0.0)
+        if tile == 0:
+            pdl.wait_then_release(PDL)
+        row = qkv_ptr + tok * stride_qkv + cols  # [1, T, BLOCK_D]: the token's first head
+        q_live = live & (q_heads < NUM_Q_HEADS)  # [Q_PAD, T, 1]
+        kv_live = live & (kv_heads < NUM_KV_HEADS)  # [KV_PAD, T, 1]
+        q_src = row + q_heads * Dh  # [Q_PAD, T, BLOCK_D]
+        k_src = row + (NUM_Q_HEADS + kv_heads) * Dh  # [KV_PAD, T, BLOCK_D]
+        xq = tl.load(q_src, mask=q_live & mask, other=0.0)
+        xqp = _partner(q_src, lo, q_live & lo, q_live & hi, HALF)
+        xk = tl.load(k_src, mask=kv_live & mask, other=0.0)
+        xkp = _partner(k_src, lo, kv_live & lo, kv_live & hi, HALF)
+        v = tl.load(k_src + NUM_KV_HEADS * Dh, mask=kv_live & mask, other=0.0)
+        if HAS_NORM:
+            xq, xqp = _norm_heads(xq, xqp, qw, qwp, Dh, eps)
+            xk, xkp = _norm_heads(xk, xkp, kw, kwp, Dh, eps)
+        q_dst = q_ptr + tok * stride_qt + q_heads * Dh + cols
+        tl.store(q_dst, _rotate(xq, xqp, c, s, lo, NO_CONTRACT), mask=q_live & mask)
+        # negative slots: padding tokens, nothing written
+        cache = (slot * NUM_KV_HEADS + kv_heads) * Dh + cols  # [KV_PAD, T, BLOCK_D]
+        kv_row = kv_live & (slot >= 0) & mask
+        k = _rotate(xk, xkp, c, s, lo, NO_CONTRACT)
+        tl.store(kc_ptr + cache, k.to(kc_ptr.dtype.element_ty), mask=kv_row)
+        tl.store(vc_ptr + cache, v.to(vc_ptr.dtype.element_ty), mask=kv_row)
 
 
 def rotary_launch(num_rows: int, tileable: bool) -> RotaryLaunch:
@@ -318,7 +431,7 @@ def rotary_launch(num_rows: int, tileable: bool) -> RotaryLaunch:
 
 def _tileable(block_d: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> bool:
     """Whether a launch of several rows a program lays each row out as one row a program
-    does (the kernel's NOTE): rows of 64 columns or more that fit one warp's lanes in
+    does (:func:`_rotary_cache_kernel`'s NOTE): rows of 64 columns or more that fit one warp's lanes in
     accesses of at most 16 bytes, which Triton can use (it sizes accesses from what it
     knows when it compiles: 16-byte aligned tensors, integers divisible by 16)."""
     return (64 <= block_d and block_d * tensors[0].element_size() <= 32 * 16
@@ -331,10 +444,10 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      num_q_heads: int, *, launch: RotaryLaunch | None = None) -> torch.Tensor:
     """See ``megaserve.kernels.api.rotary_and_cache``: programs over tiles of (token, head)
-    rows, each row laid out as :func:`rms_norm`'s one-warp program lays out a head; no
-    host synchronisation. ``launch`` (default :func:`rotary_launch`) never changes the
-    bits; one that could (several rows a program where :func:`_tileable` is false) raises
-    ``ValueError``."""
+    rows or of tokens with all their heads, each row laid out as :func:`rms_norm`'s one-warp
+    program lays out a head; no host synchronisation. ``launch`` (default
+    :func:`rotary_launch`) never changes the bits; one that could (other than one row a
+    tile where :func:`_tileable` is false) raises ``ValueError``."""
     t = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if head_dim % 2 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim:
@@ -356,20 +469,31 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     tileable = _tileable(block_d, (qkv, q, cos, sin, k_cache, v_cache),
                          (head_dim, qkv.stride(0), cos.stride(0), sin.stride(0)))
     launch = launch or rotary_launch(num_rows, tileable)
-    if launch.rows > 1 and not tileable:
+    if not (launch.one_row or tileable):
         raise ValueError(f"rotary_and_cache: {launch} could reorder a row's norm here "
                          f"(head dim {head_dim}, {qkv.dtype}, alignment): use ROTARY_ONE_ROW")
-    if t:
-        norm_w = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)
-        programs = triton.cdiv(num_rows, launch.rows * launch.tiles)
-        with_pdl = launch.rows > 1 or programs <= _ROTARY_PDL_ONE_ROW_PROGRAMS
-        _rotary_cache_kernel[(programs,)](
-            qkv, positions, cos, sin, *norm_w, q, k_cache, v_cache, slot_mapping, num_rows,
-            head_dim, float(eps), qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
-            HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(), BLOCK_D=block_d,
-            ROWS=launch.rows, TILES=launch.tiles, num_warps=launch.warps,
-            **(pdl.launch_args(q.device) if with_pdl else {"PDL": False}))
+    if not t:
+        return q
+    norm_w = (q_norm, k_norm) if q_norm is not None else (qkv, qkv)
+    args = (qkv, positions, cos, sin, *norm_w, q, k_cache, v_cache, slot_mapping)
+    # the kernels' shapes and strides after their row / token count
+    dims = (head_dim, float(eps), qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0))
+    meta = dict(NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+                HAS_NORM=q_norm is not None, NO_CONTRACT=no_contract(), BLOCK_D=block_d,
+                TILES=launch.tiles, num_warps=launch.warps)
+    if launch.tokens:
+        min_heads = max(1, launch.warps // launch.tokens)  # the kernel's NOTE: a row a warp
+        _rotary_tokens_kernel[(triton.cdiv(t, launch.tokens * launch.tiles),)](
+            *args, t, *dims, **meta, TOKENS=launch.tokens,
+            Q_PAD=max(triton.next_power_of_2(num_q_heads), min_heads),
+            KV_PAD=max(triton.next_power_of_2(num_kv_heads), min_heads),
+            **pdl.launch_args(q.device))
+        return q
+    programs = triton.cdiv(num_rows, launch.rows * launch.tiles)
+    with_pdl = not launch.one_row or programs <= _ROTARY_PDL_ONE_ROW_PROGRAMS
+    _rotary_cache_kernel[(programs,)](
+        *args, num_rows, *dims, **meta, ROWS=launch.rows,
+        **(pdl.launch_args(q.device) if with_pdl else {"PDL": False}))
     return q
 
 

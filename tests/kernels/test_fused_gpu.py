@@ -11,6 +11,8 @@ is still batch-invariant, and the CUDA engine never runs float32 (``linear`` ref
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,16 +35,16 @@ def test_rotary_and_cache_gpu(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES[:2])
 def test_rotary_and_cache_prefill_launches_gpu(dtype: torch.dtype) -> None:
-    """Prefill sizes, where the default launch tiles many (token, head) rows per program:
-    each launch bitwise equal to the unfused kernels, to the default launch and to the
-    float64 reference, at a 4096-token chunk and an odd token count."""
+    """Prefill sizes, where the default launch tiles tokens with all their heads: each
+    launch (row tiles, token tiles) bitwise equal to the unfused kernels, to the default
+    launch and to the float64 reference, at a 4096-token chunk and an odd token count."""
     import megaserve.kernels.triton_impl as ti
 
     torch.manual_seed(0)
-    prefill = ti.attention.ROTARY_PREFILL
     launches = checks.ROTARY_LAUNCHES + [
-        (prefill.rows, prefill.warps, prefill.tiles), (8, 8, 1), (4, 4, 4), (32, 32, 1),
-        (16, 16, 2), (32, 8, 1), (64, 16, 1), (16, 4, 2), (16, 2, 1)]
+        dataclasses.astuple(ti.attention.ROTARY_PREFILL), (8, 8, 1), (4, 4, 4), (32, 32, 1),
+        (16, 16, 2), (32, 8, 1), (64, 16, 1), (16, 4, 2), (16, 2, 1), (1, 8, 1, 1),
+        (1, 4, 1, 2), (1, 8, 1, 2), (1, 4, 2, 1), (1, 8, 1, 4)]
     checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=4096,
                                   launches=launches)
     checks.check_rotary_and_cache(torch, ti, "cuda", [dtype], [(32, 4, 128)], t=1000,

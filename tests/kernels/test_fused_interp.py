@@ -49,10 +49,13 @@ def _rotary_ref(torch, x, cos, sin, positions, w, eps):
     return x * cos[positions][:, None].double() + rotated * sin[positions][:, None].double()
 
 
-# rotary_and_cache launches (rows, warps, tiles: RotaryLaunch) beside the default: one row
-# a program, a tail tile, several tiles a program, several rows a warp, a token's rows
-# over programs
-ROTARY_LAUNCHES = [(1, 1, 1), (4, 4, 2), (16, 4, 1), (8, 2, 2)]
+# rotary_and_cache launches (rows, warps, tiles[, tokens]: RotaryLaunch) beside the default:
+# one row a program, a tail tile, several tiles a program, several rows a warp, a token's
+# rows over programs; then tiles of tokens with all their heads: a token over 4 warps (the
+# prefill default), 4 tokens a tile and 2 tiles a program (a tail), 2 tokens over 8 warps
+# (heads padded to a row a warp)
+ROTARY_LAUNCHES = [(1, 1, 1), (4, 4, 2), (16, 4, 1), (8, 2, 2), (1, 4, 1, 1), (1, 2, 2, 4),
+                   (1, 8, 1, 2)]
 
 
 def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
@@ -64,7 +67,8 @@ def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
     from megaserve.kernels.cpu import composed_rotary_and_cache
 
     dtypes = dtypes or [torch.float32, torch.float16]
-    shapes = shapes or [(4, 2, 16), (8, 2, 48), (2, 1, 64)]  # (Hq, Hkv, Dh)
+    # (Hq, Hkv, Dh): narrow heads, a padded head, 6 + 2 + 2 heads of 64 and 128
+    shapes = shapes or [(4, 2, 16), (8, 2, 48), (2, 1, 64), (6, 2, 64), (6, 2, 128)]
     eps, bs = 1e-6, 4
     nb = t // bs + 3
     for dtype in dtypes:
@@ -114,9 +118,9 @@ def check_rotary_and_cache(torch, ti, device="cpu", dtypes=None, shapes=None,
                     sub = ti.rotary_and_cache(qkv[rows], positions[rows], cos, sin, qn, kn,
                                               eps, *c2, slots[rows], hq)
                     assert torch.equal(sub, q[rows]), f"{what}: rows {rows} changed with T"
-                for rows_warps_tiles in ROTARY_LAUNCHES if launches is None else launches:
-                    launch = ti.attention.RotaryLaunch(*rows_warps_tiles)
-                    if launch.rows > 1 and dh <= 32:  # refused: a narrow head
+                for spec in ROTARY_LAUNCHES if launches is None else launches:
+                    launch = ti.attention.RotaryLaunch(*spec)
+                    if not launch.one_row and dh <= 32:  # refused: a narrow head
                         continue
                     c2 = [torch.full(shape, float("nan"), device=device, dtype=dtype)
                           for _ in range(2)]
