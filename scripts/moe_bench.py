@@ -25,8 +25,8 @@ tiles of 32 or 64 rows), each checked bitwise, in --workers parallel processes
 (which also fill Triton's cache for the timings), against the planned launch and the old
 prefill launch (pointer loads, K step 64); cells are timed until --deadline. --tokens: a
 MoE layer's dispatch at T tokens, top-k: x expanded to [T*k, D] then expert_ffn (the old
-LocalExperts.dispatch) against expert_ffn(x, rows_per_token=k). --gluon: the down GEMM
-alone at each size, the planned prefill launch's Triton TMA kernel (gluon=False) against
+LocalExperts.dispatch) against expert_ffn(x, rows_per_token=k). --gluon: each GEMM alone
+at each size, the planned prefill launch's Triton TMA kernels (gluon=False) against
 moe_gluon's persistent kernel (Hopper), bitwise:
 
     python scripts/moe_bench.py --rows 32768,131072 --rows-per-token 8 --tokens '' \
@@ -163,7 +163,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10, help="calls per graph replay")
     p.add_argument("--tokens", default="1,8,64,256", help="dispatch timing ('' to skip)")
     p.add_argument("--out", default=".")
-    p.add_argument("--gluon", action="store_true", help="down GEMM: Triton vs moe_gluon")
+    p.add_argument("--gluon", action="store_true", help="each GEMM: Triton vs moe_gluon")
     args = p.parse_args()
     t0 = time.time()
     shape = SHAPES[args.shape]
@@ -211,7 +211,7 @@ def main() -> None:
                 same = all(torch.equal(ffn(fn, j), ref[j]) for j in range(layers))
             report(name, us, same)
         if args.gluon:
-            row["down_gluon"] = down_gluon(x, ids, wgu, wd, k_rows, e, peak, args.reps)
+            row["gluon"] = gemms_gluon(x, ids, wgu, wd, k_rows, e, peak, args.reps)
         row["align_us"] = graph_time_us(lambda: moe._align(ids[0], e))
         print(f"{r:>6} align {row['align_us']:.1f} us", flush=True)
         if args.sweep and str(r) in (args.sweep_rows or str(r)).split(","):
@@ -234,35 +234,46 @@ def main() -> None:
         out_file.write_text(json.dumps(results, indent=1))
 
 
-def down_gluon(x, ids, wgu, wd, rows_per_token: int, e: int, peak: float, reps: int) -> dict:
-    """The down GEMM of each layer alone: the prefill launch's Triton TMA kernel against
-    moe_gluon's (us per call, the median of three alternating timings; TFLOP/s; bitwise)."""
+def gemms_gluon(x, ids, wgu, wd, rows_per_token: int, e: int, peak: float, reps: int) -> dict:
+    """Each layer's gate_up and down GEMM alone: the prefill launch's Triton TMA kernels
+    against moe_gluon's (us per call, the median of three alternating timings; TFLOP/s;
+    bitwise on the rows written)."""
     layers = len(ids)
     grouping = [moe._align(t, e) for t in ids]
-    hidden = [moe._expert_gemm(x, wgu[j], ids[j], grouping[j], moe._PREFILL.up, swiglu=True,
-                               gather=True, scatter=False, rows_per_token=rows_per_token)
-              for j in range(layers)]
+    routed = [t < e for t in ids]
+    written = [int(g[0][e]) for g in grouping]
+
+    def up(j, gluon):
+        tiles = dataclasses.replace(moe._PREFILL.up, gluon=gluon)
+        return moe._expert_gemm(x, wgu[j], ids[j], grouping[j], tiles, swiglu=True,
+                                gather=True, scatter=False, rows_per_token=rows_per_token)
+
+    hidden = [up(j, False) for j in range(layers)]
 
     def down(j, gluon):
         tiles = dataclasses.replace(moe._PREFILL.down, gluon=gluon)
         return moe._expert_gemm(hidden[j], wd[j], ids[j], grouping[j], tiles, swiglu=False,
-                                gather=False, scatter=True, pdl_ok=False)
+                                gather=False, scatter=True)
 
-    flops = ids[0].shape[0] * 2 * wd[0].shape[1] * wd[0].shape[2]
-    times = {"triton": [], "gluon": []}
-    for _ in range(3):  # alternating: a long run slows the clocks of whatever comes after
-        for name, gluon in (("triton", False), ("gluon", True)):
-            times[name].append(graph_time_us(
-                lambda g=gluon: [down(j, g) for j in range(layers)], reps) / layers)
     out = {}
-    for name, ts in times.items():
-        us = sorted(ts)[1]
-        out[name] = {"us": us, "tflops": flops / us / 1e6}
-    out["bits_equal"] = all(torch.equal(down(j, True), down(j, False)) for j in range(layers))
-    print(f"{ids[0].shape[0]:>6} down GEMM: triton {out['triton']['us']:.1f} us "
-          f"({out['triton']['tflops']:.0f} TFLOP/s), gluon {out['gluon']['us']:.1f} us "
-          f"({out['gluon']['tflops']:.0f} TFLOP/s, {out['gluon']['tflops'] * 1e12 / peak:.0%} "
-          f"of matmul), bits equal {out['bits_equal']}", flush=True)
+    for name, fn, flops, rows in (
+            ("gate_up", up, ids[0].shape[0] * 2 * wgu[0].shape[1] * wgu[0].shape[2],
+             lambda j: slice(0, written[j])),
+            ("down", down, ids[0].shape[0] * 2 * wd[0].shape[1] * wd[0].shape[2],
+             lambda j: routed[j])):
+        times = {False: [], True: []}
+        for _ in range(3):  # alternating: a long run slows the clocks of what comes after
+            for gluon in (False, True):
+                times[gluon].append(graph_time_us(
+                    lambda g=gluon, f=fn: [f(j, g) for j in range(layers)], reps) / layers)
+        us = {g: sorted(ts)[1] for g, ts in times.items()}
+        same = all(torch.equal(fn(j, True)[rows(j)], fn(j, False)[rows(j)])
+                   for j in range(layers))
+        out[name] = {"triton_us": us[False], "gluon_us": us[True], "bits_equal": same}
+        print(f"{ids[0].shape[0]:>6} {name} GEMM: triton {us[False]:.1f} us "
+              f"({flops / us[False] / 1e6:.0f} TFLOP/s), gluon {us[True]:.1f} us "
+              f"({flops / us[True] / 1e6:.0f} TFLOP/s, {flops / us[True] * 1e6 / peak:.0%} of "
+              f"matmul), bits equal {same}", flush=True)
     return out
 
 

@@ -534,8 +534,9 @@ class GemmTiles:
     NOTE). tail_m (tma; 0: none): a tile with at most tail_m of its expert's rows left
     (the expert's last tile) runs with tail_m rows (less padding; the same tiles in the
     same order, so it reads its weights from L2 after the expert's other row tiles).
-    gluon (tma, the down GEMM): on Hopper, :mod:`moe_gluon`'s persistent kernel with its own
-    128 x 256 tiles (the same bits; block sizes, warps and stages here apply elsewhere).
+    gluon (tma): on Hopper, :mod:`moe_gluon`'s persistent kernel with its own tiles where it
+    applies (``moe_gluon.applies``; the same bits; block sizes, warps and stages here apply
+    elsewhere).
     """
 
     block_m: int
@@ -603,15 +604,15 @@ class MoeLaunch:
 # Qwen3-30B-A3B 32768 rows (scripts/moe_bench.py --grid tails, same call): the FFN 700-710
 # us against 739 without; alone, gate_up 457 -> 445 us, down 252 -> 249. Mixtral-8x7B at
 # 8192 rows (1024 an expert: < 6% padding) was 3.5% slower with them (4736 against 4575
-# us), so larger calls take _PREFILL, whose down GEMM runs moe_gluon's persistent kernel on
-# Hopper (Qwen3-30B-A3B at 131,072 rows, a 16,384-token step: 770 -> 698 us, the same bits;
-# scripts/moe_bench.py --grid gluon). The 512-row bucket keeps its Triton tail tiles.
-_PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True),
+# us), so larger calls take _PREFILL, whose GEMMs run moe_gluon's persistent kernel on
+# Hopper where it applies (the same bits; timings at moe_gluon.SWIGLU_MAX_N). The 512-row
+# bucket keeps its Triton tail tiles.
+_PREFILL = MoeLaunch(GemmTiles(128, 128, 8, 4, tma=True, join=True, n_major=True, gluon=True),
                      GemmTiles(128, 256, 8, 4, tma=True, gluon=True))
 _BY_ROWS_PER_EXPERT = (
     (4, MoeLaunch(GemmTiles(16, 32, 4, 3, 128), GemmTiles(16, 128, 4, 3, 128))),
     (64, MoeLaunch(GemmTiles(64, 64, 4, 4, 128), GemmTiles(64, 128, 4, 4, 128))),
-    (512, MoeLaunch(dataclasses.replace(_PREFILL.up, tail_m=64),
+    (512, MoeLaunch(dataclasses.replace(_PREFILL.up, tail_m=64, gluon=False),
                     dataclasses.replace(_PREFILL.down, tail_m=64, gluon=False))))
 # The align pass (_align) in chunks from this many rows: one program per expert scanning
 # every id twice took 21.6 / 82.3 us at 32,768 / 131,072 rows and 128 experts on an H100,
@@ -712,9 +713,10 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **(_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None)
            if pdl_ok else {"PDL": False}))
-    if (tiles.gluon and grouping is not None and not (gather or swiglu) and scatter
-            and moe_gluon.applies(a, w)):
-        moe_gluon.launch(a, w, offsets, order, out, num_sms(a.device))
+    if (tiles.gluon and grouping is not None
+            and moe_gluon.applies(a, w, gather=gather, swiglu=swiglu, scatter=scatter)):
+        moe_gluon.launch(a, w, offsets, order, out, num_sms(a.device), swiglu=swiglu,
+                         rows_per_token=rows_per_token)
         return out
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1

@@ -359,36 +359,45 @@ def test_moe_and_sampling() -> None:
         assert int(sample(lp[r : r + 1], *(a[r : r + 1] for a in args))[0]) == int(tokens[r])
 
 
-@pytest.mark.parametrize("e,n,k,r", [(16, 640, 200, 20000), (128, 2048, 768, 32768)])
-def test_expert_down_gluon_equals_triton(e: int, n: int, k: int, r: int) -> None:
-    """moe_gluon's persistent down GEMM (Hopper) against the Triton TMA kernel of the same
-    launch: the same bits on every routed row, within bf16 rounding of float64; an empty
-    expert, rows routed nowhere, N and K not multiples of the tile."""
+@pytest.mark.parametrize("e,d,i,r,k", [(16, 640, 200, 20000, 2), (128, 2048, 768, 32768, 8)])
+def test_expert_gemms_gluon_equal_triton(e: int, d: int, i: int, r: int, k: int) -> None:
+    """moe_gluon's persistent GEMMs (Hopper) against the Triton TMA kernels of the same
+    launch, the gate_up form (gathered rows, SwiGLU) and the down form (scattered rows):
+    the same bits on every routed row, within bf16 rounding of float64; an empty expert,
+    rows routed nowhere, output columns not a multiple of the tile, K of the down GEMM not
+    a multiple of its step (d, i: hidden and expert sizes, k: rows per token)."""
     from megaserve.kernels.triton_impl import moe
 
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("moe_gluon's kernel is for Hopper GPUs")
     torch.manual_seed(e + r)
-    a = torch.randn(r, k, device="cuda", dtype=BF16)
-    w = torch.randn(e, n, k, device="cuda", dtype=BF16) / k**0.5
+    x = torch.randn(r // k, d, device="cuda", dtype=BF16)
+    wgu = torch.randn(e, 2 * i, d, device="cuda", dtype=BF16) / d**0.5
+    wd = torch.randn(e, d, i, device="cuda", dtype=BF16) / i**0.5
     ids = torch.randint(0, e + 1, (r,), device="cuda")  # id e: routed nowhere
     ids[ids == 3] = 4  # expert 3 gets no rows
-    routed = ids < e
     grouping = moe._align(ids, e)
-
-    def down(gluon: bool) -> torch.Tensor:
-        tiles = dataclasses.replace(moe._PREFILL.down, gluon=gluon)
-        return moe._expert_gemm(a, w, ids, grouping, tiles, swiglu=False, gather=False,
-                                scatter=True)
-
-    got, want = down(True), down(False)
-    assert not got[routed].isnan().any(), "routed rows left unwritten"
-    assert torch.equal(got[routed], want[routed]), "the Gluon kernel changed the bits"
     offsets, order = grouping
-    for p in (0, int(offsets[e]) // 2, int(offsets[e]) - 1):  # grouped positions
+    n = int(offsets[e])  # grouped positions with an expert
+
+    def gemm(a, w, tiles, gluon, **kw):
+        tiles = dataclasses.replace(tiles, gluon=gluon)
+        return moe._expert_gemm(a, w, ids, grouping, tiles, **kw)
+
+    up = dict(swiglu=True, gather=True, scatter=False, rows_per_token=k)
+    hidden = gemm(x, wgu, moe._PREFILL.up, True, **up)
+    assert not hidden[:n].isnan().any(), "gate_up rows left unwritten"
+    assert torch.equal(hidden[:n], gemm(x, wgu, moe._PREFILL.up, False, **up)[:n])
+    routed = ids < e
+    down = dict(swiglu=False, gather=False, scatter=True)
+    out = gemm(hidden, wd, moe._PREFILL.down, True, **down)
+    assert not out[routed].isnan().any(), "down rows left unwritten"
+    assert torch.equal(out[routed], gemm(hidden, wd, moe._PREFILL.down, False, **down)[routed])
+    for p in (0, n // 2, n - 1):  # grouped positions
         row = int(order[p])
-        ref = w[ids[row]].double() @ a[p].double()
-        assert _rel_err(got[row], ref) < 1e-2, p
+        g, u = (wgu[ids[row]].double() @ x[row // k].double()).chunk(2)
+        assert _rel_err(hidden[p], g * torch.sigmoid(g) * u) < 1e-2, p
+        assert _rel_err(out[row], wd[ids[row]].double() @ hidden[p].double()) < 1e-2, p
 
 
 @pytest.mark.parametrize("e,d,i,r", [(8, 1024, 512, 3000), (128, 2048, 768, 2048)])
