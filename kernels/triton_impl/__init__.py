@@ -3,8 +3,10 @@
 One module per kernel family: ``matmul`` (linear), ``rowwise`` (RMSNorm, SwiGLU,
 combine, combine + residual + RMSNorm, log-softmax, embedding lookup), ``attention`` (KV
 write, q/k norm + rotary + KV write, paged attention), ``moe`` (routing, expert FFN),
-``sampling`` (counter RNG, sampler). Importing defines kernels only; nothing
-is compiled or launched until a function is called.
+``sampling`` (counter RNG, sampler). Beside them, Hopper kernels in Gluon that give the
+bits of the Triton kernel they stand in for: ``attention_gluon`` (serial prefill
+attention), ``moe_gluon`` (the expert GEMMs of prefill-sized calls). Importing defines
+kernels only; nothing is compiled or launched until a function is called.
 """
 
 from __future__ import annotations
