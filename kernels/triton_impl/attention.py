@@ -222,9 +222,9 @@ class RotaryLaunch:
 # x 4 heads of 128, PDL on; one row a program was 1.35 / 1.55 / 3.87 / 8.75 / 26.7 / 102 us
 # at 1 / 8 / 64 / 256 / 1000 / 4096 tokens): one row a program below 1024 rows; 8 warps
 # of one row each to 8192 (64 tokens: 2.20 us); then a token a program, its 40 heads over
-# 4 warps. Tiles of 16 rows over 4 warps took 4.51 / 11.6 / 47.1 us there (256 / 1000 /
-# 4096 tokens; 4096 tokens move ~84 MB, ~28 us at 3 TB/s), each row loading its token's
-# cos/sin rows again; the token tiles' H100 time is not measured yet.
+# 4 warps: 4096 tokens in 38.5 us against 51.8 for tiles of 16 rows over 4 warps, each row
+# of which loads its token's cos/sin rows again (same call, PDL off; the 4096 tokens move
+# ~84 MB, ~28 us at 3 TB/s; docs/benchmarks.md, roofline round 10).
 ROTARY_ONE_ROW = RotaryLaunch()
 ROTARY_DECODE = RotaryLaunch(rows=8, warps=8)
 ROTARY_PREFILL = RotaryLaunch(warps=4, tokens=1)
@@ -431,9 +431,10 @@ def rotary_launch(num_rows: int, tileable: bool) -> RotaryLaunch:
 
 def _tileable(block_d: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> bool:
     """Whether a launch of several rows a program lays each row out as one row a program
-    does (:func:`_rotary_cache_kernel`'s NOTE): rows of 64 columns or more that fit one warp's lanes in
-    accesses of at most 16 bytes, which Triton can use (it sizes accesses from what it
-    knows when it compiles: 16-byte aligned tensors, integers divisible by 16)."""
+    does (:func:`_rotary_cache_kernel`'s NOTE): rows of 64 columns or more that fit one
+    warp's lanes in accesses of at most 16 bytes, which Triton can use (it sizes accesses
+    from what it knows when it compiles: 16-byte aligned tensors, integers divisible by
+    16)."""
     return (64 <= block_d and block_d * tensors[0].element_size() <= 32 * 16
             and all(t.data_ptr() % 16 == 0 for t in tensors) and all(i % 16 == 0 for i in ints))
 
