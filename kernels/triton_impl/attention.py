@@ -245,6 +245,13 @@ def _partner(ptrs, lo, lo_mask, hi_mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _weight_and_partner(ptrs, mask, lo, hi, HALF: tl.constexpr):
+    """A per-head norm weight row at ``ptrs`` (columns past ``mask`` zero) and its rotate_half
+    partner columns (:func:`_partner`)."""
+    return tl.load(ptrs, mask=mask, other=0.0), _partner(ptrs, lo, lo, hi, HALF)
+
+
+@triton.jit
 def _rotate(x, xp, c, s, lo, NO_CONTRACT: tl.constexpr):
     """``x * cos + rotate_half(x) * sin`` elementwise, each product and the sum rounded to
     x's dtype; xp: each column's rotate_half partner (:func:`_partner`)."""
@@ -288,10 +295,8 @@ def _rotary_cache_kernel(
     lo = cols < HALF
     hi = mask & (cols >= HALF)
     if HAS_NORM:  # the per-head RMSNorm weights, each column's rotary partner alike
-        qw = tl.load(qw_ptr + cols, mask=mask, other=0.0)
-        qwp = _partner(qw_ptr + cols, lo, lo, hi, HALF)
-        kw = tl.load(kw_ptr + cols, mask=mask, other=0.0)
-        kwp = _partner(kw_ptr + cols, lo, lo, hi, HALF)
+        qw, qwp = _weight_and_partner(qw_ptr + cols, mask, lo, hi, HALF)
+        kw, kwp = _weight_and_partner(kw_ptr + cols, mask, lo, hi, HALF)
     for tile in tl.static_range(TILES):
         rows = (tl.program_id(0) * TILES + tile) * ROWS + tl.arange(0, ROWS)  # [R]
         live = rows < num_rows
@@ -379,10 +384,8 @@ def _rotary_tokens_kernel(
     q_heads = tl.arange(0, Q_PAD)[:, None, None]  # [Q_PAD, 1, 1]
     kv_heads = tl.arange(0, KV_PAD)[:, None, None]  # [KV_PAD, 1, 1]
     if HAS_NORM:  # the per-head RMSNorm weights, each column's rotary partner alike
-        qw = tl.load(qw_ptr + cols, mask=mask, other=0.0)
-        qwp = _partner(qw_ptr + cols, lo, lo, hi, HALF)
-        kw = tl.load(kw_ptr + cols, mask=mask, other=0.0)
-        kwp = _partner(kw_ptr + cols, lo, lo, hi, HALF)
+        qw, qwp = _weight_and_partner(qw_ptr + cols, mask, lo, hi, HALF)
+        kw, kwp = _weight_and_partner(kw_ptr + cols, mask, lo, hi, HALF)
     for tile in tl.static_range(TILES):
         first = (tl.program_id(0) * TILES + tile) * TOKENS
         tok = first + tl.arange(0, TOKENS)[None, :, None]  # [1, T, 1]

@@ -38,19 +38,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+# Rows of bf16 over warps, 16 bytes a thread: the gather of A, and the epilogue's stores
+from .attention_gluon import _rows_layout
+
 
 @triton.constexpr_function
 def _experts_layout(block_e, warps):
     """``[block_e]`` with every warp holding all of it: :func:`_tile_of`'s sums stay inside
     a warp."""
     return gl.BlockedLayout([max(1, block_e // 32)], [32], [warps], [0])
-
-
-@triton.constexpr_function
-def _rows_layout(block_k, warps):
-    """Rows of ``block_k`` bf16 over ``warps`` warps, 16 bytes a thread: the gather of A,
-    and (``block_k`` = the tile's columns) the epilogue's stores."""
-    return gl.BlockedLayout([1, 8], [32 * 8 // block_k, block_k // 8], [warps, 1], [1, 0])
 
 
 @gluon.jit
