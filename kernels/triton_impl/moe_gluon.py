@@ -40,6 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Rows of bf16 over warps, 16 bytes a thread: the gather of A, and the epilogue's stores
 from .attention_gluon import _rows_layout
+from .matmul import tma_readable
 
 
 @triton.constexpr_function
@@ -257,8 +258,7 @@ def applies(a: torch.Tensor, w: torch.Tensor, *, gather: bool, swiglu: bool,
             or (gather and swiglu and not scatter and n_w // 2 <= SWIGLU_MAX_N
                 and k % BLOCK_K == 0))
     return (form and a.is_cuda and a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and a.stride(1) == 1 and w.is_contiguous() and (a.stride(0) * 2) % 16 == 0
-            and (k * 2) % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and w.is_contiguous() and tma_readable(a) and tma_readable(w)
             and torch.cuda.get_device_capability(a.device)[0] == 9
             and os.environ.get(ENV, "1") != "0")
 
