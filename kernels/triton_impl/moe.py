@@ -703,6 +703,11 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     num_experts, n_w, k = w.shape
     n = n_w // 2 if swiglu else n_w
     out = torch.empty(r, n, dtype=a.dtype, device=a.device)
+    if (tiles.gluon and grouping is not None
+            and moe_gluon.applies(a, w, gather=gather, swiglu=swiglu, scatter=scatter)):
+        moe_gluon.launch(a, w, offsets, order, out, num_sms(a.device), swiglu=swiglu,
+                         rows_per_token=rows_per_token)
+        return out
     grid = (_max_tiles(r, num_experts, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
     common = dict(
         SWIGLU=swiglu, GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
@@ -713,11 +718,6 @@ def _expert_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **(_launch_args(a.device, "up" if swiglu else "down", inline=grouping is None)
            if pdl_ok else {"PDL": False}))
-    if (tiles.gluon and grouping is not None
-            and moe_gluon.applies(a, w, gather=gather, swiglu=swiglu, scatter=scatter)):
-        moe_gluon.launch(a, w, offsets, order, out, num_sms(a.device), swiglu=swiglu,
-                         rows_per_token=rows_per_token)
-        return out
     if tiles.tma and tma_readable(w) and (gather or tma_readable(a)):
         halves = 2 if swiglu else 1
         w3 = w.view(num_experts * halves, n, k)  # [E * H, N, K]: gate, up of e at 2e, 2e+1
