@@ -528,12 +528,15 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     return AttentionLaunch("serial", **(PREFILL_SERIAL_TILE if deep else tile))
 
 
-def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, g_pad: int) -> bool:
+def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  g_pad: int) -> bool:
     """Whether a serial prefill call can run attention_gluon's kernel: a Hopper GPU (its
-    wgmma), bf16, head_dim 128, a query group that tiles the kernel's 64-row warp groups, and
-    ``$MEGASERVE_ATTN_GLUON`` not "0" (A/B runs)."""
+    wgmma), bf16, head_dim 128, a query group that tiles the kernel's 64-row warp groups,
+    caches its TMA loads can read (attention_gluon.tma_boxes), and ``$MEGASERVE_ATTN_GLUON``
+    not "0" (A/B runs)."""
     return (q.is_cuda and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
             and q.shape[2] == 128 and g_pad <= attention_gluon.BLOCK_M // 2
+            and attention_gluon.tma_boxes(k_cache, v_cache, KV_SPLIT_SIZE)
             and torch.cuda.get_device_capability(q.device)[0] == 9
             and os.environ.get("MEGASERVE_ATTN_GLUON", "1") != "0")
 
@@ -616,7 +619,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ws_l = _workspace((max_chunks, t, num_q_heads), q.device)
         ws_o = _workspace((max_chunks, t, num_q_heads, head_dim), q.device)
     if (launch.mode == "serial" and launch.gluon and not decode and exp2
-            and gluon_applies(q, k_cache, g_pad)):
+            and gluon_applies(q, k_cache, v_cache, g_pad)):
         attention_gluon.launch(q, k_cache, v_cache, block_tables, context_lens,
                                query_start_loc, out, scale, KV_SPLIT_SIZE, CHUNK_SPLITS,
                                launch.l_cols)

@@ -10,9 +10,10 @@ roofline round 9).
 One program owns a (tile of BLOCK_Q tokens, KV head), as the Triton serial kernel, in
 three warp groups (``gl.warp_specialize``):
 
-* a load group gathers each split's K and V rows through the block table by cp.async
-  into a ring of STAGES shared-memory slots (mbarriers: ``ready`` when a slot's copies
-  have landed, ``free`` when both compute groups are done with it);
+* a load group fetches each split's K and V rows through the block table into a ring of
+  STAGES shared-memory slots (mbarriers: ``ready`` when a slot's copies have landed,
+  ``free`` when both compute groups are done with it): by TMA where all the split's keys
+  lie inside the context, else by a masked cp.async gather (zeros past the context);
 * two compute groups take 64 rows of the tile each, Q in registers (the A operand of
   the score dots). Iteration j of a compute group, with p(j), alpha(j) and l(j) = max(p(j)
   @ 1) from the iteration before:
@@ -36,14 +37,18 @@ choice: the Triton kernel stays the reference and runs everything this one does 
 
 from __future__ import annotations
 
+import math
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
-                                                              mbarrier, warpgroup_mma,
+                                                              mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .attention_kernels import _find_seq  # scalar index math: the Triton kernel's own
+from .matmul import tma_readable
 
 
 @triton.constexpr_function
@@ -56,28 +61,61 @@ def _rows_layout(head_dim, warps):
 
 
 @gluon.jit
-def _producer(k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, bt, ctx_len, bt_keys, kv_head,
-              stride_kb, stride_ks, stride_kh, n_splits, STAGES: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr, HEAD_DIM: gl.constexpr,
-              WARPS: gl.constexpr):
-    """The load partition: cp.async the K and V rows of splits 0..n_splits (the consumers
-    compute one split's scores ahead) into slot ``split % STAGES`` (zeros past the
-    context), once both consumers are done with the slot's previous split (``free``);
-    ``ready`` completes when every producer thread's copies have landed."""
+def _box_rows(bt, split, SPLIT: gl.constexpr, BLOCK_SIZE: gl.constexpr, BOX_ROWS: gl.constexpr):
+    """The cache rows where a split's TMA boxes start (BOX_ROWS keys each, inside a block)."""
+    rows = ()
+    for j in gl.static_range(SPLIT // BOX_ROWS):
+        key = split * SPLIT + j * BOX_ROWS
+        rows = rows + (gl.load(bt + key // BLOCK_SIZE) * BLOCK_SIZE + key % BLOCK_SIZE,)
+    return rows
+
+
+@gluon.jit
+def _producer(k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, k_desc, v_desc, bt, ctx_len,
+              bt_keys, kv_head, stride_kb, stride_ks, stride_kh, n_splits,
+              STAGES: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+              HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
+    """The load partition: the K and V rows of splits 0..n_splits (the consumers compute
+    one split's scores ahead) into slot ``split % STAGES``, once both consumers are done
+    with the slot's previous split (``free``). A split whose keys all lie inside the
+    context comes by TMA, a box of BOX_ROWS keys x HEAD_DIM at a time (the descriptors view
+    a cache as `[blocks * BLOCK_SIZE, kv heads * HEAD_DIM]`); the others by a cp.async
+    gather, zeros past the context.
+
+    ``ready`` completes a phase after WARPS * 32 arrivals and the split's bytes: a cp.async
+    split's come from every load thread once its copies have landed; a TMA split's from one
+    thread, ``expect`` (one arrival; the byte count raised first, so the phase waits for
+    the copies' bytes) and an arrival of the other WARPS * 32 - 1."""
     LOAD: gl.constexpr = _rows_layout(HEAD_DIM, WARPS)
+    BOX_ROWS: gl.constexpr = k_desc.block_type.shape[0]
+    SPLIT_BYTES: gl.constexpr = 2 * (SPLIT // BOX_ROWS) * k_desc.block_type.nbytes  # K and V
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    col = kv_head * HEAD_DIM
     for split in range(0, n_splits + 1):
-        keys = split * SPLIT + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, LOAD))
-        ids = gl.load(bt + keys // BLOCK_SIZE, mask=keys < bt_keys, other=0).to(gl.int64)
-        base = ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        offs = gl.expand_dims(base, 1) + gl.expand_dims(d, 0)
-        live = gl.expand_dims(keys < ctx_len, 1) & gl.expand_dims(d < HEAD_DIM, 0)
         slot = split % STAGES
-        # (a fresh barrier's phase "before 0" counts as complete: the first STAGES pass)
-        mbarrier.wait(free.index(slot), ((split // STAGES) & 1) ^ 1)
-        async_copy.async_copy_global_to_shared(k_bufs.index(slot), kc_ptr + offs, mask=live)
-        async_copy.async_copy_global_to_shared(v_bufs.index(slot), vc_ptr + offs, mask=live)
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+        if split < ctx_len // SPLIT:
+            rows = _box_rows(bt, split, SPLIT, BLOCK_SIZE, BOX_ROWS)  # (before the wait)
+            # (a fresh barrier's phase "before 0" counts as complete: the first STAGES pass)
+            mbarrier.wait(free.index(slot), ((split // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), SPLIT_BYTES)
+            mbarrier.arrive(ready.index(slot), count=WARPS * 32 - 1)
+            for j in gl.static_range(SPLIT // BOX_ROWS):
+                tma.async_copy_global_to_shared(
+                    k_desc, [rows[j], col], ready.index(slot),
+                    k_bufs.index(slot).slice(j * BOX_ROWS, BOX_ROWS))
+                tma.async_copy_global_to_shared(
+                    v_desc, [rows[j], col], ready.index(slot),
+                    v_bufs.index(slot).slice(j * BOX_ROWS, BOX_ROWS))
+        else:
+            keys = split * SPLIT + gl.arange(0, SPLIT, layout=gl.SliceLayout(1, LOAD))
+            ids = gl.load(bt + keys // BLOCK_SIZE, mask=keys < bt_keys, other=0).to(gl.int64)
+            base = ids * stride_kb + (keys % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+            offs = gl.expand_dims(base, 1) + gl.expand_dims(d, 0)
+            live = gl.expand_dims(keys < ctx_len, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+            mbarrier.wait(free.index(slot), ((split // STAGES) & 1) ^ 1)
+            async_copy.async_copy_global_to_shared(k_bufs.index(slot), kc_ptr + offs, mask=live)
+            async_copy.async_copy_global_to_shared(v_bufs.index(slot), vc_ptr + offs, mask=live)
+            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
 @gluon.jit
@@ -202,9 +240,9 @@ def _consumer(q_half, k_bufs, v_bufs, ones, ready, free, out_ptr, row0, ctx_len,
 
 
 @gluon.jit
-def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr, num_seqs,
-                             scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
-                             stride_ks, stride_kh, stride_bt, bt_keys,
+def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, k_desc, v_desc, bt_ptr, ctx_ptr, qsl_ptr,
+                             out_ptr, num_seqs, scale, stride_qt, stride_qh, stride_ot,
+                             stride_oh, stride_kb, stride_ks, stride_kh, stride_bt, bt_keys,
                              GROUP: gl.constexpr, G_PAD: gl.constexpr, BLOCK_Q: gl.constexpr,
                              BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
                              CHUNK: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -214,7 +252,9 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
     """One (tile of BLOCK_Q tokens, KV head) program, serial mode (module docstring); tiles
     numbered from the last (long causal rows first), as the Triton launch's LONG_FIRST.
     Partitions: this program's warps (a warp group) and a second warp group compute the
-    two halves of the tile's rows; LOAD_WARPS more gather K/V."""
+    two halves of the tile's rows; LOAD_WARPS more fetch K/V (``k_desc`` / ``v_desc``: TMA
+    descriptors of the caches as `[blocks * BLOCK_SIZE, kv heads * HEAD_DIM]`, a box a
+    cache block's part of a split)."""
     BLOCK_M: gl.constexpr = BLOCK_Q * G_PAD
     HALF: gl.constexpr = BLOCK_M // 2
     LOAD: gl.constexpr = _rows_layout(HEAD_DIM, num_warps)
@@ -255,7 +295,7 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
             gl.bfloat16, [SPLIT, L_COLS],
             gl.NVMMASharedLayout.get_default_for([SPLIT, L_COLS], gl.bfloat16),
             gl.full([SPLIT, L_COLS], 1.0, gl.bfloat16, LOAD))
-        # ready[i]: slot i's copies landed (one cp.async arrival per load thread);
+        # ready[i]: slot i's copies landed (LOAD_WARPS * 32 arrivals: _producer);
         # free[i]: both compute partitions are done with slot i's split.
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -274,9 +314,9 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, ou
                          ctx_len, q_len, tile_start, q_begin, kv_head, n_splits, whole, scale,
                          stride_ot, stride_oh, GROUP, G_PAD, SPLIT, CHUNK, HEAD_DIM, L_COLS,
                          STAGES, HALF)),
-            (_producer, (k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, bt, ctx_len, bt_keys,
-                         kv_head, stride_kb, stride_ks, stride_kh, n_splits, STAGES,
-                         BLOCK_SIZE, SPLIT, HEAD_DIM, LOAD_WARPS)),
+            (_producer, (k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, k_desc, v_desc, bt,
+                         ctx_len, bt_keys, kv_head, stride_kb, stride_ks, stride_kh, n_splits,
+                         STAGES, BLOCK_SIZE, SPLIT, HEAD_DIM, LOAD_WARPS)),
         ], [4, LOAD_WARPS], [CONSUMER_REGS, LOAD_REGS])
 
 
@@ -290,23 +330,44 @@ LOAD_WARPS = 4
 CONSUMER_REGS = 232
 LOAD_REGS = 40
 MAXNREG = 168
+# (A box of 128 columns spans two 128-byte swizzle widths: Triton 3.6 issues it as two
+# 64-column copies, the second into the slot's second column half, the layout the wgmma
+# reads; the GPU test compares the bits with the Triton kernel's.)
+
+
+def box_rows(block_size: int, split: int) -> int:
+    """Keys a TMA box: the most that divide both a split and a cache block."""
+    return math.gcd(block_size, split)
+
+
+def tma_boxes(k_cache, v_cache, split: int) -> bool:
+    """Whether the load partition can fetch ``split``-key splits of these caches by TMA:
+    both contiguous and TMA-readable, and boxes of ``box_rows`` keys (inside one cache
+    block) whole 8-row swizzle atoms of the slots."""
+    return (box_rows(k_cache.shape[1], split) % 8 == 0
+            and all(c.is_contiguous() and tma_readable(c) for c in (k_cache, v_cache)))
 
 
 def launch(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, scale_log2,
            split: int, chunk: int, l_cols: int) -> None:
     """Run :func:`prefill_attention_kernel` over all of ``q``'s tokens into ``out`` (shapes as
-    attention.paged_attention's); ``scale_log2``: the scale with log2(e) folded in."""
+    attention.paged_attention's, caches as :func:`tma_boxes` takes them); ``scale_log2``:
+    the scale with log2(e) folded in."""
     t, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    box = [box_rows(k_cache.shape[1], split), head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(c.view(-1, num_kv_heads * head_dim), box,
+                                                   layout) for c in (k_cache, v_cache))
     group = num_q_heads // num_kv_heads
     g_pad = triton.next_power_of_2(group)
     block_q = BLOCK_M // g_pad
     num_seqs = context_lens.shape[0]
     grid = (t // block_q + num_seqs, num_kv_heads)
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out, num_seqs,
-        scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, k_desc, v_desc, block_tables, context_lens, query_start_loc, out,
+        num_seqs, scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_tables.shape[1] * k_cache.shape[1], GROUP=group, G_PAD=g_pad, BLOCK_Q=block_q,
         BLOCK_SIZE=k_cache.shape[1], SPLIT=split, CHUNK=chunk, HEAD_DIM=head_dim,
         L_COLS=l_cols, STAGES=STAGES, LOAD_WARPS=LOAD_WARPS, CONSUMER_REGS=CONSUMER_REGS,

@@ -136,3 +136,24 @@ def test_prefill_launch_choice() -> None:
     assert choose_launch(1, 1, 4, 8, 8, 1 << 20) == AttentionLaunch("serial",
                                                                      **DECODE_SERIAL_TILE)
     assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]
+
+
+def test_gluon_prefill_tma_boxes() -> None:
+    """The Gluon prefill kernel's TMA boxes: the keys that divide both a split and a cache
+    block, taken only where they are whole 8-row swizzle atoms and both caches are
+    contiguous and 16-byte aligned (otherwise paged_attention runs the Triton kernel)."""
+    import torch
+
+    from megaserve.kernels.triton_impl.attention_gluon import box_rows, tma_boxes
+
+    assert [box_rows(bs, 64) for bs in (8, 16, 32, 48, 64, 128)] == [8, 16, 32, 16, 64, 64]
+
+    def caches(bs):
+        return [torch.zeros(4, bs, 2, 128, dtype=torch.bfloat16) for _ in range(2)]
+
+    assert tma_boxes(*caches(16), 64) and tma_boxes(*caches(128), 64)
+    assert not tma_boxes(*caches(4), 64)  # 4-key boxes: half an atom
+    k, v = caches(16)
+    assert not tma_boxes(k, v[:, :, :1], 64)  # one kv head of two: not contiguous
+    shifted = v.flatten()[1 : 1 + 3 * 16 * 2 * 128].view(3, 16, 2, 128)  # 2-byte aligned
+    assert shifted.is_contiguous() and not tma_boxes(k, shifted, 64)

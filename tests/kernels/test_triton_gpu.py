@@ -248,13 +248,13 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
         assert torch.equal(got, want), f"one token per sequence, mode {mode}"
 
 
-@pytest.mark.parametrize("hkv", [4, 8, 16])
-def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int) -> None:
+@pytest.mark.parametrize("hkv, bs", [(4, 16), (8, 16), (16, 16), (8, 32), (4, 128)])
+def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int, bs: int) -> None:
     """Hopper's Gluon prefill kernel (attention_gluon) gives the Triton serial kernel's bits:
     whole prompts, chunked prefill (context longer than the new tokens), prompts that end
     mid-tile and mid-block, several sequences per call; K/V past each context poisoned
-    with NaN; within bf16 rounding of a float64 reference; a sequence's rows the same
-    alone and batched."""
+    with NaN; cache blocks smaller and larger than a split (its TMA boxes); within bf16
+    rounding of a float64 reference; a sequence's rows the same alone and batched."""
     from megaserve.kernels.triton_impl import attention
     from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
@@ -262,7 +262,7 @@ def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int) -> N
         pytest.skip("the Gluon kernel is Hopper's (wgmma)")
     monkeypatch.setattr(attention, "POISON_BUFFERS", True)
     torch.manual_seed(hkv)
-    hq, dh, bs = 32, 128, 16
+    hq, dh = 32, 128
     ctx = [3001, 77, 1024, 700, 4096]
     new = [701, 77, 1024, 1, 333]
     blocks = [-(-c // bs) for c in ctx]
@@ -283,7 +283,7 @@ def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int) -> N
     lens = torch.tensor(ctx, device="cuda", dtype=torch.int32)
     qsl = torch.tensor([0] + new, device="cuda", dtype=torch.int32).cumsum(0).int()
     scale = dh**-0.5
-    assert attention.gluon_applies(q, kc, 32 // hkv)
+    assert attention.gluon_applies(q, kc, vc, 32 // hkv)
     triton_serial = AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
                                     long_first=True, l_cols=16, gluon=False)
     want = paged_attention(q, kc, vc, tables, lens, qsl, scale, launch=triton_serial)
