@@ -159,37 +159,46 @@ def _mma(a_bufs, w_bufs, ready_a, ready_w, empty, c_ptr, order_ptr, offsets_ptr,
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
         expert, start, end, col = _tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
                                            N_MAJOR)
-        acc = zero
-        for k0 in range(0, K, BLOCK_K):
-            slot = i % STAGES
-            mbarrier.wait(ready_w.index(slot), (i // STAGES) & 1)
-            if GATHER:
-                mbarrier.wait(ready_a.index(slot), (i // STAGES) & 1)
-                fence_async_shared()  # the cp.async writes, before the wgmma reads them
-            acc = warpgroup_mma(a_bufs.index(slot).slice(HALF * ROWS, ROWS),
-                                w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if k0 > 0:  # the previous step's dot is done with its slot
-                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-            i += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-        if SWIGLU:  # columns [gate 0..BLOCK_N) | [up 0..BLOCK_N)
-            gate, up = gl.split(acc.reshape([ROWS, 2, BLOCK_N]).permute((0, 2, 1)))
-            g = gate.to(out_ty).to(gl.float32)
-            act = (g / (1.0 + gl.exp(-g))).to(out_ty)  # as moe._store_tile
-            res = gl.convert_layout(act * up.to(out_ty), OUT)
+        if start + HALF * ROWS >= end:  # none of this half's rows is the expert's (a tail
+            for k0 in range(0, K, BLOCK_K):  # tile of at most ROWS rows): only free the slots
+                slot = i % STAGES
+                mbarrier.wait(ready_w.index(slot), (i // STAGES) & 1)
+                if GATHER:
+                    mbarrier.wait(ready_a.index(slot), (i // STAGES) & 1)
+                mbarrier.arrive(empty.index(slot))
+                i += 1
         else:
-            res = gl.convert_layout(acc.to(out_ty), OUT)
-        pos = start + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT))
-        ok = pos < end
-        if SWIGLU:
-            dst = pos.to(gl.int64)
-        else:
-            dst = gl.load(order_ptr + pos, mask=ok, other=0).to(gl.int64)
-        cols = col * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
-        gl.store(c_ptr + gl.expand_dims(dst * stride_cm, 1) + gl.expand_dims(cols, 0), res,
-                 mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < N, 0))
+            acc = zero
+            for k0 in range(0, K, BLOCK_K):
+                slot = i % STAGES
+                mbarrier.wait(ready_w.index(slot), (i // STAGES) & 1)
+                if GATHER:
+                    mbarrier.wait(ready_a.index(slot), (i // STAGES) & 1)
+                    fence_async_shared()  # the cp.async writes, before the wgmma reads them
+                acc = warpgroup_mma(a_bufs.index(slot).slice(HALF * ROWS, ROWS),
+                                    w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if k0 > 0:  # the previous step's dot is done with its slot
+                    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+                i += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+            if SWIGLU:  # columns [gate 0..BLOCK_N) | [up 0..BLOCK_N)
+                gate, up = gl.split(acc.reshape([ROWS, 2, BLOCK_N]).permute((0, 2, 1)))
+                g = gate.to(out_ty).to(gl.float32)
+                act = (g / (1.0 + gl.exp(-g))).to(out_ty)  # as moe._store_tile
+                res = gl.convert_layout(act * up.to(out_ty), OUT)
+            else:
+                res = gl.convert_layout(acc.to(out_ty), OUT)
+            pos = start + HALF * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT))
+            ok = pos < end
+            if SWIGLU:
+                dst = pos.to(gl.int64)
+            else:
+                dst = gl.load(order_ptr + pos, mask=ok, other=0).to(gl.int64)
+            cols = col * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
+            gl.store(c_ptr + gl.expand_dims(dst * stride_cm, 1) + gl.expand_dims(cols, 0), res,
+                     mask=gl.expand_dims(ok, 1) & gl.expand_dims(cols < N, 0))
 
 
 @gluon.jit
