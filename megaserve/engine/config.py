@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 
-TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "rdma", "nccl")
+from megaserve.comm.endpoint import PROVIDERS
+
+TRANSPORTS = tuple(PROVIDERS)  # comm's provider registry: one list of names
 DATA_PLANES = ("auto", "device", "host")
 AGGREGATIONS = ("per_layer", "lockstep")
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -25,6 +25,7 @@ import torch
 from megaserve import kernels
 from megaserve.comm import CommError
 from megaserve.engine import spec_decode, spec_graphs
+from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import (DecodeGraphs, DecodeStep, HostTokens, SampledTokens,
                                           TokenCopy, capture_sizes)
 from megaserve.engine.scheduler import ScheduledSeq
@@ -183,7 +184,7 @@ class ModelRunner:
         block_size: int,
         microbatches: int = 1,
         cuda_graphs: bool = True,
-        max_num_seqs: int = 64,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
         num_speculative_tokens: int = 0,
         cpu_decode_graphs: bool = False,
     ) -> None:

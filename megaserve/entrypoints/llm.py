@@ -31,10 +31,10 @@ class LLM:
         model: str = "builtin:tiny-moe",
         dtype: str = "auto",
         device: str = "auto",
-        max_num_seqs: int = 64,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
         max_model_len: int | None = None,
-        block_size: int = 16,
-        seed: int = 0,
+        block_size: int = EngineConfig.block_size,
+        seed: int = EngineConfig.seed,
         **engine_options: Any,
     ) -> None:
         config = EngineConfig(

@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-SUPPORTED_TRANSPORTS = ("inproc", "tcp", "cuda_ipc", "nccl", "rdma")
 
 
 def _worker_device(device: str, rank: int) -> str:
@@ -105,11 +104,6 @@ class DisaggregatedEngine:
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
                  launcher: WorkerLauncher | None = None,
                  restart_policy: RestartPolicy | None = None) -> None:
-        if config.transport not in SUPPORTED_TRANSPORTS:
-            raise ValueError(
-                f"transport: the runtime runs over {list(SUPPORTED_TRANSPORTS)}, "
-                f"not {config.transport!r}"
-            )
         if config.transport == "rdma":
             from megaserve.comm.rdma import rdma_unavailable
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from megaserve.engine.config import EngineConfig
 from megaserve.server.core import ServerState, ServingCore
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class ServeConfig:
 
     @property
     def max_num_seqs(self) -> int:
-        return int(self.engine.get("max_num_seqs", 64))
+        return int(self.engine.get("max_num_seqs", EngineConfig.max_num_seqs))
 
 
 def _default_engine_factory(config: ServeConfig) -> Any:
