@@ -21,11 +21,9 @@ The chunk states are then merged, ascending, with ``(m, l, o) ← merge((m, l, o
 (m_c, l_c, o_c))``, and the row's output is ``o / l``. A split or chunk lying wholly past
 a row's position leaves its state unchanged, exactly: a row's bits depend on its own
 position and context only. (kernels.cpu folds its splits in one level; each backend's
-bits are its own.) Issue 14 moved the splits from a merge of fresh per-split states (a
-second accumulator, and a split mode that stored every split's state) to this one
-accumulator: a 4,096-token prefill 453 → 384 us on an H100 at 16 splits a chunk, 417 at
-the 8 used (CHUNK_SPLITS), all launches still bitwise equal (docs/benchmarks.md, roofline
-round 8).
+bits are its own.) One accumulator carried across a chunk's splits, rather than a fresh
+state a split merged afterwards, saves a second accumulator's registers and the stores of
+every split's state (docs/benchmarks.md, "Roofline": the prefill timings of both forms).
 
 Every step is layout-independent, so the tile (rows, warps, pipeline depth) is a launch
 choice, free per call: ``max`` is exact in any order; the scores, ``p @ V`` and ``p @ 1``
@@ -68,9 +66,9 @@ _SERIAL_MIN_PROGRAMS = 264
 _MAX_WS_BYTES = 256 << 20
 # Splits per chunk, the first level of the reduction (NOTE): part of the arithmetic, so
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
-# Roofline round 8 (scripts/attn_chunk_bench.py, H100, Hq 32 / Hkv 4 / head_dim 128, us):
-# 16 / 8 splits, a 4,096-token prompt 393 / 417, a batch-1 decode at 4,096 keys 19.4 /
-# 11.9 (a program per chunk and KV head: more chunks, more SMs; 4 splits: 8.2).
+# Fewer splits a chunk give a long decode more chunks, so more programs (one a chunk and KV
+# head) and SMs; more splits give prefill fewer merges. 8 balances the two
+# (scripts/attn_chunk_bench.py; docs/benchmarks.md, "Roofline").
 CHUNK_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and the chunk workspaces start as NaN, so an element no
@@ -89,7 +87,7 @@ class AttentionLaunch:
     num_stages: int = 2
     fold_tokens: int = 1  # chunk mode: tokens per fold program
     fold_unroll: int = 8  # chunk mode: chunk states the fold loads before merging them
-    # Round-5 loop switches (attention_kernels docstring; none changes the bits):
+    # Loop switches (attention_kernels docstring; none changes the bits):
     mask_tail: bool = False  # masks only on splits that cross a row's position
     prefetch: bool = False  # block ids of the next split loaded one iteration ahead
     long_first: bool = False  # tiles numbered from the last (long causal rows first)
@@ -116,39 +114,25 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/l_cols: {self}")
 
 
-# Tiles (scripts/attn_sweep.py on an H200; docs/benchmarks.md, Kernels rounds 4-8).
-# Round 6 defaults, from the lead's run of round-5 code (.device/13, all 4 x 187 bitwise
-# checks passed, mask_tail with its per-row select included): prefill adds ``mask_tail``
-# (S=4 x 4096: 2554 -> 2336 us); decode runs serial 16-row tiles with 4 stages and both
-# loop switches whenever the serial grid fills the GPU (S=64 x 4096: split 338 -> serial
-# 291 us; S=32 x 2048: 96 -> 81), and split mode with both switches and the fold over
-# 32-column chunks for few long sequences (S=8 x 8192: 120 -> 114 us). Round 7: that fold
-# over 16-column chunks with one warp per program, 111-112 -> 100-101 us in three H200
-# runs (the launch is in the sweep's bitwise checks, 0 failures in round 6 and round 7).
-# Round 8 (two-level reduction, 4 x 458 checks passed): chunk mode with 4-warp tiles for
-# few long sequences (S=8 x 8192: split 103 -> chunk 74 us; S=2 x 8192: 60 -> 27), 4-warp
-# serial decode tiles (S=64 x 4096: 285 -> 271 us), 8-warp 128-row prefill tiles (the
-# chunk accumulator spills 4-warp 64-row ones: 1990 -> 1921 us); per-split mode stays for
-# single short sequences (S=1 x 4096: split 18 us, chunk 22).
-# Issue 14 (scripts/attn_prefill_bench.py, two runs on an H100, Hq 32 / Hkv 4 / head_dim
-# 128, bitwise checks of every candidate at 5 shapes passed): prefill tiles add ``l_cols=16``
-# (the l-dot half as wide) and ``long_first``; serial prefill with head_dim <= 128 also
-# runs 4 stages with block ids one split ahead, the one loop whose K/V loads stay in flight
-# across splits (without ``prefetch``, or with 2 stages, each split waits for its own
-# loads). A 4,096-token prompt: 526 -> 449 us (l16 alone 489, +long_first 485); the second
-# 4,096 of an 8,192-token prompt: 1437 -> 1280 us (1272 at 2 stages). Without long_first,
-# deeper pipelines ran 3-5% slower (the long causal tiles then finish last). Wider heads
-# keep 2 stages (4 stages of 64 x 256 K/V tiles would not fit in shared memory).
-# Roofline round 8 (the one-accumulator arithmetic at 16 splits a chunk, a probe of both
-# arithmetics in one call, H100): the serial prefill tile runs 3 stages (4,096-token
-# prompt: 4 stages 393 us, 3 stages 384, 2 stages 487; second chunk of 8,192: 1113 / 1094
-# / 1263). Split mode went with the per-split states: few sequences get chunk mode (its
-# tiles as before).
-ROUND8_PREFILL_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
+# Tiles, chosen by timing every candidate with its bitwise checks (scripts/attn_sweep.py,
+# scripts/attn_prefill_bench.py, scripts/attn_chunk_bench.py; the numbers and their runs are
+# in docs/benchmarks.md, "Kernels" and "Roofline"). None changes a bit (module NOTE).
+# * Decode: serial 16-row tiles of 4 warps, both loop switches (mask_tail, prefetch) and
+#   4 stages wherever the serial grid fills the GPU; else chunk mode, whose fold covers
+#   16 head_dim columns a one-warp program when the fold grid is small.
+# * Prefill: 128-row tiles of 8 warps (4-warp 64-row tiles spill the chunk accumulator),
+#   masks only on the splits that cross a row's position, the ``p @ 1`` dot 16 columns
+#   wide, the longest causal rows first (without long_first deeper pipelines lost: the
+#   long tiles finished last). Serial tiles of head_dim <= 128 run 3 stages with block
+#   ids one split ahead, the one loop whose K/V loads stay in flight across splits;
+#   wider heads keep 2 (4 stages of 64 x 256 K/V tiles do not fit in shared memory).
+# * Split mode (per-split states) is gone with the one-accumulator arithmetic: few
+#   sequences get chunk mode.
+_PREFILL_BASE_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3, fold_unroll=16, mask_tail=True,
                    prefetch=True)
 DECODE_SERIAL_TILE = dict(DECODE_TILE, num_stages=4)
-PREFILL_TILE = dict(ROUND8_PREFILL_TILE, l_cols=16, long_first=True)
+PREFILL_TILE = dict(_PREFILL_BASE_TILE, l_cols=16, long_first=True)
 PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=3, prefetch=True)
 _DEEP_PREFILL_MAX_D = 128  # widest (padded) head_dim that gets PREFILL_SERIAL_TILE
 _FOLD_CHUNK_BELOW = 264  # fold programs under which the fold splits head_dim by 16
@@ -224,7 +208,7 @@ class RotaryLaunch:
 # of one row each to 8192 (64 tokens: 2.20 us); then a token a program, its 40 heads over
 # 4 warps: 4096 tokens in 38.5 us against 51.8 for tiles of 16 rows over 4 warps, each row
 # of which loads its token's cos/sin rows again (same call, PDL off; the 4096 tokens move
-# ~84 MB, ~28 us at 3 TB/s; docs/benchmarks.md, roofline round 10).
+# ~84 MB, ~28 us at 3 TB/s; docs/benchmarks.md, "Roofline").
 ROTARY_ONE_ROW = RotaryLaunch()
 ROTARY_DECODE = RotaryLaunch(rows=8, warps=8)
 ROTARY_PREFILL = RotaryLaunch(warps=4, tokens=1)
@@ -507,10 +491,9 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     decode-like batches (at most two new tokens per sequence), large ones otherwise; chunk
     mode when the serial grid would leave most SMs idle (decode: fewer than two programs
     an SM; prefill: fewer than one) and a sequence can span several chunks, while the
-    fp32 chunk states (``ws_bytes``) stay small; else serial. (Chunks of an 8,192-token
-    prompt on an H100, roofline round 8: 64 tokens, 20 serial programs: serial 233 us,
-    chunk mode 37; 256 tokens, 72: 207 / 121; 512 tokens, 132: 208 / 243.) Serial prefill
-    with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
+    fp32 chunk states (``ws_bytes``) stay small; else serial (a long context read by few
+    serial programs leaves SMs idle, which chunks fill; docs/benchmarks.md, "Roofline").
+    Serial prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_TILE if decode_like else PREFILL_TILE
     g_pad = triton.next_power_of_2(group)
@@ -543,7 +526,7 @@ def gluon_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def exp2_default() -> bool:
     """The arithmetic :func:`paged_attention` uses when ``exp2`` is not given: the EXP2
-    form (round 6: ~1.3x faster on prefill than ``exp``), or the ``exp`` form with
+    form (~1.3x faster on prefill than ``exp`` on an H200), or the ``exp`` form with
     ``MEGASERVE_ATTN_EXP2=0``."""
     return os.environ.get("MEGASERVE_ATTN_EXP2", "1") != "0"
 

@@ -15,8 +15,8 @@ Launch-only switches (constexpr, never the bits):
   block-table load -> gather -> compute inside one iteration).
 * ``LONG_FIRST``: tiles are numbered from the last, so long causal rows start first.
 
-One arithmetic switch, ``EXP2`` (round 6; it changes the bits of every launch alike, never
-between launches): ``scale`` arrives with log2(e) folded in, a split's max is taken over
+One arithmetic switch, ``EXP2`` (it changes the bits of every launch alike, never between
+launches): ``scale`` arrives with log2(e) folded in, a split's max is taken over
 the raw dot products and scaled once per row (rounding is monotone, so this is the max of
 the scaled scores), ``p = exp2(fma(dot, scale, -m))`` with an explicit FMA, and the merge
 uses ``exp2`` and explicit FMAs. Nothing is left for the compiler to contract differently
@@ -98,7 +98,7 @@ def _split_step(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos, m, l
             raw = tl.where(keys[None, :] <= pos[:, None], raw, float("-inf"))
         # max exact in any order; -inf stays -inf. The (always true) per-row select keeps
         # ``* scale`` a separate rounding: without it the compiler contracted it into a
-        # later subtraction in one launch and not in another (H200, round 6; sm_90 PTX).
+        # later subtraction in one launch and not in another (seen in sm_90 PTX).
         m_s = tl.where(pos >= 0, tl.max(raw, axis=1) * scale, float("-inf"))
         m_new = tl.maximum(m, m_s)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -110,8 +110,8 @@ def _split_step(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos, m, l
             scores = tl.where(keys[None, :] <= pos[:, None], scores, float("-inf"))
         else:
             # Keep a select between ``* scale`` and ``- m``: without one the compiler
-            # fused them into an FMA for head_dim 128 and the bits changed (H200, round
-            # 5). This per-row predicate is always true.
+            # fused them into an FMA for head_dim 128 and the bits changed (seen on an
+            # H200). This per-row predicate is always true.
             scores = tl.where(pos[:, None] >= 0, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # max: exact in any order
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -120,7 +120,7 @@ def _split_step(q, kc_ptr, vc_ptr, block_ids, split, ctx_len, kv_head, pos, m, l
     # Σp as a dot: its k16 chain does not depend on the layout. L_COLS equal columns (a
     # launch choice: each column is the same chain whatever the width); 16 or more, since
     # a square [16, 16] result made Triton lay a 16-row tile's dots out with the warps
-    # along the rows, each warp holding the whole tile (round 8).
+    # along the rows, each warp holding the whole tile.
     l_s = tl.max(tl.dot(p, tl.full([SPLIT, L_COLS], 1.0, v.dtype)), axis=1)
     if EXP2:
         l = tl.fma(l, alpha, l_s)

@@ -488,27 +488,19 @@ def _tma_tile(a_ptr, a_desc, w_desc, c_ptr, ids_ptr, order_ptr, R, num_experts, 
 _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of it
 
 
-# This module's kernels launched with PDL. On an H100 (48-layer Qwen3-30B-A3B decode at
-# batch 1, back-to-back steps, PDL on the other decode kernels): none 3.608-3.609 ms a
-# step, top-k + align 3.576-3.581, the expert GEMMs alone 3.580, all three 3.943 (another
-# run: 3.711 with PDL off everywhere). With the align launch gone at batch 1 (inline
-# grouping, session 15), PDL on both GEMMs too: batch 1 3.564-3.572 ms against
-# 3.572-3.590 in two calls, but 3.608 against 3.604 in a full run, where Mixtral's batch
-# 256 fell to 61% of its roofline (69% before); not adopted. All of them keep
-# pdl.wait_then_release, so adding one is a name here ("up", "down": the two expert
-# GEMMs); $MEGASERVE_MOE_PDL (names, comma-separated) replaces the set for tuning runs.
-# Session 18 (after the router's and o_proj's parts went to their consumers): PDL on the
-# gate_up GEMM of decode calls (inline grouping, "decode_up") took batch 1 back to back
-# from 3.378 / 3.377 / 3.446 / 3.395 / 3.384 ms to 3.369 / 3.365 / 3.371 / 3.380 / 3.365
-# (five alternations over two calls); "decode_down" 3.369 / 3.373, both 3.399 / 3.378.
-# "decode_<name>" applies to calls with inline grouping only (at most
-# INLINE_ALIGN_MAX_ROWS rows), so no large call changes. Once the down GEMM found its tile
-# and rows before its wait (_expert_gemm_kernel's EARLY_IDS), PDL on it too: 3.337 /
-# 3.340 / 3.342 -> 3.301 / 3.297 / 3.292 ms (one call, alternating). But the Mixtral
-# shape's batch 1 lost (6.301 / 6.312 -> 6.475 / 6.457 ms): its gate_up grid runs in
-# several waves (896 programs), and down's programs, launched early, hold SM slots those
-# waves need. So down launches early only after a gate_up grid of at most
-# _DOWN_PDL_MAX_WAVES programs per SM (Qwen3-30B-A3B at batch 1: 192 programs).
+# This module's kernels launched with PDL (programmatic dependent launch: a kernel starts
+# before its predecessor ends and waits in pdl.wait_then_release). Every kernel here keeps
+# that wait, so adding one is a name in this set ("up", "down": the expert GEMMs of any
+# call; "decode_up", "decode_down": only calls with inline grouping, at most
+# INLINE_ALIGN_MAX_ROWS rows, so no large call changes). $MEGASERVE_MOE_PDL (names,
+# comma-separated) replaces the set for tuning runs. What gained at batch-1 decode of the
+# 48-layer Qwen3-30B-A3B shape on an H100 is in: top-k, align and both decode GEMMs (the
+# down GEMM once it finds its tile and rows before its wait, _expert_gemm_kernel's
+# EARLY_IDS). PDL on every expert GEMM lost in full runs (Mixtral's batch 256 fell from 69%
+# to 61% of its roofline). The down GEMM launches early only after a gate_up grid of at
+# most _DOWN_PDL_MAX_WAVES programs per SM (Qwen3-30B-A3B at batch 1: 192 programs): after
+# a gate_up grid of several waves (Mixtral's 896 programs) down's early programs hold SM
+# slots those waves need. Timings: docs/benchmarks.md, "Roofline".
 PDL_KERNELS = frozenset({"topk", "align", "decode_up", "decode_down"})
 _DOWN_PDL_MAX_WAVES = 2
 _PDL_ENV = "MEGASERVE_MOE_PDL"
