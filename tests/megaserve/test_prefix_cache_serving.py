@@ -4,21 +4,30 @@ a hit-rate gauge), against a real ``megaserve serve``; the outputs of a hit equa
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
+from megaserve.kernels import cpu_ext
+from megaserve.models.builtin import resolve_model
 from megaserve.server.client import build_request, generation_stub
-from tests.server.conftest import LABEL, ServerProcess, http_post
+from tests.server.conftest import LABEL, MODEL, ServerProcess, http_post
 
 PROMPT = [(11 * i + 5) % 500 for i in range(40)]  # 2 full blocks of 16 can be reused
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A server of its own (a fresh prefix cache); it builds the model in its cache."""
-    cache = str(tmp_path_factory.mktemp("megaserve-cache"))
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", cache,
-                        "--dtype", "float32", "--max-model-len", "256")
+    """A server of its own: its prefix cache lives in its memory, so it starts empty. It
+    shares the session's MEGASERVE_CACHE (tests/conftest.py) with the model and the CPU
+    kernels built here first, so the server neither generates the model nor compiles the
+    kernels while wait_ready counts (a cache of its own made it do both)."""
+    resolve_model(MODEL)
+    cpu_ext.load()
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log",
+                        os.environ["MEGASERVE_CACHE"], "--dtype", "float32",
+                        "--max-model-len", "256")
     try:
         srv.wait_ready(timeout=120)
         yield srv
