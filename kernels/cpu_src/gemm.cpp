@@ -11,10 +11,12 @@ namespace {
 
 template <int ROWS>
 inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_t k_len,
-                         float* c, int64_t ldc, int cols) {
+                         float* c, int64_t ldc, int cols, const float* prefetch) {
   v16 acc[ROWS][4];
   for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = v16{};
   for (int64_t k = 0; k < k_len; ++k) {
+    if (prefetch != nullptr)  // the next panel's row k, into L2 (4 cache lines)
+      for (int line = 0; line < NR; line += 16) __builtin_prefetch(prefetch + k * NR + line, 0, 2);
     const v16 b0 = load16(panel + k * NR), b1 = load16(panel + k * NR + 16);
     const v16 b2 = load16(panel + k * NR + 32), b3 = load16(panel + k * NR + 48);
     for (int m = 0; m < ROWS; ++m) {
@@ -39,17 +41,21 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
     const float* panel = packed + p * k_len * NR;
     const int cols = static_cast<int>(std::min<int64_t>(NR, n_len - p * NR));
     float* cp = c + p * NR;
+    // With more rows than one pass takes, the first pass over this panel also fetches the
+    // next panel into L2, so the other passes overlap its memory traffic (no effect on any
+    // bit). A single pass streams the panels in order, which the hardware prefetches.
+    const float* next = p + 1 < panel_end && rows > MR ? panel + k_len * NR : nullptr;
     int64_t m = 0;
-    for (; m + MR <= rows; m += MR)
-      micro_kernel<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols);
+    for (; m + MR <= rows; m += MR, next = nullptr)
+      micro_kernel<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols, next);
     const float* am = a + m * lda;
     float* cm = cp + m * ldc;
     switch (rows - m) {
-                  case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols); break;
-      case 1: micro_kernel<1>(am, lda, panel, k_len, cm, ldc, cols); break;
+      case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 1: micro_kernel<1>(am, lda, panel, k_len, cm, ldc, cols, next); break;
       default: break;
     }
   }
