@@ -44,38 +44,39 @@ inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float (exact)
   return f;
 }
 
-// out_g[d] = sum_j p_g[j] * v_j[d], j ascending, for heads g < group; NV = dh / 16.
-// Accumulators live in registers; two heads at a time give independent add chains.
+// out_g[d] = sum_j p_g[j] * v_j[d], j ascending, for heads g0 <= g < g0 + G; NV = dh / 16.
+// The G heads share each value row's loads, and their G * NV sums are independent add
+// chains (a lane's order is the same for any G).
+template <int NV, int G>
+inline void attend_values_heads(const float* const* vrows, const float* scores, int64_t padded,
+                                int64_t len, int64_t g0, float* acc) {
+  v16 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) a[g][v] = v16{};
+  const float* p = scores + g0 * padded;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* vr = vrows[j];
+    v16 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load16(vr + 16 * v);
+    for (int g = 0; g < G; ++g) {
+      const float pj = p[g * padded + j];
+      for (int v = 0; v < NV; ++v) a[g][v] = a[g][v] + pj * x[v];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) store16(acc + (g0 + g) * NV * 16 + 16 * v, a[g][v]);
+}
+
+// The sums above for heads g < group, up to four heads at a time (at most 8 vectors of
+// accumulators: NV = 8 takes one head at a time).
 template <int NV>
 void attend_values(const float* const* vrows, const float* scores, int64_t padded,
                    int64_t len, int64_t group, float* acc) {
+  constexpr int WIDE = NV >= 8 ? 1 : 8 / NV < 4 ? 8 / NV : 4;
   int64_t g = 0;
-  for (; g + 2 <= group; g += 2) {
-    v16 a0[NV], a1[NV];
-    for (int v = 0; v < NV; ++v) a0[v] = a1[v] = v16{};
-    const float* p0 = scores + g * padded;
-    const float* p1 = p0 + padded;
-    for (int64_t j = 0; j < len; ++j) {
-      const float* vr = vrows[j];
-      for (int v = 0; v < NV; ++v) {
-        const v16 x = load16(vr + 16 * v);
-        a0[v] = a0[v] + p0[j] * x;
-        a1[v] = a1[v] + p1[j] * x;
-      }
-    }
-    for (int v = 0; v < NV; ++v) {
-      store16(acc + g * NV * 16 + 16 * v, a0[v]);
-      store16(acc + (g + 1) * NV * 16 + 16 * v, a1[v]);
-    }
-  }
-  for (; g < group; ++g) {
-    v16 a0[NV];
-    for (int v = 0; v < NV; ++v) a0[v] = v16{};
-    const float* p0 = scores + g * padded;
-    for (int64_t j = 0; j < len; ++j)
-      for (int v = 0; v < NV; ++v) a0[v] = a0[v] + p0[j] * load16(vrows[j] + 16 * v);
-    for (int v = 0; v < NV; ++v) store16(acc + g * NV * 16 + 16 * v, a0[v]);
-  }
+  for (; g + WIDE <= group; g += WIDE)
+    attend_values_heads<NV, WIDE>(vrows, scores, padded, len, g, acc);
+  for (; g < group; ++g) attend_values_heads<NV, 1>(vrows, scores, padded, len, g, acc);
 }
 
 // The same sums for any dh (one lane per element, same order as attend_values).
@@ -88,32 +89,47 @@ void attend_values_any(const float* const* vrows, const float* scores, int64_t p
         acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vrows[j][dd];
 }
 
-// s[j] = (sum_d q[d] * kt[d][j], d ascending) * scale for j < padded (multiple of 16), kt
-// rows `stride` apart;
-// four 16-key blocks at a time for independent add chains (each lane's order unchanged).
-void attend_scores(const float* q, const float* kt, int64_t stride, int64_t padded, int64_t dh,
-                   float scale, float* s) {
-  int64_t j0 = 0;
-  for (; j0 + 64 <= padded; j0 += 64) {
-    v16 d0 = v16{}, d1 = v16{}, d2 = v16{}, d3 = v16{};
-    for (int64_t dd = 0; dd < dh; ++dd) {
-      const float qd = q[dd];
-      const float* k = kt + dd * stride + j0;
-      d0 = d0 + qd * load16(k);
-      d1 = d1 + qd * load16(k + 16);
-      d2 = d2 + qd * load16(k + 32);
-      d3 = d3 + qd * load16(k + 48);
+// s_g[j] = (sum_d q_g[d] * kt[d][j], d ascending) * scale for j0 <= j < j0 + 16 * B and
+// heads g < G (q_g = q + g * dh, s_g = s + g * padded), kt rows `stride` apart. The G heads
+// share each kt load; the G * B sums are independent add chains (a lane's order is the
+// same for any G and B).
+template <int G, int B>
+inline void score_blocks(const float* q, const float* kt, int64_t stride, int64_t padded,
+                         int64_t dh, float scale, int64_t j0, float* s) {
+  v16 d[G][B];
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < B; ++b) d[g][b] = v16{};
+  for (int64_t dd = 0; dd < dh; ++dd) {
+    v16 k[B];
+    for (int b = 0; b < B; ++b) k[b] = load16(kt + dd * stride + j0 + 16 * b);
+    for (int g = 0; g < G; ++g) {
+      const float qd = q[g * dh + dd];
+      for (int b = 0; b < B; ++b) d[g][b] = d[g][b] + qd * k[b];
     }
-    store16(s + j0, d0 * scale);
-    store16(s + j0 + 16, d1 * scale);
-    store16(s + j0 + 32, d2 * scale);
-    store16(s + j0 + 48, d3 * scale);
   }
-  for (; j0 < padded; j0 += 16) {
-    v16 d0 = v16{};
-    for (int64_t dd = 0; dd < dh; ++dd) d0 = d0 + q[dd] * load16(kt + dd * stride + j0);
-    store16(s + j0, d0 * scale);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int b = 0; b < B; ++b) store16(s + g * padded + j0 + 16 * b, d[g][b] * scale);
+}
+
+// All j < padded (a multiple of 16) for heads g < G: 4 or 8 chains at a time, then single
+// blocks.
+template <int G>
+inline void score_heads(const float* q, const float* kt, int64_t stride, int64_t padded,
+                        int64_t dh, float scale, float* s) {
+  constexpr int B = G >= 4 ? 2 : 4;
+  int64_t j0 = 0;
+  for (; j0 + 16 * B <= padded; j0 += 16 * B)
+    score_blocks<G, B>(q, kt, stride, padded, dh, scale, j0, s);
+  for (; j0 < padded; j0 += 16) score_blocks<G, 1>(q, kt, stride, padded, dh, scale, j0, s);
+}
+
+// The scores of `group` heads (q: [group, dh], s: [group, padded]), four heads at a time.
+void attend_scores(const float* q, const float* kt, int64_t stride, int64_t padded, int64_t dh,
+                   int64_t group, float scale, float* s) {
+  int64_t g = 0;
+  for (; g + 4 <= group; g += 4)
+    score_heads<4>(q + g * dh, kt, stride, padded, dh, scale, s + g * padded);
+  for (; g < group; ++g) score_heads<1>(q + g * dh, kt, stride, padded, dh, scale, s + g * padded);
 }
 
 // Scores -> exp(score - max) in place; keys past len get exactly 0.
@@ -217,11 +233,9 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
         // Keys in [len_t, padded) get score -inf (their kt columns may hold later keys of
         // the run: the score is overwritten, never used).
         const int64_t len_t = pos_of[t] + 1, padded = (len_t + 15) / 16 * 16;
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores + g * padded;
-          attend_scores(q + (t * hq + kv * group + g) * dh, kt, stride, padded, dh, scale, sg);
-          softmax_numerators(sg, len_t, padded);
-        }
+        attend_scores(q + (t * hq + kv * group) * dh, kt, stride, padded, dh, group, scale,
+                      scores);
+        for (int64_t g = 0; g < group; ++g) softmax_numerators(scores + g * padded, len_t, padded);
         switch (dh) {
           case 16: attend_values<1>(vrows, scores, padded, len_t, group, acc); break;
           case 32: attend_values<2>(vrows, scores, padded, len_t, group, acc); break;
