@@ -16,9 +16,10 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
 * **exp / log** are polynomials in the source (libm's pick FMA or non-FMA code by CPU);
   no FMA contraction, no ``-ffast-math``: the ISA flags only change the vector width.
 
-The rest (KV-cache writes, rotary, SwiGLU of dense MLPs, sampling) are torch ops, exact per
+The rest (KV-cache writes, SwiGLU of dense MLPs, sampling) are torch ops, exact per
 element or run one row at a time; the fused API calls (rotary_and_cache, combine_residual)
-are compositions of these.
+are compositions of these, except float32 rotary_and_cache, compiled too (one pass per
+token: q/k norm, rotary, cache writes; the composition's bits).
 bfloat16 inputs are computed in float32 and rounded once at the end.
 Tests: tests/kernels/test_cpu_kernels.py, tests/kernels/test_cpu_batched_kernels.py,
 tests/kernels/test_cpu_ext.py.
@@ -172,9 +173,30 @@ def rotary_and_cache(
     slot_mapping: torch.Tensor,
     num_q_heads: int,
 ) -> torch.Tensor:
-    return composed_rotary_and_cache(rms_norm, write_kv_cache, qkv, positions, cos, sin,
-                                     q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
-                                     num_q_heads)
+    """float32 (activations, tables, norms and caches, the caches contiguous): the
+    compiled pass; other dtypes: the composition it reproduces bitwise."""
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    tensors = [qkv, cos, sin, k_cache, v_cache] + [n for n in (q_norm, k_norm) if n is not None]
+    if (any(t.dtype != torch.float32 for t in tensors) or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or (q_norm is None) != (k_norm is None)
+            or head_dim % 2 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim):
+        return composed_rotary_and_cache(rms_norm, write_kv_cache, qkv, positions, cos, sin,
+                                         q_norm, k_norm, eps, k_cache, v_cache, slot_mapping,
+                                         num_q_heads)
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    norms = [n.contiguous() if n is not None else None for n in (q_norm, k_norm)]
+    q = _output(num_tokens, num_q_heads, head_dim)
+    if num_tokens and cpu_ext.load().ms_rotary_and_cache(
+            qkv.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+            *(n.data_ptr() if n is not None else None for n in norms), eps,
+            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_q_heads,
+            num_kv_heads, head_dim, q.data_ptr(), _lanes) != 0:
+        raise IndexError(f"rotary_and_cache: a position outside the {cos.shape[0]} rows of "
+                         "the cos/sin tables")
+    return q
 
 
 def composed_rotary_and_cache(norm, write, qkv, positions, cos, sin, q_norm, k_norm, eps,

@@ -51,6 +51,8 @@ _SIGNATURES = {
     "ms_log_softmax": [_P, _I64, _I64, _P, _INT],
     "ms_topk_route": [_P, _I64, _I64, _I64, _INT, _P, _P, _INT],
     "ms_combine": [_P, _P, _I64, _I64, _I64, _P, _INT],
+    "ms_rotary_and_cache": [_P, _P, _P, _P, _I64, _P, _P, _F32, _P, _P, _P, _I64, _I64, _I64,
+                            _I64, _P, _INT],
     "ms_paged_attention_f32": [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                _I64, _F32, _P, _INT],
     "ms_paged_attention_bf16": [_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64,
@@ -129,7 +131,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ms_panel_width.argtypes, lib.ms_panel_width.restype = [], ctypes.c_int
-    lib.ms_expert_ffn.restype = ctypes.c_int
+    lib.ms_expert_ffn.restype = lib.ms_rotary_and_cache.restype = ctypes.c_int
     if isa is None:
         _lib = lib
     return lib

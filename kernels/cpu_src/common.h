@@ -142,4 +142,16 @@ inline float lane_sum(const float* x, int64_t n) {
   return lane[0];
 }
 
+// y = h / sqrt(mean(h^2) + eps) (* weight when weight != null), one row of d; sq: d floats
+// of scratch. The one RMSNorm arithmetic of these kernels (y may alias h).
+inline void rms_norm_row(const float* h, const float* weight, int64_t d, float eps, float* y,
+                         float* sq) {
+  for (int64_t j = 0; j < d; ++j) sq[j] = h[j] * h[j];
+  const float inv = 1.0f / __builtin_sqrtf(lane_sum(sq, d) / static_cast<float>(d) + eps);
+  if (weight)
+    for (int64_t j = 0; j < d; ++j) y[j] = weight[j] * (h[j] * inv);
+  else
+    for (int64_t j = 0; j < d; ++j) y[j] = h[j] * inv;
+}
+
 }  // namespace ms

@@ -19,15 +19,56 @@ void ms_rms_norm(const float* x, const float* residual, const float* weight, int
       const float* xr = x + r * d;
       for (int64_t j = 0; j < d; ++j) h[j] = residual ? xr[j] + residual[r * d + j] : xr[j];
       if (h_out) std::memcpy(h_out + r * d, h.data(), sizeof(float) * d);
-      for (int64_t j = 0; j < d; ++j) sq[j] = h[j] * h[j];
-      const float inv = 1.0f / __builtin_sqrtf(lane_sum(sq.data(), d) / static_cast<float>(d) + eps);
-      float* yr = y + r * d;
-      if (weight)
-        for (int64_t j = 0; j < d; ++j) yr[j] = weight[j] * (h[j] * inv);
-      else
-        for (int64_t j = 0; j < d; ++j) yr[j] = h[j] * inv;
+      rms_norm_row(h.data(), weight, d, eps, y + r * d, sq.data());
     }
   });
+}
+
+// Between the QKV projection and attention, per token t: q and k heads (each optionally
+// RMSNorm-ed with q_norm / k_norm) rotated, rot(x)[i] = x[i] * cos[i] + rotate_half(x)[i] *
+// sin[i] (rotate_half: -x[i + dh/2] for i < dh/2, else x[i - dh/2]; each product and the
+// sum rounded once), at position positions[t]; q into q_out, k and v into the caches at
+// slot slots[t] (a negative slot: a padding token, nothing written).
+// qkv: [T, (hq + 2 hkv) * dh] (q heads, then k, then v); cos, sin: [*, dh]; q_out:
+// [T, hq, dh]; caches: [*, hkv, dh] rows of slots. A negative position counts from the end
+// of the tables' num_positions rows, as a torch index does. Returns 0, or -1 (nothing
+// written) when a position lies outside [-num_positions, num_positions).
+int ms_rotary_and_cache(const float* qkv, const int64_t* positions, const float* cos,
+                        const float* sin, int64_t num_positions, const float* q_norm,
+                        const float* k_norm, float eps, float* k_cache, float* v_cache,
+                        const int64_t* slots, int64_t t_len, int64_t hq, int64_t hkv,
+                        int64_t dh, float* q_out, int threads) {
+  for (int64_t t = 0; t < t_len; ++t)
+    if (positions[t] < -num_positions || positions[t] >= num_positions) return -1;
+  const int64_t width = (hq + 2 * hkv) * dh, half = dh / 2, row = hkv * dh;
+  parallel_for(threads, (t_len + 15) / 16, [&](int64_t task) {
+    thread_local std::vector<float> xn_buf, sq_buf;
+    xn_buf.resize(dh);
+    sq_buf.resize(dh);
+    float* xn = xn_buf.data();
+    for (int64_t t = task * 16; t < std::min(t_len, (task + 1) * 16); ++t) {
+      const int64_t pos = positions[t] < 0 ? positions[t] + num_positions : positions[t];
+      const float* c = cos + pos * dh;
+      const float* s = sin + pos * dh;
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < hq + hkv; ++h) {
+        const float* x = qkv + t * width + h * dh;
+        const float* norm = h < hq ? q_norm : k_norm;
+        if (norm) {
+          rms_norm_row(x, norm, dh, eps, xn, sq_buf.data());
+          x = xn;
+        }
+        if (h >= hq && slot < 0) continue;  // a padding token's k: not written
+        float* y = h < hq ? q_out + (t * hq + h) * dh : k_cache + slot * row + (h - hq) * dh;
+        for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+        for (int64_t i = half; i < dh; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+      }
+      if (slot >= 0)
+        std::memcpy(v_cache + slot * row, qkv + t * width + (hq + hkv) * dh,
+                    sizeof(float) * row);
+    }
+  });
+  return 0;
 }
 
 // Softmax routing with a stable top-k. logits: [T, E]; ids: [T, k] int64; weights:

@@ -16,6 +16,7 @@ from megaserve.kernels.api import set_cpu_threads
 
 from .test_cpu_batched_kernels import _attend
 from .test_cpu_kernels import _paged_setup
+from .test_fused_interp import _bits, _rel_err, _rotary_ref, _rotary_tables
 
 ISA_RANK = {"baseline": 0, "avx2": 1, "avx512": 2}
 
@@ -40,7 +41,23 @@ def _inputs(dtype: torch.dtype = torch.float32) -> dict:
         logits=torch.randn(37, v, generator=g) * 4,
         q=torch.randn(sum(lengths), 8, 32, generator=g).to(dtype),
         cache=(k_cache, v_cache, tables, lengths),
+        qkv=(torch.randn(37, (8 + 2 * 2) * 32, generator=g) * 3).to(dtype),
+        positions=torch.randint(0, 300, (37,), generator=g),
+        rotary=_rotary_tables(torch, 300, 32, dtype, "cpu"),
+        head_norm=(torch.rand(32, generator=g) + 0.5).to(dtype),
     )
+
+
+def _rotary(a: dict, norm: bool = True, rows: slice = slice(None)) -> list[torch.Tensor]:
+    """rotary_and_cache on ``a`` (8 + 2 + 2 heads of 32) into fresh zeroed caches; returns
+    q and both caches."""
+    qkv, positions = a["qkv"][rows], a["positions"][rows]
+    caches = [torch.zeros(16, 4, 2, 32, dtype=qkv.dtype) for _ in range(2)]
+    slots = torch.arange(qkv.shape[0]) * 3 % 64
+    slots[1::5] = -1  # padding tokens: nothing written
+    w = a["head_norm"] if norm else None
+    q = cpu.rotary_and_cache(qkv, positions, *a["rotary"], w, w, 1e-6, *caches, slots, 8)
+    return [q, *caches]
 
 
 def _run_all(a: dict) -> list[torch.Tensor]:
@@ -55,6 +72,7 @@ def _run_all(a: dict) -> list[torch.Tensor]:
         cpu.combine(a["expert_out"], a["topk_w"]),
         cpu.log_softmax(a["logits"]),
         _attend(a["q"], k_cache, v_cache, tables, lengths, lengths, 32 ** -0.5),
+        *_rotary(a),
     ]
 
 
@@ -172,3 +190,34 @@ def test_expert_ids_out_of_range_are_rejected():
             cpu.expert_ffn(x, torch.tensor([0, bad, 1]), w_gate_up, w_down)
     out = cpu.expert_ffn(x, torch.tensor([0, 4, 1]), w_gate_up, w_down)  # 4 = routed nowhere
     assert torch.equal(out[[0, 2]], cpu.expert_ffn(x[[0, 2]], torch.tensor([0, 1]), w_gate_up, w_down))
+
+
+def test_rotary_and_cache_compiled_equals_the_composition():
+    """The compiled float32 rotary_and_cache gives the bits of the torch composition it
+    replaces (q, both caches; with and without the q/k norm; padding slots written nowhere;
+    a negative position counts from the end of the tables, as a torch index does), is
+    within float32 rounding of a float64 reference, and a subset of tokens alone gives the
+    same rows. A position past the tables raises IndexError."""
+    a = _inputs()
+    a["positions"][4] = -1
+    for norm in (True, False):
+        got = _rotary(a, norm)
+        w = a["head_norm"] if norm else None
+        caches = [torch.zeros(16, 4, 2, 32) for _ in range(2)]
+        slots = torch.arange(37) * 3 % 64
+        slots[1::5] = -1
+        want_q = cpu.composed_rotary_and_cache(cpu.rms_norm, cpu.write_kv_cache, a["qkv"],
+                                               a["positions"], *a["rotary"], w, w, 1e-6,
+                                               *caches, slots, 8)
+        assert got[0].is_contiguous() and torch.equal(got[0], want_q), f"q, norm={norm}"
+        for c, want in zip(got[1:], caches):
+            assert torch.equal(_bits(torch, c), _bits(torch, want)), f"cache, norm={norm}"
+        x = a["qkv"].view(37, 12, 32)
+        ref = _rotary_ref(torch, x[:, :8], *a["rotary"], a["positions"], w, 1e-6)
+        assert _rel_err(got[0], ref) < 1e-6
+        for rows in (slice(3, 4), slice(5, 17)):
+            assert torch.equal(_rotary(a, norm, rows)[0], got[0][rows]), f"rows {rows}"
+    a["positions"][0] = 300
+    with pytest.raises(IndexError):
+        _rotary(a)
+
