@@ -123,8 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--cpu-threads", type=int, default=1,
-                        help="threads the CPU kernels spread their tiles over (EngineConfig.cpu_threads)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads the CPU kernels spread their tiles over (default: "
+                             "EngineConfig's, every CPU of this process)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-tree", default=None,
@@ -141,7 +142,9 @@ def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
     model = str(tiny_mixtral_path()) if args.model == "tiny-mixtral" else args.model
     options = dict(model=model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.input_len + args.output_len + 1, cpu_threads=args.cpu_threads)
+                   max_model_len=args.input_len + args.output_len + 1)
+    if args.cpu_threads is not None:  # else the tree's own default (a baseline tree's too)
+        options["cpu_threads"] = args.cpu_threads
     with LLM(**options) as llm:
         run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
         return [run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
@@ -158,11 +161,13 @@ def main(argv: list[str]) -> int:
     if args.worker:  # one run of a --baseline-tree comparison (megaserve.bench.baseline_tree)
         print(json.dumps(_measure(args, 1)[0]))
         return 0
+    from megaserve.engine.config import EngineConfig
     from megaserve.kernels import cpu_ext
 
+    threads = args.cpu_threads or f"{EngineConfig(device='cpu').cpu_threads} (default)"
     print(f"device: CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{cpu_ext.default_isa()} kernels)  "
-          f"model: {args.model}  dtype: {args.dtype}  threads: {args.cpu_threads}  "
+          f"model: {args.model}  dtype: {args.dtype}  threads: {threads}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
     print(f"{'run':>10} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:

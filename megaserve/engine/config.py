@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields, replace
 
 from megaserve.comm.endpoint import PROVIDERS
@@ -127,9 +128,9 @@ class EngineConfig:
     the disaggregated layout (defaults: everything in this process, one micro-batch).
     cpu_threads: threads a CPU engine computes with: torch's intra-op threads stay at 1 and
     the CPU kernels spread their fixed-shape tiles over this many threads of their own
-    (kernels.api.set_cpu_threads; results never depend on it). One is the default: OpenMP
-    thread teams slowed the small tiles down badly on a loaded machine (40x on 2 busy
-    cores), and on a machine shared with other work a second thread gains little.
+    (kernels.api.set_cpu_threads; results never depend on it). None (the default):
+    :func:`default_cpu_threads`, every CPU this process may run on for an engine alone in
+    its layout, else 1.
     cuda_graphs: run decode steps on CUDA through captured CUDA graphs (padded batch
     sizes; results are bitwise those of eager execution). Ignored on CPU.
     async_scheduling: overlap the host with the device (vLLM's ``--async-scheduling``):
@@ -157,7 +158,7 @@ class EngineConfig:
     expert_workers: int = 1
     microbatches: int = 1
     transport: str = "inproc"
-    cpu_threads: int = 1
+    cpu_threads: int | None = None  # None: default_cpu_threads(self)
     # How expert workers batch the tokens of several replicas (docs/runtime.md):
     # "per_layer" takes whatever frames arrive within expert_aggregation_wait_ms;
     # "lockstep" advances all busy replicas one step at a time and waits for all of them.
@@ -220,8 +221,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "attention_replicas", "expert_workers", "microbatches", "cpu_threads"):
             value = getattr(self, name)
-            if value is None and name == "max_num_batched_tokens":
-                continue  # the device's default, below
+            if value is None and name in ("max_num_batched_tokens", "cpu_threads"):
+                continue  # defaults that depend on the device and layout, below
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         value = self.kv_cache_memory_bytes
@@ -258,6 +259,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens",
                                default_max_num_batched_tokens(self.device))
+        if self.cpu_threads is None:
+            object.__setattr__(self, "cpu_threads", default_cpu_threads(self))
 
 
 # vLLM's defaults (EngineArgs' batch defaults): GPUs of at least 70 GiB other than the A100
@@ -293,6 +296,22 @@ def default_max_num_batched_tokens(device: str, usage: str = "llm") -> int:
     except (AssertionError, RuntimeError):  # torch raises these without a usable CUDA
         return batched_tokens_for(0, "", usage)
     return batched_tokens_for(props.total_memory, props.name, usage)
+
+
+def default_cpu_threads(config: EngineConfig) -> int:
+    """``cpu_threads`` when not given: every CPU this process may run on (its affinity
+    mask, as vLLM's CPU backend takes the cores it is given) for a CPU engine alone in its
+    layout (one attention replica, one expert worker, not disaggregated); 1 otherwise,
+    where worker processes share the cores and in-process workers share one kernel pool,
+    which runs one parallel call at a time. 1 on other devices (unused there)."""
+    alone = (config.attention_replicas == 1 and config.expert_workers == 1
+             and not config.disaggregate)
+    if config.device != "cpu" or not alone:
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity API (not Linux)
+        return max(1, os.cpu_count() or 1)
 
 
 def resolve_device(device: str) -> str:

@@ -33,3 +33,19 @@ def test_every_layout_field_is_an_engine_config_field_with_the_same_default() ->
     defaults = EngineConfig()
     for f in fields(LayoutConfig):
         assert getattr(defaults, f.name) == f.default, f.name
+
+
+def test_cpu_threads_default_to_the_cpus_of_an_engine_alone_in_its_layout() -> None:
+    """cpu_threads unset: every CPU of this process's affinity mask for a one-engine CPU
+    layout; 1 where worker processes or in-process workers share the cores (several
+    replicas or expert workers, disaggregated) and on CUDA; a given value is kept."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert EngineConfig(device="cpu").cpu_threads == cpus
+    assert EngineConfig(device="cpu").replica().cpu_threads == cpus
+    for layout in (dict(attention_replicas=2), dict(expert_workers=2, transport="tcp")):
+        config = EngineConfig(device="cpu", **layout)
+        assert config.cpu_threads == 1 and config.replica().cpu_threads == 1, layout
+    assert EngineConfig(device="cuda").cpu_threads == 1
+    assert EngineConfig(device="cpu", cpu_threads=3).cpu_threads == 3
