@@ -301,10 +301,12 @@ def default_max_num_batched_tokens(device: str, usage: str = "llm") -> int:
 def default_cpu_threads(config: EngineConfig) -> int:
     """``cpu_threads`` when not given: every CPU this process may run on (its affinity
     mask, as vLLM's CPU backend takes the cores it is given) for a CPU engine alone in its
-    layout (one attention replica, one expert worker, not disaggregated); 1 otherwise,
-    where worker processes share the cores and in-process workers share one kernel pool,
-    which runs one parallel call at a time. 1 on other devices (unused there)."""
-    alone = (config.attention_replicas == 1 and config.expert_workers == 1
+    layout (the one-process default: one attention replica and one expert worker, inproc,
+    no placement, not disaggregated); 1 otherwise, where worker processes share the cores
+    and in-process workers share one kernel pool, which runs one parallel call at a time.
+    1 on other devices (unused there)."""
+    alone = ((config.attention_replicas, config.expert_workers, config.transport)
+             == (1, 1, "inproc") and config.expert_placement is None
              and not config.disaggregate)
     if config.device != "cpu" or not alone:
         return 1
