@@ -43,6 +43,13 @@ _M32 = 0xFFFFFFFF
 # Threads the compiled kernels spread each call over (set_num_lanes). A row, expert task or
 # query token computes the same bits whichever thread runs it.
 _lanes = 1
+# Calls with fewer rows (tokens) than this run on the calling thread alone: waking a
+# helper costs more than it saves on a few rows (a lone decode step's ~40 calls).
+PARALLEL_MIN_ROWS = 16
+
+
+def _lanes_for(num_rows: int) -> int:
+    return _lanes if num_rows >= PARALLEL_MIN_ROWS else 1
 
 
 def set_num_lanes(num_lanes: int) -> None:
@@ -95,7 +102,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = _output(num_rows, n)
     if num_rows:
         cpu_ext.load().ms_linear(xf.data_ptr(), num_rows, k, packed(weight).data_ptr(), n,
-                                 bf.data_ptr() if bf is not None else None, out.data_ptr(), _lanes)
+                                 bf.data_ptr() if bf is not None else None, out.data_ptr(),
+                                 _lanes_for(num_rows))
     return out.to(x.dtype)
 
 
@@ -193,7 +201,7 @@ def rotary_and_cache(
             qkv.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
             *(n.data_ptr() if n is not None else None for n in norms), eps,
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), num_tokens, num_q_heads,
-            num_kv_heads, head_dim, q.data_ptr(), _lanes) != 0:
+            num_kv_heads, head_dim, q.data_ptr(), _lanes_for(num_tokens)) != 0:
         raise IndexError(f"rotary_and_cache: a position outside the {cos.shape[0]} rows of "
                          "the cos/sin tables")
     return q
@@ -259,7 +267,7 @@ def paged_attention(
     out = _output(num_tokens, num_q_heads, head_dim)
     fn(qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
        lens.data_ptr(), starts.data_ptr(), lens.shape[0], num_tokens, num_q_heads, num_kv_heads,
-       head_dim, block_size, scale, out.data_ptr(), _lanes)
+       head_dim, block_size, scale, out.data_ptr(), _lanes_for(num_tokens))
     return out.to(q.dtype)
 
 
@@ -307,7 +315,7 @@ def expert_ffn(
     if num_rows and cpu_ext.load().ms_expert_ffn(
             xf.data_ptr(), ids.data_ptr(), num_rows, hidden, two_inter // 2, num_experts,
             packed(w_gate_up).data_ptr(), packed(w_down).data_ptr(), out.data_ptr(),
-            EXPERT_ROW_TILE, _lanes) != 0:
+            EXPERT_ROW_TILE, _lanes_for(num_rows)) != 0:
         raise ValueError(f"expert ids must lie in [0, {num_experts}] ({num_experts}: routed "
                          "nowhere)")
     return out.to(x.dtype)
