@@ -1,0 +1,91 @@
+"""Where a CPU decode step goes: the ``megaserve bench cpu`` workload (tiny random Mixtral,
+64 requests x (64 prompt + 64 generated), greedy, float32) with every kernel of
+:mod:`megaserve.kernels.cpu` timed inside ``LLMEngine.step`` (exclusive: a kernel called by
+another counts once, in the outer one), the median over the batch's decode steps.
+
+    python scripts/cpu_decode_profile.py [--cpu-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+
+from megaserve import LLM, SamplingParams
+from megaserve.bench import cpu as bench_cpu
+from megaserve.engine import engine as engine_module
+from megaserve.kernels import cpu as kernels_cpu
+
+KERNELS = ["linear", "rms_norm", "linear_rms_norm", "rotary_and_cache", "paged_attention",
+           "route", "topk_route", "expert_ffn", "combine", "combine_residual", "log_softmax",
+           "embed_tokens", "sample", "write_kv_cache", "silu_and_mul"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    args = parser.parse_args()
+    spent: collections.Counter = collections.Counter()
+    depth = [0]
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[name] += time.perf_counter() - start
+        return call
+
+    for name in KERNELS:
+        if hasattr(kernels_cpu, name):
+            setattr(kernels_cpu, name, timed(name, getattr(kernels_cpu, name)))
+    steps = []
+    step = engine_module.LLMEngine.step
+
+    def timed_step(self):
+        spent.clear()
+        start = time.perf_counter()
+        out = step(self)
+        steps.append((time.perf_counter() - start, dict(spent)))
+        return out
+
+    engine_module.LLMEngine.step = timed_step
+    options = dict(model=str(bench_cpu.tiny_mixtral_path()), dtype="float32", device="cpu",
+                   max_num_seqs=64, max_model_len=129)
+    if args.cpu_threads:
+        options["cpu_threads"] = args.cpu_threads
+    with LLM(**options) as llm:
+        bench_cpu.run_workload(llm, 64, 64, 64, 0)  # warm-up
+        steps.clear()
+        rng = random.Random(1)
+        prompts = [{"prompt_token_ids": [rng.randrange(512) for _ in range(64)]}
+                   for _ in range(64)]
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        batch_s = time.perf_counter() - start
+        threads = llm.engine.config.cpu_threads
+    # The first steps prefill (4,096 prompt tokens, 2,048 a step, then one mixed step);
+    # the last one finishes the requests.
+    decode = steps[3:-1]
+    step_ms = statistics.median(s[0] for s in decode) * 1e3
+    print(f"threads {threads}: batch {batch_s:.3f} s, {len(steps)} steps; median decode step "
+          f"{step_ms:.2f} ms over {len(decode)} steps")
+    names = sorted({n for _, s in decode for n in s},
+                   key=lambda n: -statistics.median(s.get(n, 0.0) for _, s in decode))
+    total = 0.0
+    for name in names:
+        ms = statistics.median(s.get(name, 0.0) for _, s in decode) * 1e3
+        total += ms
+        print(f"  {name:18s} {ms:7.3f} ms")
+    print(f"  {'outside kernels':18s} {step_ms - total:7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
