@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     kernels built here first, so the server neither generates the model nor compiles the
     kernels while wait_ready counts (a cache of its own made it do both)."""
     resolve_model(MODEL)
-    cpu_ext.load()
+    cpu_ext.build(cpu_ext.default_isa())  # into this cache (a loaded library may be elsewhere)
     srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log",
                         os.environ["MEGASERVE_CACHE"], "--dtype", "float32",
                         "--max-model-len", "256")
