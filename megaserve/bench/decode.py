@@ -3,7 +3,9 @@
 In one process, on one device:
 
 1. baselines: HBM bandwidth from a device-to-device copy (bytes read + written / time),
-   and the bf16 matmul rate of ``torch.matmul`` at 8192^3 (cuBLAS), both measured here;
+   and the bf16 matmul rate of ``torch.matmul`` at 8192^3 (cuBLAS), both measured here:
+   the best of ten products, and the rate held over ``--matmul-seconds`` of products back
+   to back (a card under its power cap runs second-long compute below its short best);
 2. per batch size B of ``--batches``: B requests are prefilled, ``--warmup-steps`` decode
    steps run (CUDA graphs are captured here), then ``--steps`` decode steps are timed one
    by one, each synchronised (median reported), then ``--steps`` more back to back with one
@@ -17,7 +19,7 @@ In one process, on one device:
    :mod:`megaserve.bench.gpu_profile`: top kernels, GPU busy fraction, host gaps);
 4. prefill: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens (one generated
    token), after a warm-up with other prompts: tokens/s and FLOP/s against the datasheet
-   bf16 peak and the measured matmul rate.
+   bf16 peak and both measured matmul rates.
 
 ``--model random:<preset>:auto`` takes as many layers as fit in memory next to
 ``--reserve-gib`` for KV, activations and graphs (the table says how many).
@@ -65,6 +67,22 @@ def measure_matmul_flops(device: str, n: int, iters: int = 10) -> float:
     torch.matmul(a, b)
     best = _best_time(device, lambda: torch.matmul(a, b), iters)
     return 2 * n**3 / best
+
+
+def measure_held_matmul_flops(device: str, n: int, seconds: float) -> float:
+    """FLOP/s of ``n x n x n`` bf16 ``torch.matmul`` run back to back for about ``seconds``,
+    timed as one run: the rate a second-long compute phase (a prefill window) can hold."""
+    import torch
+
+    a = torch.randn(n, n, device=device).bfloat16()
+    b = torch.randn(n, n, device=device).bfloat16()
+    count = max(1, round(seconds / _best_time(device, lambda: torch.matmul(a, b), 3)))
+
+    def run() -> None:
+        for _ in range(count):
+            torch.matmul(a, b)
+
+    return 2 * n**3 * count / _best_time(device, run, 1)
 
 
 def _best_time(device: str, fn, iters: int) -> float:
@@ -252,6 +270,8 @@ def main(argv: list[str]) -> int:
                         help="memory kept free of weights by random:<preset>:auto (KV, activations, graphs)")
     parser.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the bandwidth copy")
     parser.add_argument("--matmul-n", type=int, default=8192, help="n of the n^3 bf16 matmul baseline")
+    parser.add_argument("--matmul-seconds", type=float, default=1.0,
+                        help="how long the held matmul rate runs (0: not measured)")
     parser.add_argument("--json-out", default=None, metavar="FILE", help="write all results as JSON")
     parser.add_argument("--trace-dir", default=None, metavar="DIR", help="keep the Chrome traces here")
     args = parser.parse_args(argv)
@@ -271,6 +291,8 @@ def main(argv: list[str]) -> int:
     name = _device_name(device)
     copy_bw = measure_copy_bandwidth(device, args.copy_mib << 20)
     matmul = measure_matmul_flops(device, args.matmul_n)
+    held = (measure_held_matmul_flops(device, args.matmul_n, args.matmul_seconds)
+            if args.matmul_seconds > 0 else None)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the baselines' buffers must not look like used memory
     try:
@@ -300,12 +322,14 @@ def main(argv: list[str]) -> int:
               "num_layers": cfg.num_layers, "layers_fitted_by_auto": fitted, "dtype": args.dtype,
               "weights_gb": roofline.weight_bytes(cfg, elt) / 1e9, "engine_load_s": load_s,
               "copy_bandwidth_gbs": copy_bw / 1e9, "matmul_tflops": matmul / 1e12,
+              "matmul_held_tflops": held / 1e12 if held else None,
               "datasheet": {"hbm_tbps": spec.hbm_tbps, "bf16_tflops": spec.bf16_tflops} if spec else None,
               "decode": [], "prefill": None}
     print(f"device: {name}  model: {args.model} ({cfg.num_layers} layers{', fitted to memory' if fitted else ''}, "
           f"{report['weights_gb']:.1f} GB of weights, loaded in {load_s:.1f} s)  dtype: {args.dtype}")
     print(f"baselines measured in this run: copy {copy_bw / 1e9:,.0f} GB/s (read + write), "
-          f"bf16 matmul {args.matmul_n}^3 {matmul / 1e12:,.0f} TFLOP/s"
+          f"bf16 matmul {args.matmul_n}^3 {matmul / 1e12:,.0f} TFLOP/s (best of ten)"
+          + (f", {held / 1e12:,.0f} held for {args.matmul_seconds:g} s" if held else "")
           + (f"; datasheet {spec.hbm_tbps * 1e3:,.0f} GB/s, {spec.bf16_tflops:,.0f} TFLOP/s" if spec else ""))
     print(f"{'batch':>5} {'active E':>8} {'MB/step':>8} {'roof ms':>8} {'step ms':>8} {'achieved':>8} "
           f"{'tok/s':>9} {'steady ms':>9} {'steady':>7} {'graphs':>6} {'GPU busy':>8} {'gaps ms':>7}")
@@ -354,12 +378,15 @@ def main(argv: list[str]) -> int:
         p = prefill_run(engine, device, args.prefill_prompts, args.prefill_len, rng)
         flops = roofline.prefill_flops_per_token(cfg, args.prefill_len) * p["tok_s"]
         p |= {"tflops": flops / 1e12, "of_matmul_measured": flops / matmul}
+        if held:
+            p["of_matmul_held"] = flops / held
         if spec:
             p["of_datasheet_peak"] = flops / (spec.bf16_tflops * 1e12)
         report["prefill"] = p
         _save(args.json_out, report)
         print(f"prefill: {p['prompts']} x {p['prompt_len']} tokens in {p['seconds']:.3f} s: {p['tok_s']:,.0f} tok/s, "
               f"{p['tflops']:.0f} TFLOP/s = {p['of_matmul_measured']:.0%} of the measured matmul"
+              + (f" ({p['of_matmul_held']:.0%} of its held rate)" if held else "")
               + (f", {p['of_datasheet_peak']:.0%} of the datasheet peak" if spec else ""))
     llm.shutdown()
     if args.json_out:

@@ -163,7 +163,8 @@ def test_bench_decode_runs_on_cpu(tmp_path):
     out = tmp_path / "out.json"
     rc = decode.main(["--model", str(path), "--dtype", "bfloat16", "--device", "cpu", "--batches", "1,3",
                       "--steps", "2", "--warmup-steps", "1", "--profile-steps", "1", "--prefill-len", "32",
-                      "--prefill-prompts", "2", "--copy-mib", "4", "--matmul-n", "64", "--json-out", str(out)])
+                      "--prefill-prompts", "2", "--copy-mib", "4", "--matmul-n", "64",
+                      "--matmul-seconds", "0.05", "--json-out", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["decode"]] == [1, 3]
@@ -174,6 +175,7 @@ def test_bench_decode_runs_on_cpu(tmp_path):
         assert r["bytes"]["total"] > r["bytes"]["expert_weights"] > 0
         assert r["profile"]["cpu_self_top"]
     assert report["prefill"]["tok_s"] > 0 and report["copy_bandwidth_gbs"] > 0
+    assert report["matmul_held_tflops"] > 0 and report["prefill"]["of_matmul_held"] > 0
 
 
 def test_summarize_trace_first_steps_only():
