@@ -191,6 +191,14 @@ class EngineConfig:
     data_plane: str = "auto"
 
     @property
+    def single_engine(self) -> bool:
+        """Whether the layout is the one-process default that make_engine serves with one
+        LLMEngine: one attention replica and one expert worker, inproc, no expert
+        placement, not disaggregated."""
+        return ((self.attention_replicas, self.expert_workers, self.transport) == (1, 1, "inproc")
+                and self.expert_placement is None and not self.disaggregate)
+
+    @property
     def layout(self) -> LayoutConfig:
         """The layout part of this config (the fields LayoutConfig names)."""
         return LayoutConfig(**{f.name: getattr(self, f.name) for f in fields(LayoutConfig)})
@@ -301,14 +309,10 @@ def default_max_num_batched_tokens(device: str, usage: str = "llm") -> int:
 def default_cpu_threads(config: EngineConfig) -> int:
     """``cpu_threads`` when not given: every CPU this process may run on (its affinity
     mask, as vLLM's CPU backend takes the cores it is given) for a CPU engine alone in its
-    layout (the one-process default: one attention replica and one expert worker, inproc,
-    no placement, not disaggregated); 1 otherwise, where worker processes share the cores
+    layout (``config.single_engine``); 1 otherwise, where worker processes share the cores
     and in-process workers share one kernel pool, which runs one parallel call at a time.
     1 on other devices (unused there)."""
-    alone = ((config.attention_replicas, config.expert_workers, config.transport)
-             == (1, 1, "inproc") and config.expert_placement is None
-             and not config.disaggregate)
-    if config.device != "cpu" or not alone:
+    if config.device != "cpu" or not config.single_engine:
         return 1
     try:
         return max(1, len(os.sched_getaffinity(0)))

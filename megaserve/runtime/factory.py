@@ -51,16 +51,14 @@ def uses_device_plane(config: EngineConfig) -> bool:
 
 
 def make_engine(config: EngineConfig):
-    """The engine for a config: everything in this process (the defaults), or a
-    front-end over attention and expert workers (any of R, E, m, transport changed)."""
-    layout = (config.attention_replicas, config.expert_workers, config.transport)
+    """The engine for a config: everything in this process (``config.single_engine``, the
+    defaults), or a front-end over attention and expert workers (R, E, the transport, an
+    expert placement or ``disaggregate`` changed)."""
     if uses_device_plane(config):
         from megaserve.runtime.device_engine import DevicePlaneEngine
 
         return DevicePlaneEngine(config)
-    disaggregated = (layout != (1, 1, "inproc") or config.expert_placement is not None
-                     or config.disaggregate)
-    if disaggregated:
+    if not config.single_engine:
         from megaserve.runtime.cluster import DisaggregatedEngine
 
         return DisaggregatedEngine(config)

@@ -42,10 +42,12 @@ def test_cpu_threads_default_to_the_cpus_of_an_engine_alone_in_its_layout() -> N
     import os
 
     cpus = len(os.sched_getaffinity(0))
+    assert EngineConfig(device="cpu").single_engine
     assert EngineConfig(device="cpu").cpu_threads == cpus
     assert EngineConfig(device="cpu").replica().cpu_threads == cpus
     for layout in (dict(attention_replicas=2), dict(expert_workers=2), dict(transport="tcp")):
         config = EngineConfig(device="cpu", **layout)
+        assert not config.single_engine, layout
         assert config.cpu_threads == 1 and config.replica().cpu_threads == 1, layout
     assert EngineConfig(device="cuda").cpu_threads == 1
     assert EngineConfig(device="cpu", cpu_threads=3).cpu_threads == 3
