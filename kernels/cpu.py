@@ -345,7 +345,7 @@ def combine_residual(
     weight: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    out = combine(expert_out, topk_weights).to(residual.dtype)
+    out = _as(combine(expert_out, topk_weights), residual.dtype)
     if weight is None:
         return residual + out
     return rms_norm(out, weight, eps, residual=residual)  # out + residual: the same add

@@ -29,8 +29,8 @@ from megaserve.kernels import cpu, cpu_ext
 def build(name: str, src: Path, out_dir: Path) -> ctypes.CDLL:
     out = out_dir / f"{name}.so"
     sources = sorted(str(f) for f in src.glob("*.cpp"))
-    subprocess.run(["g++", *cpu_ext._flags(cpu_ext.default_isa()), *sources, "-o", str(out)],
-                   check=True)
+    subprocess.run([cpu_ext._compiler(), *cpu_ext._flags(cpu_ext.default_isa()), *sources,
+                    "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     for fn_name, argtypes in cpu_ext._SIGNATURES.items():
         if hasattr(lib, fn_name):  # an older source may lack a kernel

@@ -1,10 +1,11 @@
 """The bf16 matmul rate held for seconds, not the best of a short burst, on a CUDA device.
 
 ``megaserve bench decode`` divides prefill FLOP/s by the best of ten 8192^3 products (about
-14 ms of work); a 4k-token prefill window keeps the tensor cores busy for about a second.
-This runs ``torch.matmul`` of ``n x n x n`` bf16 back to back for ``--seconds`` and prints
-the rate of each ``--window-ms`` slice (CUDA events), so a clock that falls under sustained
-load (power or thermal limits) shows as a falling rate. Run it beside
+14 ms of work) and by the rate held over ``--matmul-seconds`` (one timing of the whole run);
+a 4k-token prefill window keeps the tensor cores busy for about a second. This runs
+``torch.matmul`` of ``n x n x n`` bf16 back to back for ``--seconds`` and prints the rate
+of each ``--window-ms`` slice (CUDA events), so a clock that falls under sustained load
+(power or thermal limits) shows as a falling rate within the run. Run it beside
 ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active
 --format=csv -lms 20`` to see the clocks too.
 

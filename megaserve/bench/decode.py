@@ -62,8 +62,7 @@ def measure_matmul_flops(device: str, n: int, iters: int = 10) -> float:
     """FLOP/s of an ``n x n x n`` bf16 ``torch.matmul`` (best of ``iters``)."""
     import torch
 
-    a = torch.randn(n, n, device=device).bfloat16()
-    b = torch.randn(n, n, device=device).bfloat16()
+    a, b = _matmul_operands(device, n)
     torch.matmul(a, b)
     best = _best_time(device, lambda: torch.matmul(a, b), iters)
     return 2 * n**3 / best
@@ -74,8 +73,7 @@ def measure_held_matmul_flops(device: str, n: int, seconds: float) -> float:
     timed as one run: the rate a second-long compute phase (a prefill window) can hold."""
     import torch
 
-    a = torch.randn(n, n, device=device).bfloat16()
-    b = torch.randn(n, n, device=device).bfloat16()
+    a, b = _matmul_operands(device, n)
     count = max(1, round(seconds / _best_time(device, lambda: torch.matmul(a, b), 3)))
 
     def run() -> None:
@@ -83,6 +81,14 @@ def measure_held_matmul_flops(device: str, n: int, seconds: float) -> float:
             torch.matmul(a, b)
 
     return 2 * n**3 * count / _best_time(device, run, 1)
+
+
+def _matmul_operands(device: str, n: int):
+    """Two random ``[n, n]`` bf16 matrices on ``device``."""
+    import torch
+
+    return (torch.randn(n, n, device=device).bfloat16(),
+            torch.randn(n, n, device=device).bfloat16())
 
 
 def _best_time(device: str, fn, iters: int) -> float:
