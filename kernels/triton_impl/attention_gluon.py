@@ -15,8 +15,8 @@ three warp groups (``gl.warp_specialize``):
   ``free`` when both compute groups are done with it): by TMA where all the split's keys
   lie inside the context, else by a masked cp.async gather (zeros past the context);
 * two compute groups take 64 rows of the tile each, Q in registers (the A operand of
-  the score dots). Iteration j of a compute group, with p(j), alpha(j) and l(j) = max(p(j)
-  @ 1) from the iteration before:
+  the score dots). Iteration j of a compute group, with p(j), alpha(j) and l(j) (a column
+  of p(j) @ 1) from the iteration before:
 
       o <- o * alpha(j);  issue S(j+1) = Q K(j+1)^T, then p(j) @ V(j)   (async wgmma)
       wait for S(j+1);  softmax of S(j+1) -> p(j+1), alpha(j+1)   (p(j) @ V(j) runs)
@@ -132,13 +132,48 @@ def _merge(m, l, o, m_s, l_s, o_s, O_ROWS: gl.constexpr):
 
 
 @gluon.jit
+def _halves_max(x, PAIRED: gl.constexpr):
+    """Elementwise max of the two halves of ``x``'s columns: [R, C] -> [R, C / 2]. PAIRED:
+    halves of each adjacent pair (c, c + 1), else the first and the second half."""
+    R: gl.constexpr = x.shape[0]
+    C: gl.constexpr = x.shape[1]
+    if PAIRED:
+        a, b = gl.split(gl.reshape(x, [R, C // 2, 2]))
+    else:
+        a, b = gl.split(gl.permute(gl.reshape(x, [R, 2, C // 2]), [0, 2, 1]))
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _row_max(x):
+    """``gl.max(x, axis=1)`` of a 64-column wgmma accumulator, as a tree: a thread holds
+    columns c + 8j + {0, 1} (j < 8) of its rows, which ``gl.max`` folds in one dependent
+    chain of 15 maxima; here the thread's 16 fold in four levels, then its 4 lanes. The
+    same value (a maximum does not depend on the order; maxNum: NaN only if all are NaN)."""
+    x = _halves_max(x, False)  # c and c + 32 (the same thread's)
+    x = _halves_max(x, False)  # + 16
+    x = _halves_max(x, False)  # + 8
+    x = _halves_max(x, True)  # c and c + 1
+    return gl.max(x, axis=1)  # the row's 4 lanes
+
+
+@gluon.jit
+def _first(a, b):
+    """A reduction that keeps its first operand: every column of ``p @ 1`` holds the same
+    bits (each is computed from the same operands), so each thread keeps one of its own
+    (``gl.max`` over them, the Triton kernel's form, gives the same value through shuffles)."""
+    return a
+
+
+@gluon.jit
 def _softmax(raw, m, pos, first_key, masked, scale, SPLIT: gl.constexpr, S_L: gl.constexpr):
     """One split's scores against the running max ``m`` (attention_kernels._split_step, EXP2):
     (p in bf16, alpha, the new max). ``masked``: the split crosses the tile's positions."""
     if masked:
         keys = first_key + gl.arange(0, SPLIT, layout=gl.SliceLayout(0, S_L))
         raw = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), raw, float("-inf"))
-    m_s = gl.where(pos >= 0, gl.max(raw, axis=1) * scale, float("-inf"))
+    m_s = gl.where(pos >= 0, gl.convert_layout(_row_max(raw), gl.SliceLayout(1, S_L)) * scale,
+                   float("-inf"))
     m_new = gl.maximum(m, m_s)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(gl.fma(raw, scale, -gl.expand_dims(m_ref, 1))).to(gl.bfloat16)
@@ -147,11 +182,12 @@ def _softmax(raw, m, pos, first_key, masked, scale, SPLIT: gl.constexpr, S_L: gl
 
 @gluon.jit
 def _row_sum(p, ones, l_zero, L_L: gl.constexpr, S_ROWS: gl.constexpr):
-    """max over the columns of ``p @ 1`` (every column is the row's sum): l of one split."""
+    """One column of ``p @ 1`` (every column is the row's sum; :func:`_first`): l of one
+    split."""
     l_dot = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, L_L, 2)), ones,
                           l_zero, use_acc=False, is_async=True)
     l_dot = warpgroup_mma_wait(num_outstanding=0, deps=(l_dot,))
-    return gl.convert_layout(gl.max(l_dot, axis=1), S_ROWS)
+    return gl.convert_layout(gl.reduce(l_dot, 1, _first), S_ROWS)
 
 
 @gluon.jit
@@ -223,7 +259,7 @@ def _consumer(q_half, k_bufs, v_bufs, ones, ready, free, out_ptr, row0, ctx_len,
             o_c, l_dot, p_o = warpgroup_mma_wait(num_outstanding=0, deps=(o_c, l_dot, p_o))
             mbarrier.arrive(free.index(split % STAGES))  # split's K/V are done with
             l_c = gl.fma(l_c, alpha_cur, l_cur)
-            l_cur = gl.convert_layout(gl.max(l_dot, axis=1), S_ROWS)
+            l_cur = gl.convert_layout(gl.reduce(l_dot, 1, _first), S_ROWS)
             p_cur = p_nxt
             alpha_cur = alpha_nxt
         m, l, o = _merge(m, l, o, m_chunk, l_c, o_c, O_ROWS)
