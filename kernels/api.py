@@ -253,7 +253,8 @@ def combine_residual(
     return _backend(expert_out).combine_residual(expert_out, topk_weights, residual, weight, eps)
 
 
-def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Row-invariant log-softmax in fp32. logits: `[B, V]`, any float dtype, computed in
     fp32 → `[B, V]` float32. A row's bits are a function of the row and its dtype (a
     backend's reduction layout may follow the width of the loads): callers pass the LM
@@ -262,8 +263,17 @@ def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) ->
     greedy_out: `[B]` int64 or None; receives each row's greedy token, the first maximum
     of its log-probs (what ``torch.argmax`` of the output gives, and :func:`sample` at
     temperature 0), without another pass over the output.
+
+    out: `[B, V]` float32 with contiguous rows (e.g. rows of a buffer reused across calls),
+    which receives the result and is returned; None: a new tensor. Raises ``ValueError``
+    for another shape, dtype, device or layout.
     """
-    return _backend(logits).log_softmax(logits, greedy_out)
+    if out is not None and (tuple(out.shape) != tuple(logits.shape) or out.dtype != torch.float32
+                            or out.device != logits.device or not out.is_contiguous()):
+        raise ValueError(f"log_softmax: out must be a contiguous float32 tensor of shape "
+                         f"{list(logits.shape)} on {logits.device}, got {list(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    return _backend(logits).log_softmax(logits, greedy_out, out)
 
 
 def embed_tokens(

@@ -351,9 +351,11 @@ def combine_residual(
     return rms_norm(out, weight, eps, residual=residual)  # out + residual: the same add
 
 
-def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     x = _f32(logits)
-    out = _output(*x.shape)
+    if out is None:  # (kernels.api.log_softmax checks a given one)
+        out = _output(*x.shape)
     if x.numel():
         cpu_ext.load().ms_log_softmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _lanes)
     if greedy_out is not None:

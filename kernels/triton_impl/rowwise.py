@@ -312,7 +312,8 @@ def _greedy_fold_kernel(gv_ptr, gi_ptr, tok_ptr, NUM_CHUNKS, BLOCK_C: tl.constex
     tl.store(tok_ptr + row, tl.load(gi_ptr + row * NUM_CHUNKS + first))
 
 
-def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """logits `[B, V]` (any float dtype, computed in fp32) → `[B, V]` float32: each row in
     chunks of ``_MAX_ROW_BLOCK`` columns, one program per (row, chunk) in two launches
     (chunk max and exp-sum, then the output), so a lone row (batch-1 decode over a 152k
@@ -321,7 +322,8 @@ def log_softmax(logits: torch.Tensor, greedy_out: torch.Tensor | None = None) ->
     the output launch's chunk maxima and a third launch of one program per row."""
     b, v = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    out = torch.empty(b, v, dtype=torch.float32, device=logits.device)
+    if out is None:  # (kernels.api.log_softmax checks a given one)
+        out = torch.empty(b, v, dtype=torch.float32, device=logits.device)
     if not (b and v):
         return out
     block = min(_MAX_ROW_BLOCK, triton.next_power_of_2(v))

@@ -221,6 +221,11 @@ class DecodeGraphs:
             sampled = SampledTokens.allocate(max_batch, device)
         self.sampled = sampled
         self._host_tokens = HostTokens(device, max_batch)
+        # Every size's forward writes its `[b, V]` float32 log-probs into the first b rows
+        # of one buffer (outside the graph pool), so captured sizes do not each keep their
+        # own; one step runs at a time and its rows are read before the next runs.
+        self._logprobs = torch.empty(max_batch, attention.lm_head.shape[0], dtype=torch.float32,
+                                     device=device)
         self._out: torch.Tensor | None = None  # the last run's `[b, V]` log-probs
         # The forward's greedy tokens (argmax of each row's log-probs, first maximum)
         self._greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -406,7 +411,8 @@ class DecodeGraphs:
             ), sources=r[:, self._extra + _SOURCE], sampled=self.sampled.tokens))
         hidden = run_layers(self.attention, self.experts, batches, self.kv_caches)
         hidden = torch.cat(hidden) if m > 1 else hidden[0]  # [b, D]
-        return kernels.log_softmax(self.attention.logits(hidden), self._greedy[:b])
+        return kernels.log_softmax(self.attention.logits(hidden), self._greedy[:b],
+                                   out=self._logprobs[:b])
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)

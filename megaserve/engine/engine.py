@@ -115,9 +115,8 @@ class LLMEngine:
             model.config.head_dim, model.attention.dtype, model.attention.device,
         )
         self.runner = ModelRunner(
-            model.attention, experts, kv, config.block_size,
-            config.microbatches, cuda_graphs=config.cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
+            model.attention, experts, kv, config.block_size, config.max_num_seqs,
+            microbatches=config.microbatches, cuda_graphs=config.cuda_graphs,
             num_speculative_tokens=(config.speculative_config.num_speculative_tokens
                                     if config.speculative_config is not None else 0),
             cpu_decode_graphs=self.async_scheduling,

@@ -8,7 +8,7 @@ Three sources, first match wins:
    fraction of the GPU's memory. What it needs besides the KV cache is measured at
    startup: the weights, the peak of a profiling forward over ``max_num_batched_tokens``
    tokens, the CUDA graphs (the decode forward at ``max_num_seqs`` rows plus the
-   log-prob outputs every captured size keeps), and memory that grew outside torch's
+   log-prob buffer all captured sizes write into), and memory that grew outside torch's
    allocator (cuBLAS workspaces, compiled kernels). The rest is the KV pool::
 
        KV bytes = utilization x total - (weights + activation peak + CUDA graphs + non-torch)
@@ -279,8 +279,8 @@ def profile_cuda(
         scratch = _profile_forward(attention, local, config.max_num_seqs, config.max_num_seqs,
                                    config.block_size, max_model_len)
         decode_peak = max(0, torch.cuda.max_memory_reserved(device) - base_reserved - scratch)
-        # Each captured size keeps its `[b, V]` float32 log-prob output in the graph pool.
-        kept = sum(capture_sizes(config.max_num_seqs)) * attention.config.vocab_size * 4
+        # The graphs' one `[b, V]` float32 log-prob buffer (DecodeGraphs), at the largest size.
+        kept = capture_sizes(config.max_num_seqs)[-1] * attention.config.vocab_size * 4
         graphs = decode_peak + kept
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

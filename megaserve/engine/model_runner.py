@@ -25,7 +25,6 @@ import torch
 from megaserve import kernels
 from megaserve.comm import CommError
 from megaserve.engine import spec_decode, spec_graphs
-from megaserve.engine.config import EngineConfig
 from megaserve.engine.cuda_graphs import (DecodeGraphs, DecodeStep, HostTokens, SampledTokens,
                                           TokenCopy, capture_sizes)
 from megaserve.engine.scheduler import ScheduledSeq
@@ -182,9 +181,9 @@ class ModelRunner:
         experts: ExpertClient,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
+        max_num_seqs: int,
         microbatches: int = 1,
         cuda_graphs: bool = True,
-        max_num_seqs: int = EngineConfig.max_num_seqs,
         num_speculative_tokens: int = 0,
         cpu_decode_graphs: bool = False,
     ) -> None:
@@ -351,7 +350,8 @@ class ModelRunner:
                 return None
             self.verify_graphs = spec_graphs.MultiTokenGraphs(
                 self.attention, self.experts.experts, self.kv_caches, self.block_size,
-                self.max_num_seqs, int(self.attention.cos.shape[0]),
+                min(self.max_num_seqs, spec_graphs.MAX_GRAPH_BATCH),
+                int(self.attention.cos.shape[0]),
                 query_len=self.num_speculative_tokens + 1)
         try:
             return spec_graphs.verify_logprobs(self.verify_graphs, scheduled, rows)

@@ -52,6 +52,11 @@ _TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
 StepInput = tuple[list[int], int, list[int]]
 
 
+# Verification steps of more sequences run eagerly: the graphs' log-prob buffer holds
+# MAX_GRAPH_BATCH x Q rows of the vocabulary (Q = 5, Qwen's 152k: 778 MB).
+MAX_GRAPH_BATCH = 256
+
+
 class MultiTokenGraphs:
     """Forwards of ``query_len`` rows per sequence over static buffers, one CUDA graph
     per padded batch size (captured on first use).
@@ -84,6 +89,9 @@ class MultiTokenGraphs:
         self._host = self._staging.numpy()
         self._query_start_loc = torch.arange(0, (self.sizes[-1] + 1) * query_len, query_len,
                                              dtype=torch.int32, device=device)
+        # One log-prob buffer for every size's `[b * Q, V]` rows (as DecodeGraphs').
+        self._logprobs = torch.empty(rows, attention.lm_head.shape[0], dtype=torch.float32,
+                                     device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._copied = torch.cuda.Event() if capture else None
@@ -160,7 +168,8 @@ class MultiTokenGraphs:
             query_start_loc=self._query_start_loc[:b + 1],
         ))
         hidden = run_layers(self.attention, self.experts, [batch], self.kv_caches)[0]
-        return kernels.log_softmax(self.attention.logits(hidden))  # [b * Q, V]
+        return kernels.log_softmax(self.attention.logits(hidden),
+                                   out=self._logprobs[:b * self.query_len])  # [b * Q, V]
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)

@@ -190,6 +190,21 @@ def test_log_softmax_accuracy_and_invariance():
     assert torch.equal(greedy, got.argmax(-1))
 
 
+def test_log_softmax_into_rows_of_a_buffer():
+    """``out=``: the first rows of a reused buffer receive the same bits; bad buffers are
+    refused with ValueError (kernels.api checks them for every backend)."""
+    from megaserve import kernels
+
+    logits = torch.randn(5, 700, generator=torch.Generator().manual_seed(9)) * 4
+    buffer = torch.full((8, 700), float("nan"))
+    got = kernels.log_softmax(logits[:3], out=buffer[:3])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, cpu.log_softmax(logits[:3]))
+    assert buffer[3:].isnan().all()
+    for bad in (buffer[:4], buffer[:3].double(), buffer[:3, :350], buffer[:3].t().contiguous().t()):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.log_softmax(logits[:3], out=bad)
+
+
 def test_embed_tokens_from_tokens_or_sampled():
     table = torch.randn(20, 8)
     rows = torch.tensor([[3, 1], [7, -1], [19, 0]], dtype=torch.int32)

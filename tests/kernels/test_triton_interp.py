@@ -167,6 +167,8 @@ def check_rowwise(torch, ti) -> None:
     lsm = ti.log_softmax(logits)
     assert _rel_err(lsm, torch.log_softmax(logits.double(), -1)) < 1e-5
     assert torch.equal(ti.log_softmax(logits[2:3])[0], lsm[2])
+    buffer = torch.full((6, 5000), float("nan"))  # out=: the first rows of a reused buffer
+    assert torch.equal(ti.log_softmax(logits, out=buffer[:4]), lsm) and buffer[4:].isnan().all()
     # greedy_out: torch.argmax of the output (first maximum), across chunks of 4096 too
     logits[0, 4500] = logits[0, 4700] = logits[0, 900] = 30.0  # three-way tie: 900
     logits[1, 4999] = 30.0  # the last column of the last, partial chunk
