@@ -117,8 +117,9 @@ class EngineConfig:
     max_model_len: prompt + generated tokens per request (default: the model's
     max_position_embeddings, capped at 4096). device: "auto" (CUDA when torch sees a GPU,
     else CPU; resolved on construction), "cpu", "cuda" or "cuda:N".
-    max_num_batched_tokens: tokens a step may schedule (default, resolved on construction:
-    :func:`default_max_num_batched_tokens` for the device, vLLM's table).
+    max_num_batched_tokens: tokens a step may schedule; max_num_seqs: sequences a step may
+    hold (defaults, resolved on construction: :func:`default_batch_sizes` for the device,
+    vLLM's table).
     KV pool of each attention worker (vLLM's names, megaserve.engine.memory), first match:
     num_kv_blocks (blocks), kv_cache_memory_bytes (bytes), else on CUDA
     gpu_memory_utilization (the fraction of the GPU's memory the engine process may use:
@@ -146,7 +147,7 @@ class EngineConfig:
     model: str = "builtin:tiny-moe"
     dtype: str = "auto"
     device: str = "auto"
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: default_max_num_seqs(device, ...)
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None  # None: default_max_num_batched_tokens(device)
     block_size: int = 16
@@ -229,7 +230,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "attention_replicas", "expert_workers", "microbatches", "cpu_threads"):
             value = getattr(self, name)
-            if value is None and name in ("max_num_batched_tokens", "cpu_threads"):
+            if value is None and name in ("max_num_seqs", "max_num_batched_tokens", "cpu_threads"):
                 continue  # defaults that depend on the device and layout, below
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -267,43 +268,71 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens",
                                default_max_num_batched_tokens(self.device))
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", default_max_num_seqs(
+                self.device, max_num_batched_tokens=self.max_num_batched_tokens))
         if self.cpu_threads is None:
             object.__setattr__(self, "cpu_threads", default_cpu_threads(self))
 
 
-# vLLM's defaults (EngineArgs' batch defaults): GPUs of at least 70 GiB other than the A100
-# (H100, H200, MI300X) take larger steps; its PR 17885 found large steps slower on an A100.
-# An offline engine (the LLM class) and an API server differ: the server keeps steps
-# shorter for latency. A CPU engine keeps megaserve's 2048 (its CPU floor in issue 14 was
+# vLLM's defaults (EngineArgs.get_batch_defaults), (max_num_batched_tokens, max_num_seqs):
+# GPUs of at least 70 GiB other than the A100 (H100, H200, MI300X) take larger steps; its
+# PR 17885 found large steps slower on an A100. An offline engine (the LLM class) and an
+# API server differ: the server keeps steps shorter for latency. A CPU engine takes vLLM's
+# CPU batch sizes and keeps megaserve's 2048 tokens a step (its CPU floor in issue 14 was
 # measured with it).
 _BIG_GPU_BYTES = 70 << 30
-_BATCHED_TOKENS = {"big": {"llm": 16384, "server": 8192}, "gpu": {"llm": 8192, "server": 2048}}
-CPU_MAX_NUM_BATCHED_TOKENS = 2048
+_BATCH_DEFAULTS = {"big": {"llm": (16384, 1024), "server": (8192, 1024)},
+                   "gpu": {"llm": (8192, 256), "server": (2048, 256)},
+                   "cpu": {"llm": (2048, 256), "server": (2048, 128)}}
+CPU_MAX_NUM_BATCHED_TOKENS = _BATCH_DEFAULTS["cpu"]["llm"][0]
 
 
-def batched_tokens_for(total_memory: int, name: str, usage: str = "llm") -> int:
-    """vLLM's default ``max_num_batched_tokens`` for a GPU of ``total_memory`` bytes named
-    ``name``; ``usage``: "llm" (offline, the LLM class) or "server" (an API server)."""
+def batch_defaults_for(total_memory: int, name: str, usage: str = "llm") -> tuple[int, int]:
+    """vLLM's default (``max_num_batched_tokens``, ``max_num_seqs``) for a GPU of
+    ``total_memory`` bytes named ``name``; ``usage``: "llm" (offline, the LLM class) or
+    "server" (an API server)."""
     if usage not in ("llm", "server"):
         raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}")
     big = total_memory >= _BIG_GPU_BYTES and "a100" not in name.lower()
-    return _BATCHED_TOKENS["big" if big else "gpu"][usage]
+    return _BATCH_DEFAULTS["big" if big else "gpu"][usage]
 
 
-def default_max_num_batched_tokens(device: str, usage: str = "llm") -> int:
-    """The default ``max_num_batched_tokens`` on ``device`` (resolved, not "auto"):
-    :func:`batched_tokens_for` the CUDA device's memory and name, or
-    ``CPU_MAX_NUM_BATCHED_TOKENS`` on CPU. A process that cannot query the GPU (a Ray
-    driver without one, as vLLM notes) gets the table's small-GPU row."""
+def batched_tokens_for(total_memory: int, name: str, usage: str = "llm") -> int:
+    """vLLM's default ``max_num_batched_tokens`` for such a GPU (:func:`batch_defaults_for`)."""
+    return batch_defaults_for(total_memory, name, usage)[0]
+
+
+def default_batch_sizes(device: str, usage: str = "llm") -> tuple[int, int]:
+    """The default (``max_num_batched_tokens``, ``max_num_seqs``) on ``device`` (resolved,
+    not "auto"): :func:`batch_defaults_for` the CUDA device's memory and name, or the CPU
+    row. A process that cannot query the GPU (a Ray driver without one, as vLLM notes) gets
+    the table's small-GPU row."""
     if not device.startswith("cuda"):
-        return CPU_MAX_NUM_BATCHED_TOKENS
+        if usage not in ("llm", "server"):
+            raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}")
+        return _BATCH_DEFAULTS["cpu"][usage]
     import torch  # here, not at import: the config module stays light
 
     try:
         props = torch.cuda.get_device_properties(torch.device(device))
     except (AssertionError, RuntimeError):  # torch raises these without a usable CUDA
-        return batched_tokens_for(0, "", usage)
-    return batched_tokens_for(props.total_memory, props.name, usage)
+        return batch_defaults_for(0, "", usage)
+    return batch_defaults_for(props.total_memory, props.name, usage)
+
+
+def default_max_num_batched_tokens(device: str, usage: str = "llm") -> int:
+    """The default ``max_num_batched_tokens`` on ``device`` (:func:`default_batch_sizes`)."""
+    return default_batch_sizes(device, usage)[0]
+
+
+def default_max_num_seqs(device: str, usage: str = "llm",
+                         max_num_batched_tokens: int | None = None) -> int:
+    """The default ``max_num_seqs`` on ``device`` (:func:`default_batch_sizes`), at most
+    ``max_num_batched_tokens`` where given (a step holds one token of each sequence), as
+    vLLM clamps it."""
+    seqs = default_batch_sizes(device, usage)[1]
+    return seqs if max_num_batched_tokens is None else min(seqs, max_num_batched_tokens)
 
 
 def default_cpu_threads(config: EngineConfig) -> int:

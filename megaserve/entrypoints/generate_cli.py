@@ -67,8 +67,10 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     from megaserve.engine.config import EngineConfig
 
     d = EngineConfig.__dataclass_fields__
-    parser.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"].default,
-                        help="sequences per step")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: vLLM's for the device: 1024 on a "
+                             "GPU of >= 70 GiB other than an A100, else 256; 128 for a server "
+                             "on CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step (default: vLLM's for the device; on a GPU of "
                              ">= 70 GiB other than an A100 8192 for a server, 16384 offline)")

@@ -31,7 +31,7 @@ class LLM:
         model: str = "builtin:tiny-moe",
         dtype: str = "auto",
         device: str = "auto",
-        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_seqs: int | None = None,
         max_model_len: int | None = None,
         block_size: int = EngineConfig.block_size,
         seed: int = EngineConfig.seed,

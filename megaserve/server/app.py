@@ -75,7 +75,8 @@ class ServeConfig:
 
     @property
     def max_num_seqs(self) -> int:
-        return int(self.engine.get("max_num_seqs", EngineConfig.max_num_seqs))
+        value = self.engine.get("max_num_seqs")
+        return int(value) if value is not None else EngineConfig(**self.engine).max_num_seqs
 
 
 def _default_engine_factory(config: ServeConfig) -> Any:

@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from megaserve.engine.config import EngineConfig, default_max_num_batched_tokens, resolve_device
+from megaserve.engine.config import (EngineConfig, default_max_num_batched_tokens,
+                                     default_max_num_seqs, resolve_device)
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 from megaserve.entrypoints.preflight import check_runtime
 from megaserve.server.app import ServeConfig, serve
@@ -89,9 +90,12 @@ def main(argv: list[str]) -> int:
         return int(e.code or 0)
     try:
         engine = {**runtime_options(args), "seed": args.seed, **_launcher_options(args)}
-        if engine["max_num_batched_tokens"] is None:  # vLLM's API-server default
-            engine["max_num_batched_tokens"] = default_max_num_batched_tokens(
-                resolve_device(engine["device"]), "server")
+        device = resolve_device(engine["device"])
+        if engine["max_num_batched_tokens"] is None:  # vLLM's API-server defaults
+            engine["max_num_batched_tokens"] = default_max_num_batched_tokens(device, "server")
+        if engine["max_num_seqs"] is None:
+            engine["max_num_seqs"] = default_max_num_seqs(device, "server",
+                                                          engine["max_num_batched_tokens"])
         EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
         config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
                              http_port=args.http_port, max_waiting=args.max_waiting,

@@ -12,8 +12,8 @@ import torch
 from megaserve import LLM
 from megaserve.engine import memory
 from megaserve.engine.config import (CPU_MAX_NUM_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE_BYTES,
-                                     EngineConfig, batched_tokens_for,
-                                     default_max_num_batched_tokens)
+                                     EngineConfig, batch_defaults_for, batched_tokens_for,
+                                     default_max_num_batched_tokens, default_max_num_seqs)
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 
 GIB = 1 << 30
@@ -106,6 +106,28 @@ def test_max_num_batched_tokens_defaults_follow_vllms_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
     assert default_max_num_batched_tokens("cuda") == 8192
     assert default_max_num_batched_tokens("cuda:1", "server") == 2048
+    assert default_max_num_seqs("cuda") == default_max_num_seqs("cuda:1", "server") == 256
+
+
+def test_max_num_seqs_defaults_follow_vllms_table():
+    """vLLM's (max_num_batched_tokens, max_num_seqs): 1024 sequences on GPUs of >= 70 GiB
+    other than the A100, 256 on other GPUs and on CPU offline, 128 for a CPU server; the
+    default never exceeds the step's tokens."""
+    assert batch_defaults_for(80 * GIB, "NVIDIA H100 80GB HBM3") == (16384, 1024)
+    assert batch_defaults_for(141 * GIB, "NVIDIA H200", "server") == (8192, 1024)
+    assert batch_defaults_for(80 * GIB, "NVIDIA A100-SXM4-80GB") == (8192, 256)
+    assert batch_defaults_for(48 * GIB, "NVIDIA L40S", "server") == (2048, 256)
+    assert default_max_num_seqs("cpu") == 256 and default_max_num_seqs("cpu", "server") == 128
+    assert default_max_num_seqs("cpu", max_num_batched_tokens=100) == 100
+    with pytest.raises(ValueError, match="usage"):
+        default_max_num_seqs("cpu", "offline")
+    assert EngineConfig(device="cpu").max_num_seqs == 256
+    assert EngineConfig(device="cpu", max_num_batched_tokens=64).max_num_seqs == 64
+    assert EngineConfig(device="cpu", max_num_seqs=8).max_num_seqs == 8
+    assert EngineConfig(device="cpu", max_num_seqs=300, max_num_batched_tokens=64).max_num_seqs == 300
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            EngineConfig(device="cpu", max_num_seqs=bad)
 
 
 def test_cli_flags_use_vllm_names_and_reach_the_config():

@@ -55,9 +55,10 @@ def test_kv_cache_memory_bytes_overrides_utilization():
 
 
 def test_max_num_batched_tokens_default_reads_this_gpu():
-    """vLLM's table, from the device's own memory and name (an H100 / H200: 16384 offline,
-    8192 for a server)."""
+    """vLLM's table, from the device's own memory and name (an H100 / H200: 16384 tokens
+    offline, 8192 for a server, 1024 sequences)."""
     props = torch.cuda.get_device_properties(0)
     big = props.total_memory >= 70 * GIB and "a100" not in props.name.lower()
     assert EngineConfig(device="cuda").max_num_batched_tokens == (16384 if big else 8192)
     assert default_max_num_batched_tokens("cuda:0", "server") == (8192 if big else 2048)
+    assert EngineConfig(device="cuda").max_num_seqs == (1024 if big else 256)
