@@ -8,7 +8,7 @@ Three sources, first match wins:
    fraction of the GPU's memory. What it needs besides the KV cache is measured at
    startup: the weights, the peak of a profiling forward over ``max_num_batched_tokens``
    tokens, the CUDA graphs (the decode forward at ``max_num_seqs`` rows plus the
-   log-prob buffer all captured sizes write into), and memory that grew outside torch's
+   log-prob buffers their captured sizes write into), and memory that grew outside torch's
    allocator (cuBLAS workspaces, compiled kernels). The rest is the KV pool::
 
        KV bytes = utilization x total - (weights + activation peak + CUDA graphs + non-torch)
@@ -272,6 +272,7 @@ def profile_cuda(
     graphs = 0
     if cuda_graphs and isinstance(experts, LocalExperts):
         from megaserve.engine.cuda_graphs import capture_sizes
+        from megaserve.engine.spec_graphs import MAX_GRAPH_BATCH
 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -279,9 +280,13 @@ def profile_cuda(
         scratch = _profile_forward(attention, local, config.max_num_seqs, config.max_num_seqs,
                                    config.block_size, max_model_len)
         decode_peak = max(0, torch.cuda.max_memory_reserved(device) - base_reserved - scratch)
-        # The graphs' one `[b, V]` float32 log-prob buffer (DecodeGraphs), at the largest size.
-        kept = capture_sizes(config.max_num_seqs)[-1] * attention.config.vocab_size * 4
-        graphs = decode_peak + kept
+        # The graphs' one `[b, V]` float32 log-prob buffer (DecodeGraphs), at the largest
+        # size, and the verification graphs' `[b * Q, V]` one (spec_graphs).
+        rows = capture_sizes(config.max_num_seqs)[-1]
+        if config.speculative_config is not None:
+            rows += (min(config.max_num_seqs, MAX_GRAPH_BATCH)
+                     * (config.speculative_config.num_speculative_tokens + 1))
+        graphs = decode_peak + rows * attention.config.vocab_size * 4
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used_now = start.free_bytes - free  # this process's growth since the snapshot
