@@ -288,14 +288,18 @@ _BATCH_DEFAULTS = {"big": {"llm": (16384, 1024), "server": (8192, 1024)},
 CPU_MAX_NUM_BATCHED_TOKENS = _BATCH_DEFAULTS["cpu"]["llm"][0]
 
 
+def _batch_row(kind: str, usage: str) -> tuple[int, int]:
+    if usage not in ("llm", "server"):
+        raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}")
+    return _BATCH_DEFAULTS[kind][usage]
+
+
 def batch_defaults_for(total_memory: int, name: str, usage: str = "llm") -> tuple[int, int]:
     """vLLM's default (``max_num_batched_tokens``, ``max_num_seqs``) for a GPU of
     ``total_memory`` bytes named ``name``; ``usage``: "llm" (offline, the LLM class) or
     "server" (an API server)."""
-    if usage not in ("llm", "server"):
-        raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}")
     big = total_memory >= _BIG_GPU_BYTES and "a100" not in name.lower()
-    return _BATCH_DEFAULTS["big" if big else "gpu"][usage]
+    return _batch_row("big" if big else "gpu", usage)
 
 
 def batched_tokens_for(total_memory: int, name: str, usage: str = "llm") -> int:
@@ -309,9 +313,7 @@ def default_batch_sizes(device: str, usage: str = "llm") -> tuple[int, int]:
     row. A process that cannot query the GPU (a Ray driver without one, as vLLM notes) gets
     the table's small-GPU row."""
     if not device.startswith("cuda"):
-        if usage not in ("llm", "server"):
-            raise ValueError(f"usage must be 'llm' or 'server', got {usage!r}")
-        return _BATCH_DEFAULTS["cpu"][usage]
+        return _batch_row("cpu", usage)
     import torch  # here, not at import: the config module stays light
 
     try:
