@@ -88,6 +88,7 @@ class Tokenizer:
         eos_token: str | None = None,
     ) -> None:
         self._backend = backend
+        self._token_texts: dict[tuple[int, bool], str] = {}  # decode_token's
         vocab = backend.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         self._special_ids = frozenset(
@@ -205,6 +206,15 @@ class Tokenizer:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """``decode([token_id])``, remembered: streams of generated text decode the same
+        single tokens over and over (IncrementalDetokenizer). Raises as :meth:`decode`."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self._token_texts[key] = self.decode([token_id], skip_special_tokens)
+        return text
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` (dicts with string ``role`` and ``content``) into a prompt string.
 
@@ -283,6 +293,8 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if len(ids) == 1:  # a window's context is mostly the one token before
+            return self._tokenizer.decode_token(ids[0], self._skip)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     @property

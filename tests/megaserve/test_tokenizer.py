@@ -75,6 +75,17 @@ def test_decode_rejects_out_of_vocab_ids(tok):
         tok.decode([-1])
 
 
+def test_decode_token_is_decode_of_one_id_remembered(tok):
+    for i in (0, 5, 97, 300, tok.vocab_size - 1):
+        for skip in (True, False):
+            assert tok.decode_token(i, skip) == tok.decode([i], skip_special_tokens=skip)
+    merged = max(tok.encode(" the quick brown fox"))  # a merge: text of several characters
+    assert len(tok.decode_token(merged)) > 1
+    assert tok.decode_token(merged) is tok.decode_token(merged)  # the same object: remembered
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode_token(tok.vocab_size)
+
+
 def test_missing_or_corrupt_tokenizer_json_names_the_file(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
