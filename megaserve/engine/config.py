@@ -302,11 +302,6 @@ def batch_defaults_for(total_memory: int, name: str, usage: str = "llm") -> tupl
     return _batch_row("big" if big else "gpu", usage)
 
 
-def batched_tokens_for(total_memory: int, name: str, usage: str = "llm") -> int:
-    """vLLM's default ``max_num_batched_tokens`` for such a GPU (:func:`batch_defaults_for`)."""
-    return batch_defaults_for(total_memory, name, usage)[0]
-
-
 def default_batch_sizes(device: str, usage: str = "llm") -> tuple[int, int]:
     """The default (``max_num_batched_tokens``, ``max_num_seqs``) on ``device`` (resolved,
     not "auto"): :func:`batch_defaults_for` the CUDA device's memory and name, or the CPU

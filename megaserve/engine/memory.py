@@ -286,7 +286,7 @@ def profile_cuda(
         if config.speculative_config is not None:
             rows += (min(config.max_num_seqs, MAX_GRAPH_BATCH)
                      * (config.speculative_config.num_speculative_tokens + 1))
-        graphs = decode_peak + rows * attention.config.vocab_size * 4
+        graphs = decode_peak + rows * attention.lm_head.shape[0] * 4  # the buffers' width
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used_now = start.free_bytes - free  # this process's growth since the snapshot

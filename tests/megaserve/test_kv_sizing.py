@@ -12,7 +12,7 @@ import torch
 from megaserve import LLM
 from megaserve.engine import memory
 from megaserve.engine.config import (CPU_MAX_NUM_BATCHED_TOKENS, DEFAULT_CPU_KV_CACHE_BYTES,
-                                     EngineConfig, batch_defaults_for, batched_tokens_for,
+                                     EngineConfig, batch_defaults_for,
                                      default_max_num_batched_tokens, default_max_num_seqs)
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 
@@ -85,14 +85,14 @@ def test_config_validates_and_resolves_auto_device(monkeypatch):
 
 
 def test_max_num_batched_tokens_defaults_follow_vllms_table(monkeypatch):
-    assert batched_tokens_for(80 * GIB, "NVIDIA H100 80GB HBM3") == 16384
-    assert batched_tokens_for(80 * GIB, "NVIDIA H100 80GB HBM3", "server") == 8192
-    assert batched_tokens_for(141 * GIB, "NVIDIA H200", "server") == 8192
-    assert batched_tokens_for(80 * GIB, "NVIDIA A100-SXM4-80GB") == 8192
-    assert batched_tokens_for(80 * GIB, "NVIDIA A100-SXM4-80GB", "server") == 2048
-    assert batched_tokens_for(48 * GIB, "NVIDIA L40S") == 8192
+    assert batch_defaults_for(80 * GIB, "NVIDIA H100 80GB HBM3")[0] == 16384
+    assert batch_defaults_for(80 * GIB, "NVIDIA H100 80GB HBM3", "server")[0] == 8192
+    assert batch_defaults_for(141 * GIB, "NVIDIA H200", "server")[0] == 8192
+    assert batch_defaults_for(80 * GIB, "NVIDIA A100-SXM4-80GB")[0] == 8192
+    assert batch_defaults_for(80 * GIB, "NVIDIA A100-SXM4-80GB", "server")[0] == 2048
+    assert batch_defaults_for(48 * GIB, "NVIDIA L40S")[0] == 8192
     with pytest.raises(ValueError, match="usage"):
-        batched_tokens_for(80 * GIB, "NVIDIA H100", "offline")
+        batch_defaults_for(80 * GIB, "NVIDIA H100", "offline")
     assert default_max_num_batched_tokens("cpu") == CPU_MAX_NUM_BATCHED_TOKENS == 2048
     assert EngineConfig(device="cpu").max_num_batched_tokens == 2048
     assert EngineConfig(device="cpu", max_num_batched_tokens=512).max_num_batched_tokens == 512
