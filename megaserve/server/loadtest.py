@@ -6,6 +6,8 @@ Sends ``--clients`` greedy streaming Generate calls at once (random token-id pro
 a fixed seed, ``ignore_eos``), measures time to first token, inter-token latency, end-to-end
 latency and throughput, then runs the same requests through ``LLM.generate`` in this
 process (the baseline: the engine without the server) and checks the outputs are equal.
+``--no-baseline`` skips that (a GPU that holds the server's engine has no room for a
+second one: measure the offline engine with ``megaserve bench throughput`` before or after).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3, help="runs of each; the median is shown")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="only the server's runs (no LLM.generate in this process)")
     args = p.parse_args(argv)
     if min(args.clients, args.prompt_len, args.max_tokens, args.repeat) < 1:
         print("loadtest: --clients, --prompt-len, --max-tokens and --repeat must be >= 1",
@@ -66,7 +70,6 @@ def main(argv: list[str]) -> int:
         return 2
     import torch  # after argument checks: the baseline needs it
 
-    from megaserve import LLM, SamplingParams
     from megaserve.server.client import generation_stub
 
     with grpc.insecure_channel(args.server) as channel:
@@ -80,18 +83,9 @@ def main(argv: list[str]) -> int:
                   key=lambda run: run[1])
     results, wall = runs[len(runs) // 2]  # the median run by wall time
 
-    # The baseline uses the server's settings, as GetModelInfo reports them.
-    with LLM(model=info.model_name, dtype=info.dtype, device=info.device,
-             max_num_seqs=args.clients, max_model_len=info.max_model_len) as llm:
-        base_walls = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            offline = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                                   SamplingParams(**kw))
-            base_walls.append(time.perf_counter() - start)
-        base_wall = statistics.median(base_walls)
-    equal = all(r["ids"] == o.outputs[0].token_ids for r, o in zip(results, offline))
-
+    base_wall, equal = None, None
+    if args.baseline:
+        base_wall, equal = _baseline(info, prompts, kw, args.repeat, results)
     tokens = args.clients * args.max_tokens
     itl = [x for r in results for x in r["itl"]]
     device = f"{info.device} ({platform.processor() or platform.machine()}, " \
@@ -106,9 +100,29 @@ def main(argv: list[str]) -> int:
     print(f"{'server, gRPC streams':<28}{tokens / wall:>10.1f}{wall:>9.2f}"
           f"{_pct(ttft, 50) * 1e3:>8.0f}ms{_pct(ttft, 99) * 1e3:>8.0f}ms"
           f"{_pct(itl, 50) * 1e3:>7.0f}ms{_pct(itl, 99) * 1e3:>7.0f}ms{_pct(e2e, 50):>8.2f}s")
+    if base_wall is None:
+        return 0
     print(f"{'baseline, LLM.generate':<28}{tokens / base_wall:>10.1f}{base_wall:>9.2f}")
     print(f"outputs bitwise equal to the baseline: {equal}")
     return 0 if equal else 1
+
+
+def _baseline(info, prompts: list[list[int]], kw: dict, repeat: int,
+              results: list[dict]) -> tuple[float, bool]:
+    """The same requests through ``LLM.generate`` with the server's settings (as
+    GetModelInfo reports them): (median wall seconds, outputs equal to the server's)."""
+    from megaserve import LLM, SamplingParams
+
+    with LLM(model=info.model_name, dtype=info.dtype, device=info.device,
+             max_num_seqs=len(prompts), max_model_len=info.max_model_len) as llm:
+        walls = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            offline = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                                   SamplingParams(**kw))
+            walls.append(time.perf_counter() - start)
+    equal = all(r["ids"] == o.outputs[0].token_ids for r, o in zip(results, offline))
+    return statistics.median(walls), equal
 
 
 if __name__ == "__main__":
