@@ -5,6 +5,8 @@
 # streams of 64-token random prompts, 128 tokens each (megaserve.server.loadtest
 # --no-baseline: a GPU holding the server's engine has no room for a second one); then,
 # with the server gone, the same shape through LLM.generate (megaserve bench throughput).
+# The device image lacks some of the server's packages: carry them as wheels (.whl,
+# /work/.library/device/README.md) and install them before running this.
 set -uo pipefail
 source scripts/device_setup.sh
 CLIENTS=${1:-1024}
@@ -17,6 +19,7 @@ python3 -m megaserve.cli serve --model "$MODEL" --dtype bfloat16 --device cuda \
 SERVER=$!
 for _ in $(seq 1 120); do
     curl -sf http://127.0.0.1:18551/health > /dev/null && break
+    kill -0 $SERVER 2> /dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; exit 1; }
     sleep 2
 done
 timeout 400 python3 -m megaserve.server.loadtest --server 127.0.0.1:50551 --clients "$CLIENTS" \
