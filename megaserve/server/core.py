@@ -24,10 +24,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megaserve.outputs import Logprobs, RequestOutput
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import RequestOutputKind, SamplingParams
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.metrics import ServerMetrics
 
@@ -70,11 +70,12 @@ class Delta:
 
 @dataclass
 class _Progress:
-    """What a request's stream has sent so far."""
+    """What a request's stream has sent so far (its final message repeats all of it)."""
 
     arrival: float
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: list[str] = field(default_factory=list)  # the deltas' text, joined at the end
+    logprobs: Logprobs | None = None
     last_token_at: float | None = None
 
 
@@ -247,6 +248,8 @@ class ServingCore:
         """
         progress = _Progress(arrival=self._in_flight.get(request_id, time.monotonic()))
         finished = False
+        # The engine's outputs are deltas: no step copies what it sent before.
+        params = replace(params, output_kind=RequestOutputKind.DELTA)
         try:
             async with contextlib.aclosing(
                     self.engine.generate(request_id, prompt_ids, params)) as outputs:
@@ -273,9 +276,10 @@ class ServingCore:
                 await asyncio.shield(self._abort_quietly(request_id))
 
     def _advance(self, progress: _Progress, out: RequestOutput) -> Delta:
-        """The Delta between ``progress`` and the cumulative ``out``; records latencies."""
+        """The Delta of a step's output (a DELTA output: what the step added); records
+        latencies and adds it to ``progress``."""
         comp = out.outputs[0]
-        new_ids = comp.token_ids[len(progress.token_ids):]
+        new_ids = comp.token_ids
         now = time.monotonic()
         if new_ids:
             if progress.last_token_at is None:
@@ -284,20 +288,22 @@ class ServingCore:
                 gap = (now - progress.last_token_at) / len(new_ids)
                 self.metrics.inter_token(gap, len(new_ids))
             progress.last_token_at = now
-        new_logprobs = None
+        delta = Delta(token_ids=new_ids, text=comp.text, logprobs=comp.logprobs)
+        progress.token_ids += new_ids
+        if comp.text:
+            progress.text.append(comp.text)
         if comp.logprobs is not None:
-            new_logprobs = comp.logprobs[len(progress.token_ids):]
-        delta = Delta(token_ids=list(new_ids), text=comp.text[len(progress.text):],
-                      logprobs=new_logprobs)
-        progress.token_ids, progress.text = list(comp.token_ids), comp.text
+            if progress.logprobs is None:
+                progress.logprobs = []
+            progress.logprobs += comp.logprobs
         if out.finished:
             reason = comp.finish_reason or "stop"
             self.metrics.request_done(now - progress.arrival)
             self.metrics.finished(reason)
             delta.finish_reason = reason
-            delta.output_ids = list(comp.token_ids)
-            delta.output_text = comp.text
-            delta.output_logprobs = comp.logprobs
+            delta.output_ids = progress.token_ids
+            delta.output_text = "".join(progress.text)
+            delta.output_logprobs = progress.logprobs
             delta.prompt_tokens = len(out.prompt_token_ids)
             delta.cached_tokens = out.num_cached_tokens
         return delta

@@ -108,18 +108,22 @@ class ServerMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds",
                               "Time from arrival to the last token.",
                               ["model_name"], buckets=E2E_BUCKETS, registry=reg)
+        # The model's series, looked up once: these are observed every token.
+        self._ttft_series = self._ttft.labels(model_name)
+        self._itl_series = self._itl.labels(model_name)
+        self._e2e_series = self._e2e.labels(model_name)
 
     def first_token(self, seconds: float) -> None:
-        self._ttft.labels(self.model_name).observe(seconds)
+        self._ttft_series.observe(seconds)
 
     def inter_token(self, seconds: float, num_tokens: int = 1) -> None:
         """``num_tokens`` tokens that arrived together, ``seconds`` apart on average."""
-        child = self._itl.labels(self.model_name)
+        series = self._itl_series
         for _ in range(num_tokens):
-            child.observe(seconds)
+            series.observe(seconds)
 
     def request_done(self, seconds: float) -> None:
-        self._e2e.labels(self.model_name).observe(seconds)
+        self._e2e_series.observe(seconds)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
