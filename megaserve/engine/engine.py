@@ -121,10 +121,8 @@ class LLMEngine:
                                     if config.speculative_config is not None else 0),
             cpu_decode_graphs=self.async_scheduling,
         )
-        eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
-        self.outputs = OutputProcessor(
-            self.tokenizer, tuple(eos) or model.config.eos_token_ids, self.max_model_len
-        )
+        self.eos_token_ids = resolve_eos_token_ids(self.tokenizer, model.config)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._prompt_tokens = 0
@@ -361,6 +359,13 @@ def cache_root(model_path: str | Path, dtype: torch.dtype, block_size: int) -> b
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The checkpoint's tokenizer; None where it has no tokenizer.json (token ids only)."""
     return Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+
+
+def resolve_eos_token_ids(tokenizer: Tokenizer | None,
+                          model_config: ModelConfig) -> tuple[int, ...]:
+    """The tokens that end a request: the tokenizer's, else (no tokenizer, or one that
+    names none) the model config's."""
+    return tuple((tokenizer.eos_token_ids if tokenizer else ()) or model_config.eos_token_ids)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -1,63 +1,99 @@
 """AsyncLLMEngine: the engine behind asyncio servers, streaming each request's outputs.
 
-The synchronous :class:`LLMEngine` runs on one background thread. The event loop talks to
-it through a command list (add / abort) guarded by a condition variable; outputs come
-back with ``loop.call_soon_threadsafe`` into one asyncio queue per request. When nothing
-is queued or running, the thread sleeps on the condition: an idle engine does not spin.
+The synchronous engine runs beside the event loop in one of two ways:
+
+* **a thread of this process** (the default; any layout): the event loop hands it
+  commands (add / abort) through a list guarded by a condition variable; when nothing is
+  queued or running the thread sleeps on the condition, so an idle engine does not spin;
+* **its own process** (``engine_process=True``; co-located layouts), vLLM's split of the
+  API server from the engine core. A front-end thread shares the event loop's
+  interpreter lock, and at many streams the two take turns: the server streaming 1,024
+  requests ran at 0.23x of ``LLM.generate`` on an H200 with the engine in a thread
+  (docs/benchmarks.md, "serving at the batch-size defaults"). In a process of its own the
+  engine schedules, steps and detokenises on its own interpreter; the front-end only
+  validates prompts (with its own copy of the tokenizer) and streams. Commands go over
+  one pipe, each step's outputs come back over another as plain tuples (one message a
+  step), with the engine's stats.
+
+Either way a step's outputs reach the event loop in one callback, which puts each into
+its request's asyncio queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import EngineStats, Prompt
-from megaserve.runtime.factory import make_engine
-from megaserve.outputs import RequestOutput
+from megaserve.engine.engine import EngineStats, Prompt, load_tokenizer, validate_prompt
+from megaserve.outputs import CompletionOutput, RequestOutput
+from megaserve.runtime.factory import make_engine, uses_device_plane
 from megaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; every request in flight gets this error."""
+    """The engine failed; every request in flight gets this error."""
 
 
 class AsyncLLMEngine:
-    """Streams cumulative RequestOutputs per request; see ``generate`` and ``abort``.
+    """Streams each request's RequestOutputs (by its ``output_kind``); see ``generate``
+    and ``abort``.
 
-    The constructor loads the model synchronously. Use the object from one event loop.
+    The constructor loads the model synchronously (``engine_process``: in the engine's
+    process, and waits for it); a bad config raises ``ValueError``. Use the object from
+    one event loop.
     """
 
-    def __init__(self, **config: Any) -> None:
-        self.engine = make_engine(EngineConfig(**config))
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
-        self.vocab_size = self.engine.vocab_size
-        self._cond = threading.Condition()
-        self._commands: list[tuple[str, str, Any]] = []  # (kind, request_id, payload)
+    def __init__(self, engine_process: bool = False, **config: Any) -> None:
+        engine_config = EngineConfig(**config)
+        if engine_process and (uses_device_plane(engine_config)
+                               or not engine_config.single_engine):
+            # A front-end over workers already runs them in processes (and its health and
+            # recovery live in this one).
+            logger.info("the engine of a disaggregated layout runs in a thread of this process")
+            engine_process = False
+        self._driver = (_ProcessDriver(config) if engine_process
+                        else _ThreadDriver(make_engine(engine_config)))
+        info = self._driver.info
+        self.tokenizer = info.tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = info.eos_token_ids
         self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the first generate()'s
         self._error: BaseException | None = None
-        self._stats = self.engine.stats()
+        self._driver.start(self._from_driver)
+
+    @property
+    def engine(self):
+        """The synchronous engine where it runs in this process (a thread); AttributeError
+        where it runs in its own process."""
+        engine = getattr(self._driver, "engine", None)
+        if engine is None:
+            raise AttributeError("engine: it runs in its own process")
+        return engine
 
     # -- public API -------------------------------------------------------------------
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """Prompt token ids; ``ValueError`` starting with the offending field."""
-        return self.engine.validate(prompt, params)
+        return validate_prompt(prompt, params, self.tokenizer, self.vocab_size,
+                               self.max_model_len)
 
     async def generate(
         self, request_id: str, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every step it advances.
+        """Yield the request's output after every step it advances (cumulative, a delta
+        or only the final one, by ``params.output_kind``).
 
         Raises ``ValueError`` before the first yield for bad input or a duplicate id.
         If the consumer stops early (cancellation, ``aclose``), the request is aborted
@@ -67,15 +103,16 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine failed: {self._error}")
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        self.validate(prompt, params)
-        self._ensure_thread()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._send("add", request_id, (prompt, params))
+        prompt_ids = self.validate(prompt, params)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        queue_: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue_
+        self._driver.send("add", request_id, (prompt, params, prompt_ids))
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await queue_.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -85,78 +122,314 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._send("abort", request_id, None)
+                self._driver.send("abort", request_id, None)
 
     async def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" (its stream gets that last output)."""
-        self._send("abort", request_id, None)
+        self._driver.send("abort", request_id, None)
 
     def stats(self) -> EngineStats:
         """Counters as of the last engine step (read without blocking the engine)."""
-        return self._stats
+        return self._driver.stats
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has failed (vLLM's name): every request gets
+        ``EngineDeadError`` from now on."""
+        return self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine failed (None while it has not)."""
+        return self._error
 
     async def shutdown(self) -> None:
-        """Stop the engine thread (requests in flight are abandoned) and release workers."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self.engine.shutdown()
+        """Stop the engine (requests in flight are abandoned) and release its workers."""
+        await asyncio.get_running_loop().run_in_executor(None, self._driver.shutdown)
 
-    # -- engine thread ----------------------------------------------------------------
+    # -- from the driver's thread -------------------------------------------------------
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
-            self._thread = threading.Thread(target=self._run, name="megaserve-engine", daemon=True)
-            self._thread.start()
+    def _from_driver(self, kind: str, payload: Any) -> None:
+        """Hand the driver's news to the event loop: "outputs" (one step's list),
+        "rejected" ((request id, ValueError)) or "dead" (the error)."""
+        if kind == "dead":
+            self._error = payload
+        loop = self._loop
+        if loop is None or loop.is_closed():  # no request yet
+            return
+        if kind == "outputs":
+            loop.call_soon_threadsafe(self._deliver_all, payload)
+        elif kind == "rejected":
+            loop.call_soon_threadsafe(self._deliver, *payload)
+        else:
+            loop.call_soon_threadsafe(self._fail_all, payload)
 
-    def _send(self, kind: str, request_id: str, payload: Any) -> None:
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        queues = self._queues
+        for out in outputs:
+            queue_ = queues.get(out.request_id)
+            if queue_ is not None:
+                queue_.put_nowait(out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        queue_ = self._queues.get(request_id)
+        if queue_ is not None:
+            queue_.put_nowait(item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue_ in self._queues.values():
+            queue_.put_nowait(EngineDeadError(f"engine failed: {error}"))
+
+
+@dataclass(frozen=True)
+class _EngineInfo:
+    """What the front-end needs of an engine to validate prompts and describe the model."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, engine, tokenizer: Any) -> _EngineInfo:
+        return cls(tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size,
+                   tuple(engine.eos_token_ids))
+
+
+Sink = Callable[[str, Any], None]
+
+
+class _ThreadDriver:
+    """The engine on a thread of this process (module docstring)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.info = _EngineInfo.of(engine, engine.tokenizer)
+        self.stats = engine.stats()
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, str, Any]] = []  # (kind, request_id, payload)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def start(self, sink: Sink) -> None:
+        self._thread = threading.Thread(target=self._run, args=(sink,), name="megaserve-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, kind: str, request_id: str, payload: Any) -> None:
         with self._cond:
             self._commands.append((kind, request_id, payload))
             self._cond.notify()
 
-    def _run(self) -> None:
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self.engine.shutdown()
+
+    def _run(self, sink: Sink) -> None:
+        engine = self.engine
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._commands or self._stopping
+                               or engine.has_unfinished_requests()):
                         self._cond.wait()
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, []
-                outputs = self._apply(commands)
-                outputs += self.engine.step()
-                self._stats = self.engine.stats()
-                for out in outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, out.request_id, out)
+                outputs = _apply(engine, commands, sink)
+                outputs += engine.step()
+                self.stats = engine.stats()
+                if outputs:
+                    sink("outputs", outputs)
         except BaseException as e:  # noqa: BLE001 - reported to every waiting request
             logger.exception("engine thread failed")
-            self._error = e
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, e)
+            sink("dead", e)
 
-    def _apply(self, commands: list[tuple[str, str, Any]]) -> list[RequestOutput]:
-        outputs = []
-        for kind, request_id, payload in commands:
-            if kind == "add":
-                prompt, params = payload
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except ValueError as e:
-                    self._loop.call_soon_threadsafe(self._deliver, request_id, e)
-            else:
-                out = self.engine.abort_request(request_id)
-                if out is not None:
-                    outputs.append(out)
-        return outputs
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+def _apply(engine, commands: list[tuple[str, str, Any]], sink: Sink) -> list[RequestOutput]:
+    """Run add / abort commands on ``engine``; the aborted requests' last outputs."""
+    outputs = []
+    for kind, request_id, payload in commands:
+        if kind == "add":
+            prompt, params, _ = payload
+            try:
+                engine.add_request(request_id, prompt, params)
+            except ValueError as e:
+                sink("rejected", (request_id, e))
+        else:
+            out = engine.abort_request(request_id)
+            if out is not None:
+                outputs.append(out)
+    return outputs
 
-    def _fail_all(self, error: BaseException) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(f"engine failed: {error}"))
+
+class _ProcessDriver:
+    """The engine in a process of its own (module docstring): a sender thread writes the
+    event loop's commands to one pipe (a burst of requests never blocks the loop on a
+    full pipe), a reader thread turns each step's message from the other into outputs.
+    The engine process exits when the front-end goes away (its command pipe closes)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from megaserve.runtime.launcher import process_context
+
+        ctx = process_context()
+        commands_out, self._commands_in = ctx.Pipe(duplex=False)
+        self._results, results_in = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(
+            target=engine_process_main, name="megaserve-engine", daemon=True,
+            args=(commands_out, results_in, config, logging.getLogger().level))
+        self._process.start()
+        commands_out.close()
+        results_in.close()
+        try:
+            kind, payload = self._results.recv()
+        except EOFError:
+            kind, payload = "failed", (RuntimeError.__name__, "the engine process exited "
+                                       f"while loading (exit code {self._process.exitcode})")
+        if kind != "ready":
+            self._process.join()
+            error_type, message = payload
+            raise (ValueError if error_type == ValueError.__name__ else RuntimeError)(message)
+        model_path, info, self.stats = payload
+        self.info = _EngineInfo(load_tokenizer(model_path), *info)
+        # (text or None, token ids) of each request in the engine: it gets the ids only
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self.pid = self._process.pid
+
+    def start(self, sink: Sink) -> None:
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="megaserve-engine-send", daemon=True),
+            threading.Thread(target=self._read_loop, args=(sink,), name="megaserve-engine-read",
+                             daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, kind: str, request_id: str, payload: Any) -> None:
+        if kind == "add":
+            prompt, params, prompt_ids = payload
+            self._prompts[request_id] = (prompt if isinstance(prompt, str) else None, prompt_ids)
+            payload = (prompt_ids, params)
+        self._outbox.put((kind, request_id, payload))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._outbox.put(("stop", "", None))
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _send_loop(self) -> None:
+        """Everything queued so far as one message, until "stop"."""
+        while True:
+            batch = [self._outbox.get()]
+            while not self._outbox.empty():
+                batch.append(self._outbox.get())
+            try:
+                self._commands_in.send(batch)
+            except OSError:  # the engine process is gone (the reader reports it)
+                return
+            if any(kind == "stop" for kind, _, _ in batch):
+                return
+
+    def _read_loop(self, sink: Sink) -> None:
+        while True:
+            try:
+                kind, payload = self._results.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._process.join(timeout=5)
+                    sink("dead", RuntimeError(f"the engine process exited (exit code "
+                                              f"{self._process.exitcode})"))
+                return
+            if kind == "outputs":
+                packed, self.stats = payload
+                sink("outputs", [self._unpack(t) for t in packed])
+            elif kind == "rejected":
+                request_id, message = payload
+                self._prompts.pop(request_id, None)
+                sink("rejected", (request_id, ValueError(message)))
+            else:  # "dead": the engine process logged the traceback
+                sink("dead", RuntimeError(payload))
+                return
+
+    def _unpack(self, packed: tuple) -> RequestOutput:
+        request_id, completions, finished, prompt_logprobs, cached = packed
+        prompt, prompt_ids = (self._prompts.pop(request_id, (None, [])) if finished
+                              else self._prompts.get(request_id, (None, [])))
+        return RequestOutput(request_id, prompt, prompt_ids,
+                             [CompletionOutput(*c) for c in completions], finished,
+                             prompt_logprobs, cached)
+
+
+def _pack(out: RequestOutput) -> tuple:
+    """A RequestOutput as plain tuples (cheap to pickle); the front-end restores the prompt
+    (it sent the ids and keeps them)."""
+    return (out.request_id,
+            [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+             for c in out.outputs],
+            out.finished, out.prompt_logprobs, out.num_cached_tokens)
+
+
+def engine_process_main(commands, results, config: dict[str, Any], log_level: int) -> None:
+    """Entry point of the engine process: build the engine, report ready (or why not),
+    then loop: apply the front-end's commands, step, send the step's outputs."""
+    from megaserve.engine.gc_heap import freeze_for_life
+    from megaserve.runtime.launcher import set_process_title
+
+    set_process_title("megaserve-core")  # (15 characters at most)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front-end owns shutdown (it drains)
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = make_engine(EngineConfig(**config))
+    except Exception as e:  # noqa: BLE001 - the front-end raises it
+        logger.exception("the engine process could not load the model")
+        results.send(("failed", (type(e).__name__, str(e))))
+        return
+    info = _EngineInfo.of(engine, None)
+    results.send(("ready", (str(engine.model_path), (info.model_name, info.max_model_len,
+                                                     info.vocab_size, info.eos_token_ids),
+                            engine.stats())))
+    freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
+    try:
+        _serve(engine, commands, results)
+    except (EOFError, BrokenPipeError):  # the front-end is gone
+        pass
+    except Exception as e:  # noqa: BLE001 - reported to the front-end, which fails
+        logger.exception("engine process failed")
+        results.send(("dead", f"{type(e).__name__}: {e}"))
+    finally:
+        engine.shutdown()
+
+
+def _serve(engine, commands, results) -> None:
+    """The engine process's loop, until a "stop" command."""
+
+    def rejected(kind: str, payload: tuple) -> None:
+        request_id, error = payload
+        results.send(("rejected", (request_id, str(error))))
+
+    while True:
+        # Wait for commands only when nothing runs; else take what has come and step.
+        batch = []
+        wait = None if not engine.has_unfinished_requests() else 0
+        while commands.poll(wait):
+            batch += commands.recv()
+            wait = 0
+        if any(kind == "stop" for kind, _, _ in batch):
+            return
+        outputs = _apply(engine, [(kind, rid, (p[0], p[1], None) if kind == "add" else p)
+                                  for kind, rid, p in batch], rejected)
+        outputs += engine.step()
+        results.send(("outputs", ([_pack(o) for o in outputs], engine.stats())))

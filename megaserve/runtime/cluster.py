@@ -24,8 +24,9 @@ from dataclasses import replace
 
 from megaserve.comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import (EngineStats, Prompt, derive_seed,
-                                     load_tokenizer, resolve_max_model_len, validate_prompt)
+from megaserve.engine.engine import (EngineStats, Prompt, derive_seed, load_tokenizer,
+                                     resolve_eos_token_ids, resolve_max_model_len,
+                                     validate_prompt)
 from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import resolve_dtype
@@ -135,8 +136,9 @@ class DisaggregatedEngine:
         self._closed = False
         self._launcher = launcher  # where workers run (default: from config.launcher)
         # Recovery from a lost worker (megaserve.runtime.recovery).
-        eos = (self.tokenizer.eos_token_ids if self.tokenizer else ()) or self.model_config.eos_token_ids
-        self._in_flight = InFlightTable(OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len))
+        self.eos_token_ids = resolve_eos_token_ids(self.tokenizer, self.model_config)
+        self._in_flight = InFlightTable(OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                        self.max_model_len))
         self._budget = RestartBudget(restart_policy or RestartPolicy())
         self._health = WorkerHealth("serving")
         self._lock = threading.RLock()

@@ -91,7 +91,7 @@ class WorkerLauncher(Protocol):
 # -- local: threads (inproc) or forkserver processes ---------------------------------------
 
 
-def _process_context():
+def process_context():
     """Worker processes fork from a server that has already imported torch and the
     runtime (forkserver): each starts in a fraction of a second, and never inherits the
     front-end's threads or locks (which a plain fork would)."""
@@ -202,7 +202,7 @@ class LocalLauncher:
         self.use_processes = use_processes
 
     def start(self, specs: list[WorkerSpec]) -> _LocalGroup:
-        ctx = _process_context() if self.use_processes else None
+        ctx = process_context() if self.use_processes else None
         outbox = ctx.Queue() if ctx else queue.Queue()
         handles = []
         for spec in specs:

@@ -82,7 +82,9 @@ class ServeConfig:
 def _default_engine_factory(config: ServeConfig) -> Any:
     from megaserve.runtime.async_engine import AsyncLLMEngine
 
-    return AsyncLLMEngine(**config.engine)
+    # The engine in its own process: at many streams a thread of this one competes with
+    # the event loop for the interpreter (megaserve.runtime.async_engine).
+    return AsyncLLMEngine(engine_process=True, **config.engine)
 
 
 async def serve(config: ServeConfig,
@@ -139,11 +141,11 @@ async def serve(config: ServeConfig,
             logger.info("megaserve: serving %s (max_model_len=%d)", config.model,
                         core.engine.max_model_len)
     failure_watch = asyncio.create_task(_watch_failure(core, health))
-    worker_watch = asyncio.create_task(_watch_workers(core, health))
+    engine_watch = asyncio.create_task(_watch_engine(core, health))
     with frozen_heap():  # the start-up heap out of every collection while serving
         await stop.wait()
     failure_watch.cancel()
-    worker_watch.cancel()
+    engine_watch.cancel()
 
     # Drain: refuse new work first, then give in-flight work the grace period.
     logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
@@ -198,18 +200,23 @@ async def _watch_failure(core: ServingCore, health: Any) -> None:
     await set_health(health, serving=False)
 
 
-async def _watch_workers(core: ServingCore, health: Any, poll_s: float = 0.25) -> None:
-    """Health follows the engine's workers (engines with ``health()``: the disaggregated
-    runtime): NOT_SERVING while a lost worker is being replaced (in-flight requests pause,
-    then continue), and the server FAILED once the engine gives up."""
+async def _watch_engine(core: ServingCore, health: Any, poll_s: float = 0.25) -> None:
+    """The server FAILED once its engine has (an engine process that died, say, with no
+    request in flight to notice it). Health follows the engine's workers (engines with
+    ``health()``: the disaggregated runtime): NOT_SERVING while a lost worker is being
+    replaced (in-flight requests pause, then continue), and FAILED once the engine gives
+    up."""
     from megaserve.server.grpc_service import set_health
 
     worker_health = getattr(getattr(core.engine, "engine", None), "health", None)
-    if worker_health is None:
-        return
     serving = True
     while core.state is ServerState.SERVING:
         await asyncio.sleep(poll_s)
+        if getattr(core.engine, "errored", False):
+            core.mark_failed(str(core.engine.error))
+            return
+        if worker_health is None:
+            continue
         now = worker_health()
         if now.state == "failed":
             core.mark_failed(now.reason)

@@ -94,7 +94,7 @@ class GenerationService:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is loading the model")
         return pb.GetModelInfoResponse(
             model_name=engine.model_name, max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size, eos_token_ids=list(engine.tokenizer.eos_token_ids),
+            vocab_size=engine.vocab_size, eos_token_ids=list(engine.eos_token_ids),
             dtype=self.dtype, device=self.device)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,

@@ -143,6 +143,10 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     sampling["logprobs"] = req.top_logprobs
     field = "messages" if req.chat else "prompt"
     if req.chat:
+        if engine.tokenizer is None:
+            raise RequestError.invalid("messages", "this model has no tokenizer (no "
+                                       "tokenizer.json): chat needs one; send token ids "
+                                       "to /v1/completions")
         try:
             prompt = engine.tokenizer.apply_chat_template(list(req.messages))
         except Exception as e:  # the template's raise_exception, a missing variable

@@ -35,9 +35,12 @@ def small_server(model_cache, tmp_path_factory):
         srv.stop()
 
 
+LONG = 4000  # tokens: more than the grace period decodes (max_model_len 4096)
+
+
 def long_request(request_id: str) -> pb.GenerateRequest:
     return build_request("long " + request_id, stream=True, request_id=request_id,
-                         max_tokens=1900, ignore_eos=True, temperature=0.0)
+                         max_tokens=LONG, ignore_eos=True, temperature=0.0)
 
 
 def test_health_is_not_serving_until_the_model_is_loaded(small_server):
@@ -134,7 +137,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     assert results["short"].finish_reason == "length"
     assert len(results["short"].output_ids) == 40
     assert results["long"].finish_reason == "abort"
-    assert 0 < len(results["long"].output_ids) < 1900
+    assert 0 < len(results["long"].output_ids) < LONG
     log = small_server.log()
     assert "aborted 1 request" in log and "Traceback" not in log
     # The server's own shutdown fits in the grace period; the interpreter's exit after it
