@@ -15,8 +15,10 @@ The synchronous engine runs beside the event loop in one of two ways:
   one pipe, each step's outputs come back over another as plain tuples (one message a
   step), with the engine's stats.
 
-Either way a step's outputs reach the event loop in one callback, which puts each into
-its request's asyncio queue.
+Either way a step's outputs reach the event loop in one callback, which hands each to its
+request's collector: a request whose consumer has fallen behind (a saturated front-end)
+gets its DELTA outputs merged into one, as vLLM's ``RequestOutputCollector`` does, so a
+slow stream costs fewer, larger messages instead of a growing backlog.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import EngineStats, Prompt, load_tokenizer, validate_prompt
 from megaserve.outputs import CompletionOutput, RequestOutput
 from megaserve.runtime.factory import make_engine, uses_device_plane
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class AsyncLLMEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._collectors: dict[str, _Collector] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the first generate()'s
         self._error: BaseException | None = None
         self._driver.start(self._from_driver)
@@ -101,18 +103,18 @@ class AsyncLLMEngine:
         """
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error}")
-        if request_id in self._queues:
+        if request_id in self._collectors:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt_ids = self.validate(prompt, params)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        queue_: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue_
+        collector = _Collector(params.output_kind is RequestOutputKind.DELTA)
+        self._collectors[request_id] = collector
         self._driver.send("add", request_id, (prompt, params, prompt_ids))
         finished = False
         try:
             while True:
-                item = await queue_.get()
+                item = await collector.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -120,7 +122,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(request_id, None)
             if not finished:
                 self._driver.send("abort", request_id, None)
 
@@ -165,20 +167,63 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(self._fail_all, payload)
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        queues = self._queues
+        collectors = self._collectors
         for out in outputs:
-            queue_ = queues.get(out.request_id)
-            if queue_ is not None:
-                queue_.put_nowait(out)
+            collector = collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        queue_ = self._queues.get(request_id)
-        if queue_ is not None:
-            queue_.put_nowait(item)
+        collector = self._collectors.get(request_id)
+        if collector is not None:
+            collector.put(item)
 
     def _fail_all(self, error: BaseException) -> None:
-        for queue_ in self._queues.values():
-            queue_.put_nowait(EngineDeadError(f"engine failed: {error}"))
+        for collector in self._collectors.values():
+            collector.put(EngineDeadError(f"engine failed: {error}"))
+
+
+class _Collector:
+    """One request's outputs on their way to its ``generate`` (module docstring): what
+    arrives before the consumer took the last one joins it, a DELTA output by merging
+    (tokens, text and logprobs appended, the newer end state), any other kind by
+    replacing it (each is whole). An error replaces everything."""
+
+    def __init__(self, delta: bool) -> None:
+        self._delta = delta
+        self._item: RequestOutput | BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        held = self._item
+        if (self._delta and isinstance(held, RequestOutput)
+                and isinstance(item, RequestOutput)):
+            _merge_delta(held, item)
+        elif not isinstance(held, BaseException):
+            self._item = item
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self._item is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item, self._item = self._item, None
+        return item
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Fold the DELTA output ``new`` into the earlier ``into`` (the same request's)."""
+    for a, b in zip(into.outputs, new.outputs):
+        a.token_ids += b.token_ids
+        a.text += b.text
+        if b.logprobs is not None:
+            if a.logprobs is None:
+                a.logprobs = []
+            a.logprobs += b.logprobs
+        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
 
 
 @dataclass(frozen=True)

@@ -129,3 +129,40 @@ def test_async_engine_in_a_process_equals_the_thread(model_cache):
     assert all(len(ids) == 12 for ids, *_ in in_process)
     with pytest.raises(ValueError, match="no-such-model"):
         AsyncLLMEngine(engine_process=True, model="/no-such-model", device="cpu")
+
+
+def test_a_slow_consumer_gets_merged_deltas(model_cache):
+    """A DELTA stream whose consumer falls behind gets fewer outputs holding the same
+    tokens, text and logprobs (vLLM's RequestOutputCollector); cumulative outputs skip to
+    the latest."""
+    from megaserve.runtime.async_engine import AsyncLLMEngine
+    from megaserve.sampling_params import RequestOutputKind, SamplingParams
+
+    async def run() -> tuple:
+        engine = AsyncLLMEngine(model="builtin:tiny-moe", dtype="float32", device="cpu",
+                                max_num_seqs=4, max_model_len=256)
+        try:
+            async def consume(request_id: str, kind: RequestOutputKind, delay: float):
+                params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1,
+                                        ignore_eos=True, output_kind=kind)
+                outs = []
+                async for out in engine.generate(request_id, "the same prompt", params):
+                    outs.append((list(out.outputs[0].token_ids), out.outputs[0].text,
+                                 list(out.outputs[0].logprobs), out.finished))
+                    await asyncio.sleep(delay)
+                return outs
+            fast = await consume("fast", RequestOutputKind.DELTA, 0)
+            slow = await consume("slow", RequestOutputKind.DELTA, 0.05)
+            cumulative = await consume("cum", RequestOutputKind.CUMULATIVE, 0.05)
+            return fast, slow, cumulative
+        finally:
+            await engine.shutdown()
+
+    fast, slow, cumulative = asyncio.run(run())
+
+    def joined(outs):
+        return ([t for o in outs for t in o[0]], "".join(o[1] for o in outs),
+                [p for o in outs for p in o[2]])
+    assert len(joined(fast)[0]) == 40 and len(slow) < min(20, len(fast)) and slow[-1][3]
+    assert joined(slow) == joined(fast)
+    assert len(cumulative) < 20 and cumulative[-1][:3] == joined(fast)
