@@ -325,6 +325,7 @@ class _ProcessDriver:
         ctx = process_context()
         commands_out, self._commands_in = ctx.Pipe(duplex=False)
         self._results, results_in = ctx.Pipe(duplex=False)
+        _widen(self._results)
         self._process = ctx.Process(
             target=engine_process_main, name="megaserve-engine", daemon=True,
             args=(commands_out, results_in, config, logging.getLogger().level))
@@ -415,6 +416,20 @@ class _ProcessDriver:
         return RequestOutput(request_id, prompt, prompt_ids,
                              [CompletionOutput(*c) for c in completions], finished,
                              prompt_logprobs, cached)
+
+
+def _widen(pipe) -> None:
+    """Give a pipe the largest buffer Linux allows (1 MiB by default, not 64 KiB): a
+    step's message at 1,024 sequences is ~100 KB, and an engine whose send waited for the
+    front-end's reader (which shares its process's interpreter lock with the event loop)
+    would stall between steps."""
+    try:
+        import fcntl
+
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, int(f.read()))
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass  # not Linux, or not allowed: the default buffer
 
 
 def _pack(out: RequestOutput) -> tuple:
