@@ -362,7 +362,7 @@ class _ProcessDriver:
         if kind == "add":
             prompt, params, prompt_ids = payload
             self._prompts[request_id] = (prompt if isinstance(prompt, str) else None, prompt_ids)
-            payload = (prompt_ids, params)
+            payload = (prompt_ids, params, None)  # the engine gets the ids only
         self._outbox.put((kind, request_id, payload))
 
     def shutdown(self) -> None:
@@ -489,7 +489,6 @@ def _serve(engine, commands, results) -> None:
             wait = 0
         if any(kind == "stop" for kind, _, _ in batch):
             return
-        outputs = _apply(engine, [(kind, rid, (p[0], p[1], None) if kind == "add" else p)
-                                  for kind, rid, p in batch], rejected)
+        outputs = _apply(engine, batch, rejected)
         outputs += engine.step()
         results.send(("outputs", ([_pack(o) for o in outputs], engine.stats())))
