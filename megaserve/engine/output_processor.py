@@ -142,6 +142,13 @@ class OutputProcessor:
             self._text.pop(seq, None)
         return out
 
+    def mark_sent(self, seq: Sequence, num_tokens: int, num_chars: int) -> None:
+        """``seq``'s caller has been sent its first ``num_tokens`` tokens and ``num_chars``
+        characters of text (a re-run's replay of them): its next DELTA output starts
+        there."""
+        state = self._state(seq)
+        state.num_emitted_tokens, state.num_emitted_chars = num_tokens, num_chars
+
     def make_output(self, seq: Sequence) -> RequestOutput:
         """A cumulative snapshot of the request (lists copied, so later steps do not
         mutate it)."""

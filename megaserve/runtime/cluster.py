@@ -39,7 +39,8 @@ from megaserve.runtime.launcher import WorkerLauncher, make_launcher
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
                                         WorkerFailure, WorkerReady, WorkerStats)
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
-                                        RestartPolicy, WorkerHealth, add_counters, restarted)
+                                        RestartPolicy, WorkerHealth, add_counters, restarted,
+                                        worker_params)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
@@ -246,7 +247,7 @@ class DisaggregatedEngine:
         self._ended += ended
         for request_id, ids, params, seed in reruns:
             self._group.handles[self._router.owner(request_id)].send(
-                AddRequest(request_id, ids, params, seed))
+                AddRequest(request_id, ids, worker_params(params), seed))
         logger.warning("workers: back, re-running %d request(s)", len(reruns))
         self._health = WorkerHealth("serving", None, self._budget.total)
 
@@ -325,7 +326,8 @@ class DisaggregatedEngine:
         replica = self._router.place(request_id, ids, params.max_tokens)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
         self._in_flight.added(request_id, self._prompts[request_id], ids, params, seed)
-        self._group.handles[replica].send(AddRequest(request_id, ids, params, seed))
+        self._group.handles[replica].send(AddRequest(request_id, ids, worker_params(params),
+                                                     seed))
 
     @_locked
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -8,7 +8,8 @@ the lost run stopped, so clients see a pause, not an error.
 
 How a re-run stays bitwise equal to an undisturbed run::
 
-    before the loss:  worker output = cumulative RequestOutput     (passed through as is)
+    before the loss:  worker output = cumulative RequestOutput     (passed through as is,
+                                   or as the delta since the last one for a DELTA caller)
     re-run:           worker gets  prompt' = prompt + delivered tokens
                                    max_tokens' = max_tokens - len(delivered), same seed
                       front-end replays delivered + new tokens through its own
@@ -16,7 +17,10 @@ How a re-run stays bitwise equal to an undisturbed run::
 
 so text, stop strings, finish reasons and logprobs are computed exactly as the lost worker
 would have computed them (the incremental detokenizer is not suffix-stable, which is why
-the front-end detokenizes from the original prompt rather than stitching texts).
+the front-end detokenizes from the original prompt rather than stitching texts). Workers
+therefore always produce cumulative outputs for a DELTA request (:func:`worker_params`);
+the front-end cuts the deltas, and after a re-run its OutputProcessor does, told what the
+caller had been sent.
 
 :class:`LivenessWatch` polls the group from a thread (every ``POLL_S``), so a worker that
 dies while the server is idle is noticed and replaced without waiting for a request.
@@ -33,8 +37,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.sequence import Sequence
-from megaserve.outputs import RequestOutput
-from megaserve.sampling_params import SamplingParams
+from megaserve.outputs import CompletionOutput, RequestOutput
+from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,17 @@ class _Flight:
     replay_seen: int = 0  # tokens of the current re-run already replayed
     aborted: bool = False
     prompt_logprobs: list | None = field(default=None)
+    sent_tokens: int = 0  # what a DELTA caller has been sent (before a re-run)
+    sent_chars: int = 0
+    sent_prompt_logprobs: bool = False
+
+
+def worker_params(params: SamplingParams) -> SamplingParams:
+    """The params a worker runs a request with: a DELTA request's outputs come back
+    cumulative (what a re-run is rebuilt from; the front-end cuts the deltas)."""
+    if params.output_kind is RequestOutputKind.DELTA:
+        return replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+    return params
 
 
 class InFlightTable:
@@ -158,6 +173,8 @@ class InFlightTable:
             flight.last = out
             if out.prompt_logprobs is not None:
                 flight.prompt_logprobs = out.prompt_logprobs
+            if flight.params.output_kind is RequestOutputKind.DELTA:
+                return _cut_delta(out, flight), False
             return out, False
         seq, comp = flight.replay, out.outputs[0]
         new_logprobs = comp.logprobs[flight.replay_seen:] if comp.logprobs is not None else None
@@ -178,9 +195,17 @@ class InFlightTable:
         return mapped, must_abort
 
     def _snapshot(self, request_id: str, flight: _Flight) -> RequestOutput:
-        mapped = self._outputs.make_output(flight.replay)
+        """The replay's output for the caller: cumulative, or (DELTA) what it has not been
+        sent."""
+        if flight.params.output_kind is RequestOutputKind.DELTA:
+            mapped = self._outputs.step_output(flight.replay)
+            mapped.prompt_logprobs = (None if flight.sent_prompt_logprobs
+                                      else flight.prompt_logprobs)
+            flight.sent_prompt_logprobs = True
+        else:
+            mapped = self._outputs.make_output(flight.replay)
+            mapped.prompt_logprobs = flight.prompt_logprobs
         mapped.prompt = flight.prompt
-        mapped.prompt_logprobs = flight.prompt_logprobs
         return mapped
 
     def resume(self) -> tuple[list[tuple[str, list[int], SamplingParams, int]],
@@ -219,8 +244,25 @@ class InFlightTable:
             comp = flight.last.outputs[0]
             for i, token in enumerate(comp.token_ids):
                 self._outputs.append_token(seq, token, comp.logprobs[i] if comp.logprobs else None)
+        if flight.params.output_kind is RequestOutputKind.DELTA:
+            self._outputs.mark_sent(seq, flight.sent_tokens, flight.sent_chars)
         flight.replay, flight.replay_seen = seq, 0
         return seq
+
+
+def _cut_delta(out: RequestOutput, flight: _Flight) -> RequestOutput:
+    """A worker's cumulative output as the delta since what ``flight``'s caller was sent
+    (the worker's own DELTA output, as OutputProcessor.step_output makes it)."""
+    comp = out.outputs[0]
+    start, chars = flight.sent_tokens, flight.sent_chars
+    flight.sent_tokens, flight.sent_chars = len(comp.token_ids), len(comp.text)
+    flight.sent_prompt_logprobs = True  # (with the first output, if asked for)
+    delta = CompletionOutput(comp.index, comp.text[chars:], comp.token_ids[start:],
+                             comp.logprobs[start:] if comp.logprobs is not None else None,
+                             comp.finish_reason, comp.stop_reason)
+    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, [delta],
+                         out.finished, out.prompt_logprobs if start == 0 else None,
+                         out.num_cached_tokens, out.metrics)
 
 
 class LivenessWatch:

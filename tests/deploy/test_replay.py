@@ -10,8 +10,8 @@ import pytest
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import LLMEngine
 from megaserve.engine.output_processor import OutputProcessor
-from megaserve.runtime.recovery import InFlightTable
-from megaserve.sampling_params import SamplingParams
+from megaserve.runtime.recovery import InFlightTable, worker_params
+from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 CASES = [
     ("Once upon a time", SamplingParams(max_tokens=24, temperature=0.9, seed=3, logprobs=2,
@@ -86,6 +86,44 @@ def test_rerun_from_every_cut_streams_like_an_undisturbed_run(engine, case):
                 before.outputs[0].token_ids
     if case == 2:  # a stop string straddling a cut: only the front-end's replay sees it
         assert aborts >= 1
+
+
+def _joined(outs):
+    """A DELTA stream's outputs joined: what its caller has in the end."""
+    comps = [o.outputs[0] for o in outs]
+    logprobs = [p for c in comps for p in (c.logprobs or [])]
+    prompt_logprobs = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    return ("".join(c.text for c in comps), [t for c in comps for t in c.token_ids], logprobs,
+            comps[-1].finish_reason, comps[-1].stop_reason, prompt_logprobs)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_delta_rerun_from_every_cut_streams_the_same_deltas(engine, case):
+    """A DELTA caller (the server's kind): its workers run the request cumulative
+    (worker_params), the table cuts the deltas, and across a re-run from any cut the
+    caller's deltas join to what an undisturbed DELTA run streams (prompt logprobs once)."""
+    prompt, params = CASES[case]
+    params = replace(params, output_kind=RequestOutputKind.DELTA)
+    if case == 2:
+        params = _with_stop(engine, prompt, params)
+    ids = engine.validate(prompt, params)
+    expected = _joined(_run(engine, f"dfull{case}", ids, params, params.seed))
+    worker = worker_params(params)
+    assert worker.output_kind is RequestOutputKind.CUMULATIVE
+    full = _run(engine, f"dworker{case}", ids, worker, params.seed)
+    eos = tuple(engine.tokenizer.eos_token_ids)
+    for cut in range(1, len(full)):
+        table = InFlightTable(OutputProcessor(engine.tokenizer, eos, engine.max_model_len))
+        table.added("r", None, ids, params, params.seed)
+        seen = [table.translate(replace(o, request_id="r"))[0] for o in full[:cut]]
+        ((_, rerun_ids, rerun_params, seed),), _ = table.resume()
+        for out in _run(engine, f"drerun{case}-{cut}", rerun_ids, worker_params(rerun_params),
+                        seed):
+            mapped = table.translate(replace(out, request_id="r"))[0]
+            seen.append(mapped)
+            if mapped.finished:
+                break
+        assert _joined(seen) == expected, cut
 
 
 def test_aborted_request_ends_without_a_rerun(engine):
