@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -104,6 +105,17 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def ready_server(log_path: Path, cache: str, *args: str):
+    """A ServerProcess, once ready; stopped on exit."""
+    srv = ServerProcess(log_path, cache, *args)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def assert_idle(server: ServerProcess) -> None:

@@ -16,7 +16,7 @@ import pytest
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.client import build_request, generation_stub
 
-from .conftest import ServerProcess, http_get, http_post
+from .conftest import http_get, http_post, ready_server
 
 
 def _stat(pid: int) -> tuple[str, int]:
@@ -55,13 +55,9 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture()
 def own_server(model_cache, tmp_path):
-    srv = ServerProcess(tmp_path / "server.log", model_cache, "--dtype", "float32",
-                        "--max-num-seqs", "8", "--max-model-len", "512")
-    try:
-        srv.wait_ready()
+    with ready_server(tmp_path / "server.log", model_cache, "--dtype", "float32",
+                      "--max-num-seqs", "8", "--max-model-len", "512") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_engine_runs_in_its_own_process(server):

@@ -11,7 +11,7 @@ import pytest
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.client import build_request, generation_stub
 
-from .conftest import ServerProcess, http_post
+from .conftest import http_post, ready_server
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +21,9 @@ def ids_server(model_cache, tmp_path_factory):
     path = tmp_path_factory.mktemp("no-tokenizer")
     make_checkpoint(path, "qwen3_moe", eos_token_id=7)
     assert not (path / "tokenizer.json").exists()
-    srv = ServerProcess(tmp_path_factory.mktemp("ids-server") / "server.log", model_cache,
-                        "--model", str(path), "--dtype", "float32", "--max-num-seqs", "4")
-    try:
-        srv.wait_ready()
+    with ready_server(tmp_path_factory.mktemp("ids-server") / "server.log", model_cache,
+                      "--model", str(path), "--dtype", "float32", "--max-num-seqs", "4") as srv:
         yield srv, path
-    finally:
-        srv.stop()
 
 
 def test_model_info_and_generation_in_token_ids(ids_server):
