@@ -145,13 +145,15 @@ class DecodeStep:
 
 
 def capture_sizes(max_batch: int, multiple: int = 1) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then multiples of 8 up to ``max_batch`` (which is
-    always included), each rounded up to a multiple of ``multiple`` (the micro-batch
-    count, so every micro-batch of a captured size has the same rows). Raises
-    ``ValueError`` for ``max_batch < 1``."""
+    """Batch sizes to capture, vLLM's: 1, 2, 4, multiples of 8 below 256, then of 16 up to
+    ``max_batch`` (which is always included; 83 sizes for 1,024, each padding at most 15
+    rows), each rounded up to a multiple of ``multiple`` (the micro-batch count, so every
+    micro-batch of a captured size has the same rows). Raises ``ValueError`` for
+    ``max_batch < 1``."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
-    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8))
+    sizes = ([s for s in (1, 2, 4) if s < max_batch] + list(range(8, min(max_batch, 256), 8))
+             + list(range(256, max_batch, 16)))
     return sorted({-(-s // multiple) * multiple for s in sizes + [max_batch]})
 
 
@@ -316,19 +318,22 @@ class DecodeGraphs:
         """The last run's log-probs `[n, V]` float32 (valid until the next run)."""
         return self._out[:n]
 
-    def capture_all(self) -> None:
-        """Capture every size now, over padding rows only (slot -1: no K/V is written)."""
+    def capture_all(self) -> int:
+        """Capture every size not captured yet, over padding rows only (slot -1: no K/V is
+        written), the largest first as vLLM does (the smaller ones reuse its blocks of
+        the graph pool); the number captured."""
         if not self.capture:
-            return
+            return 0
         self._host[:] = 0
         self._forget_rows(0)
         self._host[:, _SLOT] = -1
         self._host[:, _CONTEXT] = 1
         self._host[:, self._extra + _SOURCE] = -1
-        for b in self.sizes:
-            if b not in self._graphs:
-                self._static[:b].copy_(self._staging[:b])
-                self._capture(b)
+        todo = [b for b in reversed(self.sizes) if b not in self._graphs]
+        for b in todo:
+            self._static[:b].copy_(self._staging[:b])
+            self._capture(b, logging.DEBUG)
+        return len(todo)
 
     def _fill(self, scheduled: list[ScheduledSeq], b: int) -> None:
         """Rows of the static layout (module NOTE) into the host staging buffer.
@@ -414,8 +419,9 @@ class DecodeGraphs:
         return kernels.log_softmax(self.attention.logits(hidden), self._greedy[:b],
                                    out=self._logprobs[:b])
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, b: int, level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph,
+                                                                     torch.Tensor]:
         entry = self._graphs[b] = capture_forward(self._forward, b, self._pool)
-        logger.info("captured a decode CUDA graph for batch size %d", b)
+        logger.log(level, "captured a decode CUDA graph for batch size %d", b)
         return entry
 

@@ -367,14 +367,15 @@ class ModelRunner:
         if finish_step is not None:
             finish_step()
 
-    def capture_decode_graphs(self) -> None:
+    def capture_decode_graphs(self) -> int:
         """Capture every decode graph size now instead of on first use (replicas that
-        share expert workers: megaserve.runtime.device_engine says why)."""
+        share expert workers: megaserve.runtime.device_engine says why; a server's
+        engine: megaserve.runtime.async_engine); the number captured."""
         if not self.cuda_graphs or self._graphs_failed:
-            return
+            return 0
         if self.decode_graphs is None and not self._build_decode_graphs():
-            return
-        self.decode_graphs.capture_all()
+            return 0
+        return self.decode_graphs.capture_all()
 
     def _build_decode_graphs(self) -> bool:
         """Create the decode graphs (CUDA; in-process experts, or the device data plane,

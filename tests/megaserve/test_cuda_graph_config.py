@@ -32,6 +32,8 @@ def test_capture_sizes_and_padding() -> None:
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(1) == [1]
+    large = capture_sizes(1024)  # vLLM's: steps of 16 from 256
+    assert len(large) == 83 and large[33:36] == [248, 256, 272] and large[-2:] == [1008, 1024]
     sizes = capture_sizes(20)
     assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
     with pytest.raises(ValueError):
