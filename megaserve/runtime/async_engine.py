@@ -336,6 +336,7 @@ class _ProcessDriver:
         try:
             kind, payload = self._results.recv()
         except EOFError:
+            self._process.join(timeout=10)
             kind, payload = "failed", (RuntimeError.__name__, "the engine process exited "
                                        f"while loading (exit code {self._process.exitcode})")
         if kind != "ready":
