@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megaserve.engine.config import EngineConfig
@@ -344,13 +344,12 @@ class _ProcessDriver:
             error_type, message = payload
             raise (ValueError if error_type == ValueError.__name__ else RuntimeError)(message)
         model_path, info, self.stats = payload
-        self.info = _EngineInfo(load_tokenizer(model_path), *info)
+        self.info = replace(info, tokenizer=load_tokenizer(model_path))
         # (text or None, token ids) of each request in the engine: it gets the ids only
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self.pid = self._process.pid
 
     def start(self, sink: Sink) -> None:
         self._threads = [
@@ -460,9 +459,8 @@ def engine_process_main(commands, results, config: dict[str, Any], log_level: in
         results.send(("failed", (type(e).__name__, str(e))))
         return
     _capture_graphs(engine)
-    info = _EngineInfo.of(engine, None)
-    results.send(("ready", (str(engine.model_path), (info.model_name, info.max_model_len,
-                                                     info.vocab_size, info.eos_token_ids),
+    # (the front-end loads its own tokenizer from the path)
+    results.send(("ready", (str(engine.model_path), _EngineInfo.of(engine, None),
                             engine.stats())))
     freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
     try:
