@@ -18,12 +18,14 @@ The synchronous engine runs beside the event loop in one of two ways:
 Either way a step's outputs reach the event loop in one callback, which hands each to its
 request's collector: a request whose consumer has fallen behind (a saturated front-end)
 gets its DELTA outputs merged into one, as vLLM's ``RequestOutputCollector`` does, so a
-slow stream costs fewer, larger messages instead of a growing backlog.
+slow stream costs fewer, larger messages instead of a growing backlog (other kinds keep
+one output a step, as before).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import signal
@@ -185,32 +187,30 @@ class AsyncLLMEngine:
 
 
 class _Collector:
-    """One request's outputs on their way to its ``generate`` (module docstring): what
-    arrives before the consumer took the last one joins it, a DELTA output by merging
-    (tokens, text and logprobs appended, the newer end state), any other kind by
-    replacing it (each is whole). An error replaces everything."""
+    """One request's outputs on their way to its ``generate`` (module docstring), in
+    order: a DELTA output that arrives while the one before it waits joins it (tokens,
+    text and logprobs appended, the newer end state); every other item waits its turn."""
 
     def __init__(self, delta: bool) -> None:
         self._delta = delta
-        self._item: RequestOutput | BaseException | None = None
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        held = self._item
+        held = self._items[-1] if self._items else None
         if (self._delta and isinstance(held, RequestOutput)
                 and isinstance(item, RequestOutput)):
             _merge_delta(held, item)
-        elif not isinstance(held, BaseException):
-            self._item = item
+        else:
+            self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def get(self) -> RequestOutput | BaseException:
-        while self._item is None:
+        while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        item, self._item = self._item, None
-        return item
+        return self._items.popleft()
 
 
 def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
