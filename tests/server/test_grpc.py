@@ -102,8 +102,8 @@ def test_generate_equals_llm_generate(stub, llm, stream):
     kw = {"max_tokens": 24, "temperature": 0.9, "top_k": 50, "seed": 11, "logprobs": 3}
     chunks, complete = run_stream(stub, build_request(PROMPTS[1], stream=stream, **kw))
     ref = reference(llm, PROMPTS[1], kw)
-    if stream:
-        assert len(chunks) >= 2
+    if stream:  # how many chunks is up to the consumer's speed (deltas merge)
+        assert chunks
         assert_same(chunks, complete, ref, kw)
     else:
         assert chunks == [] and list(complete.output_ids) == ref.token_ids

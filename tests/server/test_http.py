@@ -69,7 +69,9 @@ def test_streamed_completion_equals_llm_generate_and_ends_with_done(server, llm)
     assert events[-1] == "[DONE]"
     usage_event, chunks = events[-2], events[:-2]
     assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] == 16
-    assert all(c["usage"] is None for c in chunks) and len(chunks) >= 2
+    # How many chunks carry the 16 tokens is up to the consumer's speed (a slow reader gets
+    # merged deltas): only their concatenation is asserted.
+    assert chunks and all(c["usage"] is None for c in chunks)
     expected = ref(llm, prompt_ids, **kw).outputs[0]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected.token_ids
