@@ -12,21 +12,10 @@ import argparse
 import math
 import sys
 
+from .testing import paged_inputs, time_ms
+
 SHAPES_KN = [(4096, 14336), (14336, 4096), (7168, 2048), (2048, 7168), (4096, 4096)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
-
-
-def _time_ms(fn, graph: bool = True) -> float:
-    """Median ms of ``fn``: replays of a CUDA graph of it (no host launch cost, as in a
-    graph-captured decode step) or, with ``graph=False``, eager calls."""
-    import torch
-    import triton.testing
-
-    fn()  # compile and allocate outside any capture
-    torch.cuda.synchronize()
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]], config_fn=None,
@@ -44,31 +33,13 @@ def bench_matmul(dtype, ms: list[int], shapes: list[tuple[int, int]], config_fn=
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             w_t = w.t()
             cfg = config_fn(n, k, dtype) if config_fn else None
-            ours = _time_ms(lambda: linear(x, w, config=cfg))
-            ref = _time_ms(lambda: torch.mm(x, w_t))
-            eager_ms = _time_ms(lambda: linear(x, w, config=cfg), graph=False) if eager else 0.0
+            ours = time_ms(lambda: linear(x, w, config=cfg))
+            ref = time_ms(lambda: torch.mm(x, w_t))
+            eager_ms = time_ms(lambda: linear(x, w, config=cfg), graph=False) if eager else 0.0
             rows.append(dict(K=k, N=n, M=m, ours_us=ours * 1e3, cublas_us=ref * 1e3,
                              ratio=ref / ours, tflops=2 * m * n * k / ours / 1e9,
                              eager_us=eager_ms * 1e3))
     return rows
-
-
-def _paged_inputs(num_seqs: int, ctx: int, new: int, hq: int, hkv: int, dh: int, dtype):
-    import torch
-
-    block_size = 16
-    blocks_per_seq = -(-ctx // block_size)
-    num_blocks = num_seqs * blocks_per_seq
-    kc = torch.randn(num_blocks, block_size, hkv, dh, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(num_blocks, device="cuda").int().view(num_seqs, blocks_per_seq)
-    q = torch.randn(num_seqs * new, hq, dh, device="cuda", dtype=dtype)
-    ctx_lens = torch.full((num_seqs,), ctx, device="cuda", dtype=torch.int32)
-    qsl = torch.arange(0, num_seqs * new + 1, new, device="cuda", dtype=torch.int32)
-    # The same K/V, contiguous per sequence, for SDPA: [S, Hkv, L, Dh]
-    k_dense = kc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-    v_dense = vc[table.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-    return q, kc, vc, table, ctx_lens, qsl, k_dense, v_dense
 
 
 def bench_attention(dtype) -> list[dict]:
@@ -83,12 +54,12 @@ def bench_attention(dtype) -> list[dict]:
     cases = [("decode", 64, 4096, 1), ("decode", 8, 8192, 1), ("prefill", 4, 4096, 4096)]
     rows = []
     for name, seqs, ctx, new in cases:
-        q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh, dtype)
+        q, kc, vc, table, lens, qsl, kd, vd = paged_inputs(seqs, ctx, new, hq, hkv, dh, dtype)
         scale = dh**-0.5
-        ours = _time_ms(lambda: paged_attention(q, kc, vc, table, lens, qsl, scale))
+        ours = time_ms(lambda: paged_attention(q, kc, vc, table, lens, qsl, scale))
         qd = q.view(seqs, new, hq, dh).transpose(1, 2)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = _time_ms(lambda: F.scaled_dot_product_attention(
+            ref = time_ms(lambda: F.scaled_dot_product_attention(
                 qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True))
         causal_pairs = new * ctx - new * (new - 1) / 2
         rows.append(dict(case=f"{name} S={seqs} ctx={ctx} new={new}", ours_us=ours * 1e3,
