@@ -23,7 +23,7 @@ a row's position leaves its state unchanged, exactly: a row's bits depend on its
 position and context only. (kernels.cpu folds its splits in one level; each backend's
 bits are its own.) One accumulator carried across a chunk's splits, rather than a fresh
 state a split merged afterwards, saves a second accumulator's registers and the stores of
-every split's state (docs/benchmarks.md, "Roofline": the prefill timings of both forms).
+every split's state (the prefill timings of both forms: docs/benchmarks.md in git history).
 
 Every step is layout-independent, so the tile (rows, warps, pipeline depth) is a launch
 choice, free per call: ``max`` is exact in any order; the scores, ``p @ V`` and ``p @ 1``
@@ -68,7 +68,7 @@ _MAX_WS_BYTES = 256 << 20
 # one value for every launch (tests lower it to reach chunk boundaries at small sizes).
 # Fewer splits a chunk give a long decode more chunks, so more programs (one a chunk and KV
 # head) and SMs; more splits give prefill fewer merges. 8 balances the two
-# (scripts/attn_chunk_bench.py; docs/benchmarks.md, "Roofline").
+# (lab/attn_chunk_bench.py; docs/benchmarks.md in git history, "Roofline").
 CHUNK_SPLITS = 8
 _LOG2E = 1.4426950408889634
 # Tests set this: the output and the chunk workspaces start as NaN, so an element no
@@ -114,9 +114,9 @@ class AttentionLaunch:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/l_cols: {self}")
 
 
-# Tiles, chosen by timing every candidate with its bitwise checks (scripts/attn_sweep.py,
-# scripts/attn_prefill_bench.py, scripts/attn_chunk_bench.py; the numbers and their runs are
-# in docs/benchmarks.md, "Kernels" and "Roofline"). None changes a bit (module NOTE).
+# Tiles, chosen by timing every candidate with its bitwise checks (lab/attn_sweep.py,
+# lab/attn_prefill_bench.py, lab/attn_chunk_bench.py; the numbers and their runs are
+# in docs/benchmarks.md in git history, "Kernels" and "Roofline"). None changes a bit (module NOTE).
 # * Decode: serial 16-row tiles of 4 warps, both loop switches (mask_tail, prefetch) and
 #   4 stages wherever the serial grid fills the GPU; else chunk mode, whose fold covers
 #   16 head_dim columns a one-warp program when the fold grid is small.
@@ -202,13 +202,13 @@ class RotaryLaunch:
         return self.rows == 1 and not self.tokens
 
 
-# Launches by (token, head) rows (scripts/rotary_bench.py on an H100, Qwen3-30B-A3B's 32 + 2
+# Launches by (token, head) rows (lab/rotary_bench.py on an H100, Qwen3-30B-A3B's 32 + 2
 # x 4 heads of 128, PDL on; one row a program was 1.35 / 1.55 / 3.87 / 8.75 / 26.7 / 102 us
 # at 1 / 8 / 64 / 256 / 1000 / 4096 tokens): one row a program below 1024 rows; 8 warps
 # of one row each to 8192 (64 tokens: 2.20 us); then a token a program, its 40 heads over
 # 4 warps: 4096 tokens in 38.5 us against 51.8 for tiles of 16 rows over 4 warps, each row
 # of which loads its token's cos/sin rows again (same call, PDL off; the 4096 tokens move
-# ~84 MB, ~28 us at 3 TB/s; docs/benchmarks.md, "Roofline").
+# ~84 MB, ~28 us at 3 TB/s; docs/benchmarks.md in git history, "Roofline").
 ROTARY_ONE_ROW = RotaryLaunch()
 ROTARY_DECODE = RotaryLaunch(rows=8, warps=8)
 ROTARY_PREFILL = RotaryLaunch(warps=4, tokens=1)
@@ -492,7 +492,7 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
     mode when the serial grid would leave most SMs idle (decode: fewer than two programs
     an SM; prefill: fewer than one) and a sequence can span several chunks, while the
     fp32 chunk states (``ws_bytes``) stay small; else serial (a long context read by few
-    serial programs leaves SMs idle, which chunks fill; docs/benchmarks.md, "Roofline").
+    serial programs leaves SMs idle, which chunks fill; docs/benchmarks.md in git history).
     Serial prefill with ``head_dim`` <= 128 gets the deeper :data:`PREFILL_SERIAL_TILE`."""
     decode_like = num_tokens <= 2 * num_seqs
     tile = DECODE_TILE if decode_like else PREFILL_TILE
@@ -551,7 +551,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``launch`` (default: :func:`choose_launch`) sets the tile, the mode ('serial': one
     program walks a tile's chunks; 'chunk': a program per chunk, then an ordered fold) and
     the grid; ``mode`` overrides the launch's. No launch choice changes the bits (same
-    arithmetic, same merge order; checked by the GPU tests and scripts/attn_sweep.py).
+    arithmetic, same merge order; checked by the GPU tests and lab/attn_sweep.py).
     ``exp2`` picks the arithmetic (None: :func:`exp2_default`): True is the EXP2 form
     (attention_kernels docstring), False the ``exp`` one (other bits); ``parts_only``
     (chunk mode) skips the fold, so the sweep can time the two kernels apart (the output

@@ -4,8 +4,8 @@ step for step, with the tensor-core dots kept in flight across the softmax.
 
 Why a second kernel: Triton 3.6 waits for every Hopper dot right after issuing it unless
 the dot's result is the next iteration's accumulator, so in the Triton kernel no softmax
-overlaps an MMA (ncu: tensor pipe 36% busy on a 4,096-token prompt; docs/benchmarks.md,
-"Roofline").
+overlaps an MMA (ncu: tensor pipe 36% busy on a 4,096-token prompt;
+docs/benchmarks.md in git history).
 
 One program owns a (tile of BLOCK_Q tokens, KV head), as the Triton serial kernel, in
 three warp groups (``gl.warp_specialize``):
@@ -361,7 +361,7 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, k_desc, v_desc, bt_ptr, ctx_
 # scores in flight; j + 2 and j + 3, loading; 3 or 5 slots ran slower). Registers: 12 warps x
 # 168 = 2 x 4 x 240 + 4 x 24 (setmaxnreg): with most splits by TMA the load group needs few
 # (its cp.async splits spill), and the compute groups' spills drop from 72 to 24 stores
-# (0.5-2% faster than 232 + 40 on an H100; docs/benchmarks.md, "Roofline").
+# (0.5-2% faster than 232 + 40 on an H100; docs/benchmarks.md in git history, "Roofline").
 BLOCK_M = 128
 STAGES = 4
 LOAD_WARPS = 4

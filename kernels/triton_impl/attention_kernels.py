@@ -6,7 +6,7 @@ Launch-only switches (constexpr, never the bits):
 * ``MASK_TAIL``: a tile's splits that lie wholly at or before its first row's position
   (``split * C + C - 1 <= first_pos``, so inside the context and visible to every row)
   run without the context mask on the loads and with a per-row (not per-key) select in
-  place of the causal ``where``. The round-5 device run found the version without any
+  place of the causal ``where``. A device run found the version without any
   select NOT bitwise equal at head_dim 128 (FMA contraction of ``* scale`` and ``- m``,
   1 bf16 ulp); with the select every check passed, so the defaults use it.
 * ``PREFETCH``: the block ids of split ``s + 1`` are loaded while split ``s`` is computed

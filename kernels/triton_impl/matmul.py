@@ -34,11 +34,12 @@ length): a dot over 128 of K is the same chain of eight k16 steps as two dots ov
 The split length, the config's BLOCK_K and the fold order never depend on M.
 
 Families with small K (K <= ``SmallKRule.max_k``) take their split length and decode
-launches from one measured rule (``SMALL_K_RULE``; scripts/matmul_smallk.py and
-scripts/linear_decode.py measure it):
+launches from one measured rule (``SMALL_K_RULE``; lab/matmul_smallk.py and
+lab/linear_decode.py measure it):
 with only 16-64 K steps, fewer, longer splits (at most one program per SM) beat the
 generic rule's many short ones.
-``plan_launch`` picks the launch from (M, N, K) with measured rules (docs/benchmarks.md).
+``plan_launch`` picks the launch from (M, N, K) with measured rules
+(docs/benchmarks.md in git history).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class SmallKRule:
         return cls(**d)
 
 
-# The measured rule (scripts/linear_decode.py on an H100, weights cycled past the L2):
+# The measured rule (lab/linear_decode.py on an H100, weights cycled past the L2):
 # K <= 4096; as many splits as keep the programs of 64 weight rows within 132 (one per SM
 # of an H100/H200): one split for qkv [5120, 2048] and lm_head, 4 for o_proj [2048, 4096],
 # 8 (min_steps) for the [128, 2048] router; swap launch with 64-row weight tiles, K step
@@ -209,15 +210,15 @@ def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     return MatmulConfig(block_k, triton.cdiv(steps, splits) * block_k)
 
 
-# Cost model of the launches for M > 64 (us on an H200; fitted to the round-4 sweep, see
-# docs/benchmarks.md): SM time of one BLOCK_K step per tile shape, fp32 workspace bandwidth,
-# and the second launch of the parallel fold.
+# Cost model of the launches for M > 64 (us on an H200; fitted to a sweep of every
+# tile shape, lab/matmul_sweep.py): SM time of one BLOCK_K step per tile shape, fp32
+# workspace bandwidth, and the second launch of the parallel fold.
 _STEP_US = {(128, 128): 0.45, (64, 128): 0.26, (128, 64): 0.26, (128, 256): 0.80}
 _WS_BYTES_PER_US = 3.0e6
 _FOLD_LAUNCH_US = 3.0
-# 128x256 folds take 4 stages: on an H100 (scripts/prefill_linears.py: Qwen3-30B-A3B's qkv
+# 128x256 folds take 4 stages: on an H100 (lab/prefill_linears.py: Qwen3-30B-A3B's qkv
 # and o_proj and a 4096 x 4096 weight, 3 and 4 stages timed back to back) 4 stages ran 2-8%
-# faster at 16,384 rows and within 3% either way at 1,024-4,096 (docs/benchmarks.md).
+# faster at 16,384 rows and within 3% either way at 1,024-4,096 (docs/benchmarks.md in git history).
 _TALL = {(128, 128): Launch("fold"), (128, 256): Launch("fold", 128, 256, 8, 4),
          (64, 128): Launch("fold", 64, 128, 4, 4),
          (128, 64): Launch("split", 128, 64, 4, 4, fold_last=False)}
@@ -344,7 +345,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     same dtype; bias: `[N]` or None. Returns `[M, N]` in x.dtype. ``mode`` ('fold',
     'split' or 'swap') forces a launch mode, ``launch`` a whole launch and ``config`` the
     arithmetic, for tests and tuning; the launch never changes the bits (checked bitwise
-    on an H200 by tests/kernels/test_triton_gpu.py and scripts/matmul_sweep.py).
+    on an H200 by tests/kernels/test_triton_gpu.py and lab/matmul_sweep.py).
     """
     out = _linear(x, weight, bias, mode=mode, config=config, launch=launch)
     assert isinstance(out, torch.Tensor)  # fold=True

@@ -500,7 +500,7 @@ _K_QUANTUM = 64  # the arithmetic's K step; a launch's block_k is a multiple of 
 # to 61% of its roofline). The down GEMM launches early only after a gate_up grid of at
 # most _DOWN_PDL_MAX_WAVES programs per SM (Qwen3-30B-A3B at batch 1: 192 programs): after
 # a gate_up grid of several waves (Mixtral's 896 programs) down's early programs hold SM
-# slots those waves need. Timings: docs/benchmarks.md, "Roofline".
+# slots those waves need. Timings: docs/benchmarks.md in git history, "Roofline".
 PDL_KERNELS = frozenset({"topk", "align", "decode_up", "decode_down"})
 _DOWN_PDL_MAX_WAVES = 2
 _PDL_ENV = "MEGASERVE_MOE_PDL"
@@ -579,21 +579,21 @@ class MoeLaunch:
 
 
 # Launches by mean rows per expert (rows per call / experts held), ascending (max, launch);
-# more take _PREFILL. Measured on an H100 (scripts/moe_bench.py --sweep, Qwen3-30B-A3B's
+# more take _PREFILL. Measured on an H100 (lab/moe_bench.py --sweep, Qwen3-30B-A3B's
 # expert shape, 128 experts): up to 4 rows per expert (512 rows), 16-row tiles put the most
 # programs on the weights (batch 1 has one row per expert), K step 128 and 3 stages; then
 # 64-row tiles, K step 128, 4 stages. Keyed per expert, not per call, so a model with few
 # big experts (Mixtral: 8) leaves 16-row tiles, which re-read each expert's weights once
 # per 16 rows, as soon as its experts get more rows (batch 256: 64 rows each; 16-row tiles
 # there made its decode step 2.4x slower).
-# Prefill (scripts/moe_bench.py --sweep --grid prefill, H100, 4096 tokens: Qwen3-30B-A3B
+# Prefill (lab/moe_bench.py --sweep --grid prefill, H100, 4096 tokens: Qwen3-30B-A3B
 # 32768 rows, Mixtral-8x7B 8192 rows): 128-row tiles, 8 warps, 4 stages, weights by TMA.
 # gate_up: gate and up in one 128 x 256 dot, column-tile order (Mixtral's 112 column
 # tiles an expert: 1.9x faster than row-tile order, which re-reads an expert's 235 MB of
 # weights per row tile; Qwen's 6: the same); down: 128 x 256 tiles. Up to 512 rows per
 # expert, an expert's last tile with at most 64 rows left runs as a 64-row tile (tail_m):
 # at Qwen's 256 rows an expert (~Poisson) a 128-row tile wastes ~20% of the MMA rows. H100,
-# Qwen3-30B-A3B 32768 rows (scripts/moe_bench.py --grid tails, same call): the FFN 700-710
+# Qwen3-30B-A3B 32768 rows (lab/moe_bench.py --grid tails, same call): the FFN 700-710
 # us against 739 without; alone, gate_up 457 -> 445 us, down 252 -> 249. Mixtral-8x7B at
 # 8192 rows (1024 an expert: < 6% padding) was 3.5% slower with them (4736 against 4575
 # us), so larger calls take _PREFILL, whose GEMMs run moe_gluon's persistent kernel on

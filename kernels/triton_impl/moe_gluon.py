@@ -247,7 +247,7 @@ MMA_REGS = 224
 LOAD_REGS = 56
 MAXNREG = 168
 # The gate_up form for experts of at most this many output columns. H100, alternating
-# medians (scripts/moe_bench.py --gluon): Qwen3-30B-A3B (I = 768) at 131,072 rows 1,474 ->
+# medians (lab/moe_bench.py --gluon): Qwen3-30B-A3B (I = 768) at 131,072 rows 1,474 ->
 # 1,386 us and at 32,768 rows 456 -> 425 us, but Mixtral-8x7B (I = 14,336) at 8,192 and
 # 32,768 rows 4,666 -> 5,614 and 17,155 -> 18,577 us (the down form: 1,540 -> 1,548 and
 # 7,921 -> 6,246 us; Qwen3-30B-A3B at 131,072 rows 875 -> 758 us).

@@ -3,7 +3,7 @@
 The launch modes (serial, chunk) and loop switches (unmasked full splits, block
 ids one split ahead, long rows first, a fold over head_dim chunks, fold warps, the l-dot's
 width) must not
-change a token's bits: every launch below equals the round-4 serial launch on a prefill,
+change a token's bits: every launch below equals the reference serial launch on a prefill,
 on single decodes at split and chunk boundaries, on a mixed batch and on a decode batch
 read as one token per sequence (``one_token_per_seq``); block-table entries past a
 sequence's context are out of range, so a read through one would fail. Chunks are lowered
@@ -62,7 +62,7 @@ def _child() -> None:
     qb = torch.cat([q[c - n : c] for c, n in zip(lens, n_new)])
     fails = []
     fulls = {}
-    for exp2 in (False, True):  # the round-5 and the round-6 (EXP2) arithmetic
+    for exp2 in (False, True):  # the exp and the EXP2 arithmetic
         full = fulls[exp2] = run(q, [length], [length], ref, exp2)
         want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])
         for launch in (AttentionLaunch("serial", 16, 2, 3, mask_tail=True, prefetch=True),

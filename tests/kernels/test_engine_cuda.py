@@ -15,7 +15,7 @@ NOTE: bf16 rounding moves logprobs by up to ~0.1 against fp32 on these random mo
 can flip a top-1 router choice at a router near tie, which changes later tokens even where
 the logit margin is large (the same run of kernels.cpu in bf16 on the CPU showed it:
 mixtral-mha-top1-tied, prompt of 70 tokens, step 8, margin 0.25). So one prompt of the
-four may diverge; the other three must agree. Round 8 on an H200: every prompt agreed on
+four may diverge; the other three must agree. On an H200 every prompt agreed on
 the three Qwen3/Qwen2-sparse models; the 70-token prompt disagreed on the other three,
 each time a bf16 effect: a token flip at margin 0.016 (logprob 0.006 apart), the router
 flip above (margin 0.25, logprob 0.50 apart), and a logprob 0.103 apart on an agreeing

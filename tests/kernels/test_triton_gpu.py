@@ -192,7 +192,7 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    AttentionLaunch("serial", 64, 4, 2), AttentionLaunch("serial", 128, 8, 3),
                    AttentionLaunch("chunk", 16, 4, 3, fold_unroll=16),
                    AttentionLaunch("chunk", 64, 4, 2, fold_tokens=8),
-                   # round-5 loop switches: unmasked full splits, block ids one ahead,
+                   # loop switches: unmasked full splits, block ids one ahead,
                    # long rows first, fold over head_dim chunks
                    AttentionLaunch("serial", 128, 8, 3, mask_tail=True, prefetch=True,
                                    long_first=True),
@@ -201,13 +201,13 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                                    prefetch=True, fold_block_d=32),
                    AttentionLaunch("chunk", 16, 4, 4, mask_tail=True, prefetch=True,
                                    long_first=True),
-                   # round 6: prefill 128-row tiles with unmasked full splits, decode
+                   # prefill 128-row tiles with unmasked full splits, decode
                    # serial 4 stages, folds over 16 columns with one warp
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
                    AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
                    AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=16, fold_warps=1),
-                   # round 8: chunk mode (a program per chunk, then the fold), 4-warp
+                   # chunk mode (a program per chunk, then the fold), 4-warp
                    # decode tiles, 8-warp prefill tiles
                    AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, prefetch=True,
                                    fold_block_d=16, fold_warps=1),
@@ -308,8 +308,8 @@ def test_paged_attention_gluon_prefill_equals_triton(monkeypatch, hkv: int, bs: 
 
 
 def test_paged_attention_exp2_chunk_equals_serial() -> None:
-    """The EXP2 arithmetic (round 6): within bf16 rounding of the ``exp`` form, and its
-    serial and chunk modes give the same bits (the round-6 device run found serial and
+    """The EXP2 arithmetic: within bf16 rounding of the ``exp`` form, and its
+    serial and chunk modes give the same bits (a device run found serial and
     split mode 1 ulp apart before the split's max got its select; this checks that fix)."""
     from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 

@@ -3,7 +3,7 @@ cuBLAS, for the launch ``plan_launch`` picks and a few fold launches, bitwise ag
 default (a launch never changes the bits). CUDA-graph replay medians, us per call; the
 ratio is cuBLAS time / ours (above 1: faster than cuBLAS).
 
-Run on one CUDA GPU: ``PYTHONPATH=. python3 scripts/prefill_linears.py [--m 1024,16384]``.
+Run on one CUDA GPU: ``PYTHONPATH=. python3 lab/prefill_linears.py [--m 1024,16384]``.
 Large calls run the GPU near its power limit, so a cell timed after a long one can read a
 few % slower: compare neighbouring cells of one row.
 """
@@ -21,7 +21,7 @@ SHAPES = (("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("4096^2", 4096, 4096))
 
 def main() -> None:
     import torch
-    from moe_bench import graph_time_us  # scripts/moe_bench.py
+    from moe_bench import graph_time_us  # lab/moe_bench.py
 
     from megaserve.kernels.triton_impl import matmul as mm
     from megaserve.kernels.triton_impl.matmul import Launch

@@ -14,7 +14,7 @@ launch (swap mode: 64/128 weight rows, K step 64/128, stages, who folds):
    generic rule by 2% and lifts the worst M <= 64 cell of (2048, 7168). Its JSON goes to
    ``--rule-out`` ("none" if nothing wins), for ``MEGASERVE_MATMUL_SMALL_K``.
 
-Usage (device): ``PYTHONPATH=. python3 scripts/matmul_smallk.py --out $OUT``.
+Usage (device): ``PYTHONPATH=. python3 lab/matmul_smallk.py --out $OUT``.
 ``--smoke``: CPU dry run under TRITON_INTERPRET=1 (tiny shapes, fake timings).
 """
 
@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-import sweep_support  # scripts/sweep_support.py
+import sweep_support  # lab/sweep_support.py
 
 CHECK_MS = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 128, 129, 512, 2048]
 TIME_MS = [1, 8, 32, 64]
@@ -153,14 +153,16 @@ def warm_job(job: tuple) -> tuple:
     k, n, ms, with_bias, smoke = job
     torch = _setup(smoke)
     torch, dev, dt = _env(smoke)
-    from megaserve.kernels.triton_impl.matmul import _TALL, Launch, linear
+    from megaserve.kernels.triton_impl.matmul import Launch, linear
 
     try:
         w, b, x = _data(torch, dev, dt, k, n, max(ms))
         for m in ms:
             linear(x[:m], w, b if with_bias else None)
         if with_bias:  # the test's launch list at its M values
-            lps = list(_TALL.values()) + [Launch("swap", 128, num_warps=4, num_stages=4),
+            lps = [Launch("fold"), Launch("fold", 128, 256, 8, 4), Launch("fold", 64, 128, 4, 4),
+                   Launch("split", 128, 64, 4, 4, fold_last=False),
+                   Launch("swap", 128, num_warps=4, num_stages=4),
                                           Launch("swap", 128, num_warps=4, num_stages=4,
                                                  fold_last=False),
                                           Launch("swap", 64, num_warps=4, num_stages=3)]

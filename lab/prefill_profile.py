@@ -6,8 +6,8 @@ labelled like a decode step so :func:`megaserve.bench.gpu_profile.summarize_trac
 the trace: GPU busy fraction, top kernels by time. Prints one JSON object, also written to
 ``--out``; the FLOP rate uses :func:`megaserve.bench.roofline.prefill_flops_per_token`.
 
-    source scripts/device_setup.sh
-    python scripts/prefill_profile.py --model random:qwen3-30b-a3b:8 --out $OUT/prefill.json
+    source lab/device_setup.sh
+    python lab/prefill_profile.py --model random:qwen3-30b-a3b:8 --out $OUT/prefill.json
 """
 
 from __future__ import annotations

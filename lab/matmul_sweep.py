@@ -6,7 +6,7 @@ For each (K, N) of issue 3 and each candidate launch (kernels.triton_impl.matmul
 2. timing: CUDA-graph replay medians of each variant and of ``torch.mm`` (cuBLAS) at the
    benchmark's M values, same run.
 
-Usage (device): ``PYTHONPATH=. python3 scripts/matmul_sweep.py --part small --json out.json``.
+Usage (device): ``PYTHONPATH=. python3 lab/matmul_sweep.py --part small --json out.json``.
 Prints one line per cell: cuBLAS us, then ratio (cuBLAS / ours) per variant, best first.
 """
 
@@ -18,7 +18,7 @@ import math
 import sys
 import time
 
-import sweep_support  # scripts/sweep_support.py
+import sweep_support  # lab/sweep_support.py
 
 CHECK_MS = [1, 2, 3, 5, 8, 16, 17, 31, 32, 33, 64, 65, 100, 127, 128, 129, 256, 512, 1000, 2048]
 

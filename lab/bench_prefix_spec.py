@@ -2,7 +2,7 @@
 speculative decoding (decode time per token at batch 1 and 16, n-gram and draft model,
 acceptance rate, mean accepted length, measured vs predicted speed-up).
 
-    python scripts/bench_prefix_spec.py --device cuda --dtype bfloat16 \
+    python lab/bench_prefix_spec.py --device cuda --dtype bfloat16 \
         --model random:qwen3-30b-a3b:2 --draft-model random:qwen3-30b-a3b:1
 
 Prints one table per part with the device name; the baselines (no cache, no speculation)

@@ -2,7 +2,7 @@
 (Split mode, which rounds 4-8 also swept, went with the per-split arithmetic in issue 14's
 roofline round 8; its launches here now run as chunk mode.)
 
-Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_sweep.py [--out DIR] [--phase P]``.
+Run on one GPU: ``PYTHONPATH=. python3 lab/attn_sweep.py [--out DIR] [--phase P]``.
 Phase 1 runs the checks of each shape (``--parts`` children per shape) and a compile
 warm-up of the timed variants in parallel child processes; phase 2 times every variant
 against SDPA flash in this process and prints a line per variant. Checks, per shape (GQA group, head dim, block size, context): the reference is
@@ -98,7 +98,7 @@ CASES = [("decode", 8, 8192, 1), ("decode", 64, 4096, 1), ("decode", 32, 2048, 1
          ("prefill", 1, 8192, 512)]  # the last: chunked prefill; flash's mask differs there
 
 
-def _setup(hq, hkv, dh, bs, length, seed):
+def setup_case(hq, hkv, dh, bs, length, seed):
     import torch
 
     from megaserve.kernels.triton_impl import write_kv_cache
@@ -156,7 +156,7 @@ def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
     import torch
 
     hq, hkv, dh, bs, length = SHAPES[idx]
-    q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, idx)
+    q, k, v, kc, vc, table = setup_case(hq, hkv, dh, bs, length, idx)
     scale = dh**-0.5
     checks = LaunchChecks(kc, vc, table, scale)
     run, expect, fails = checks.run, checks.expect, checks.failures
@@ -204,8 +204,8 @@ def check_shape(idx: int, part: int = 0, parts: int = 1) -> dict:
     return dict(shape=SHAPES[idx], checks=checks.checks, failures=fails, rel_err=rel)
 
 
-def _paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
-    from megaserve.kernels.bench import _paged_inputs as make
+def paged_inputs(num_seqs, ctx, new, hq, hkv, dh):
+    from megaserve.kernels.testing import paged_inputs as make
 
     import torch
 
@@ -220,7 +220,7 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megaserve.kernels.bench import _time_ms
+    from megaserve.kernels.testing import time_ms
     from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     hq, hkv, dh = 32, 8, 128
@@ -230,7 +230,7 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
         case = f"{name} S={seqs} ctx={ctx} new={new}"
         if only not in case:
             continue
-        q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(seqs, ctx, new, hq, hkv, dh)
+        q, kc, vc, table, lens, qsl, kd, vd = paged_inputs(seqs, ctx, new, hq, hkv, dh)
         scale = dh**-0.5
         variants = [("default", None, True)] + (DECODE_VARIANTS if name == "decode"
                                                 else PREFILL_VARIANTS)
@@ -238,7 +238,7 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
         sdpa = float("nan")  # flash has no causal mask for new < ctx (chunked prefill)
         if not warm_only and (new == 1 or new == ctx):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                sdpa = _time_ms(lambda: F.scaled_dot_product_attention(
+                sdpa = time_ms(lambda: F.scaled_dot_product_attention(
                     qd, kd, vd, is_causal=new > 1, scale=scale, enable_gqa=True))
         base = None
         for vname, var, exp2 in variants:
@@ -252,13 +252,13 @@ def time_cases(warm_only: bool, budget_s: float = 1e9, only: str = "") -> list[d
                 out = fn()
                 if base is None:
                     base = out
-                us = 0.0 if warm_only else _time_ms(fn) * 1e3
+                us = 0.0 if warm_only else time_ms(fn) * 1e3
                 p_us = None
                 if vname in PARTS_TIMED:  # the parts kernel alone; the fold is the rest
                     parts = lambda launch=launch: paged_attention(  # noqa: E731
                         q, kc, vc, table, lens, qsl, scale, launch=launch, parts_only=True)
                     parts()
-                    p_us = 0.0 if warm_only else _time_ms(parts) * 1e3
+                    p_us = 0.0 if warm_only else time_ms(parts) * 1e3
             except Exception as exc:  # a launch the GPU cannot run (e.g. shared memory)
                 print(f"  {case} {vname}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue

@@ -4,7 +4,7 @@ and the paged attention of each in alternation on the same inputs (medians), che
 that every build writes the same bits.
 
     mkdir /tmp/old && git archive HEAD~1 kernels/cpu_src | tar -x -C /tmp/old
-    python scripts/cpu_kernel_ab.py old=/tmp/old/kernels/cpu_src new=kernels/cpu_src
+    python lab/cpu_kernel_ab.py old=/tmp/old/kernels/cpu_src new=kernels/cpu_src
 
 Shapes: the tiny Mixtral of ``megaserve bench cpu`` (8 experts, hidden 256, expert width
 512, top-2; 8 query heads over 2 KV heads of 32). The FFN cycles 4 layers' weights, as a

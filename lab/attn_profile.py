@@ -1,6 +1,6 @@
 """Per-kernel device times of one paged-attention call (issue 3, long-context decode).
 
-Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_profile.py [--seqs 8 --ctx 8192]``.
+Run on one GPU: ``PYTHONPATH=. python3 lab/attn_profile.py [--seqs 8 --ctx 8192]``.
 Replays a CUDA graph of the default launch (as a decode step does) under the torch
 profiler and prints each kernel's mean device time, the sum, and the wall time per
 replay: the gap between the sum and the wall time is launch and drain cost, the rest
@@ -54,11 +54,11 @@ def main() -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megaserve.kernels.bench import _paged_inputs
+    from megaserve.kernels.testing import paged_inputs
     from megaserve.kernels.triton_impl.attention import paged_attention
 
     hq, hkv, dh = 32, 8, 128
-    q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(args.seqs, args.ctx, 1, hq, hkv, dh,
+    q, kc, vc, table, lens, qsl, kd, vd = paged_inputs(args.seqs, args.ctx, 1, hq, hkv, dh,
                                                         torch.bfloat16)
     scale = dh**-0.5
     qd = q.view(args.seqs, 1, hq, dh).transpose(1, 2)

@@ -1,7 +1,7 @@
 """Prefill paged attention: launch candidates against the default launch, one device call
 (issue 14, prefill floor).
 
-Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_prefill_bench.py [--out DIR]``.
+Run on one GPU: ``PYTHONPATH=. python3 lab/attn_prefill_bench.py [--out DIR]``.
 The shape of the Qwen3-30B-A3B layer (Hq 32, Hkv 4, head_dim 128, bf16, cache blocks of
 16): a 4,096-token prompt in one chunk (causal, context 4,096) and the second 4,096-token
 chunk of an 8,192-token prompt (context 8,192, the first half from the cache). Every
@@ -11,7 +11,7 @@ for the second chunk, flash's causal 8,192-token prompt, whose FLOP/s is the ref
 and checked bitwise (``torch.equal``) against the default launch (on Hopper the Gluon
 serial kernel; the variants are Triton tiles, ``gluon=False`` unless they say otherwise):
 on both timed shapes and,
-in parallel child processes, on the shapes of scripts/attn_sweep.py (whole prefill, chunked
+in parallel child processes, on the shapes of lab/attn_sweep.py (whole prefill, chunked
 prefill of 37 and 1000 tokens, single decodes, a mixed batch). TFLOP/s counts the causal
 FLOPs ``4 * T * ctx_avg * Hq * Dh`` (``ctx_avg``: a row's mean number of visible keys).
 """
@@ -56,7 +56,7 @@ VARIANTS = [
 # long_first 485 / 1272; s2 prefetch l16 long_first 489 / 1283; s3 prefetch l16 long_first
 # 455 / 1291; s4 prefetch l16 long_first 449 / 1280 (now the serial prefill default); r64 w4
 # s2 prefetch l16 long_first 482 / 1319; SDPA flash 499, 1748.
-# Check shapes (Hq, Hkv, Dh, block_size, context): scripts/attn_sweep.py's and this one's.
+# Check shapes (Hq, Hkv, Dh, block_size, context): lab/attn_sweep.py's and this one's.
 CHECK_SHAPES = [(32, 8, 128, 16, 8192), (8, 8, 128, 32, 3000), (32, 4, 64, 32, 5000),
                 (16, 4, 64, 16, 2100), (HQ, HKV, DH, 16, 4096)]
 # Launches also checked (not timed): chunk mode with the narrow l-dot.
@@ -69,7 +69,7 @@ def check_shape(idx: int) -> dict:
     """Every variant (and EXTRA_CHECKS) against the default launch at CHECK_SHAPES[idx]."""
     import torch
 
-    from scripts.attn_sweep import LaunchChecks, _setup
+    from attn_sweep import LaunchChecks, setup_case as _setup
 
     hq, hkv, dh, bs, length = CHECK_SHAPES[idx]
     q, k, v, kc, vc, table = _setup(hq, hkv, dh, bs, length, 100 + idx)
@@ -107,13 +107,13 @@ def time_cases(budget_s: float) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megaserve.kernels.bench import _paged_inputs, _time_ms
+    from megaserve.kernels.testing import paged_inputs, time_ms
     from megaserve.kernels.triton_impl.attention import AttentionLaunch, paged_attention
 
     rows = []
     t_end = time.time() + budget_s
     for case, ctx, new in CASES:
-        q, kc, vc, table, lens, qsl, kd, vd = _paged_inputs(1, ctx, new, HQ, HKV, DH,
+        q, kc, vc, table, lens, qsl, kd, vd = paged_inputs(1, ctx, new, HQ, HKV, DH,
                                                             torch.bfloat16)
         scale = DH**-0.5
         if new == ctx:
@@ -122,7 +122,7 @@ def time_cases(budget_s: float) -> list[dict]:
             qd = torch.randn(1, HQ, ctx, DH, device="cuda", dtype=torch.bfloat16)
             fl_sdpa = flops(ctx, ctx)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa_us = _time_ms(lambda: F.scaled_dot_product_attention(
+            sdpa_us = time_ms(lambda: F.scaled_dot_product_attention(
                 qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)) * 1e3
         fl = flops(ctx, new)
         print(f"{case}: SDPA flash {sdpa_us:.1f} us, {fl_sdpa / sdpa_us / 1e6:.0f} TFLOP/s "
@@ -138,7 +138,7 @@ def time_cases(budget_s: float) -> list[dict]:
                 q, kc, vc, table, lens, qsl, scale, launch=launch)
             try:
                 out = fn()
-                us = _time_ms(fn) * 1e3
+                us = time_ms(fn) * 1e3
             except Exception as exc:  # e.g. out of shared memory
                 print(f"  {case} {name}: FAILED {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue

@@ -1,7 +1,7 @@
 """Paged attention's default launch at decode and prefill shapes, at a chosen chunk size
 (roofline round 8: CHUNK_SPLITS is part of the arithmetic, so it is picked by timing).
 
-Run on one GPU: ``PYTHONPATH=. python3 scripts/attn_chunk_bench.py [--chunk-splits N]``.
+Run on one GPU: ``PYTHONPATH=. python3 lab/attn_chunk_bench.py [--chunk-splits N]``.
 Qwen3-30B-A3B's attention (Hq 32, Hkv 4, head_dim 128, bf16, cache blocks of 16); each
 line is the median of CUDA-graph replays. Decode rows read one token per sequence; the
 short-context decode cases get a block table 4,097 keys wide, as the engine's is with
@@ -35,20 +35,20 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from megaserve.kernels.bench import _paged_inputs, _time_ms
+    from megaserve.kernels.testing import paged_inputs, time_ms
     from megaserve.kernels.triton_impl import attention
 
     if args.chunk_splits:
         attention.CHUNK_SPLITS = args.chunk_splits
     tag = args.tag or f"C{attention.CHUNK_SPLITS}"
     for kind, seqs, ctx, new in CASES:
-        q, kc, vc, table, lens, qsl, _, _ = _paged_inputs(seqs, ctx, new, HQ, HKV, DH,
+        q, kc, vc, table, lens, qsl, _, _ = paged_inputs(seqs, ctx, new, HQ, HKV, DH,
                                                           torch.bfloat16)
         if kind == "decode" and ctx < 1000:
             table = torch.cat([table, table.new_zeros(seqs, 257 - table.shape[1])], 1)
         modes = [None, "serial", "chunk"] if kind == "prefill" and new < 1024 else [None]
         for mode in modes:
-            us = _time_ms(lambda: attention.paged_attention(  # noqa: B023
+            us = time_ms(lambda: attention.paged_attention(  # noqa: B023
                 q, kc, vc, table, lens, qsl, DH**-0.5, mode=mode,
                 one_token_per_seq=new == 1)) * 1e3
             print(f"{tag:6s} {kind} S={seqs} ctx={ctx} new={new} {mode or 'default'}: "

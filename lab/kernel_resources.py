@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the paged-attention kernels on sm_90, no GPU needed.
 
-Run anywhere triton is installed: ``python scripts/kernel_resources.py``. Each launch below
+Run anywhere triton is installed: ``python lab/kernel_resources.py``. Each launch below
 is compiled ahead of time for an H100/H200 (``GPUTarget('cuda', 90, 32)``) with Triton's
 bundled ptxas, pointers and strides marked 16-divisible as the JIT marks them at run time,
 and ``cuobjdump -res-usage`` reads the cubin. ``stack`` > 0 means the kernel spills.

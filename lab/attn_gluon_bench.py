@@ -1,7 +1,7 @@
 """Hopper's Gluon prefill attention (kernels/triton_impl/attention_gluon.py) against the
 Triton serial kernel: bitwise check and time per call (median of CUDA-graph replays).
 
-Run on one Hopper GPU: ``PYTHONPATH=. python3 scripts/attn_gluon_bench.py``. Qwen3-30B-A3B's
+Run on one Hopper GPU: ``PYTHONPATH=. python3 lab/attn_gluon_bench.py``. Qwen3-30B-A3B's
 attention (Hq 32, Hkv 4, head_dim 128, bf16, cache blocks of 16); K/V past each context and
 the spare cache blocks are NaN, so a kernel that reads them shows NaN.
 """
@@ -23,7 +23,7 @@ CASES = [(1, 4096, 4096), (4, 4096, 4096), (1, 8192, 4096), (1, 8192, 1024), (3,
 def main() -> None:
     import torch
 
-    from megaserve.kernels.bench import _time_ms
+    from megaserve.kernels.testing import time_ms
     from megaserve.kernels.triton_impl import attention
 
     triton_serial = attention.AttentionLaunch(
@@ -49,7 +49,7 @@ def main() -> None:
         gluon = dataclasses.replace(triton_serial, gluon=True)
         want, got = run(triton_serial), run(gluon)
         flops = 4 * seqs * new * (ctx - new + (new + 1) / 2) * HQ * DH
-        times = {name: _time_ms(lambda l=launch: run(l)) * 1e3  # noqa: B023
+        times = {name: time_ms(lambda l=launch: run(l)) * 1e3  # noqa: B023
                  for name, launch in (("triton", triton_serial), ("gluon", gluon))}
         print(f"S={seqs} ctx={ctx} new={new}: bitwise={torch.equal(got, want)} "
               f"nan={bool(got.isnan().any())} | "

@@ -4,9 +4,9 @@ and top-k routing, each with PDL off and where the tree puts it, on a CUDA devic
 
 Shape legend: T = tokens, Hq / Hkv = query / KV heads, Dh = head dim, D = hidden.
 
-    source scripts/device_setup.sh
+    source lab/device_setup.sh
     git archive <base commit> | tar -x -C base
-    python scripts/rotary_bench.py --base base --out $OUT/rotary.json
+    python lab/rotary_bench.py --base base --out $OUT/rotary.json
 
 Each time is the GPU's, back to back: a ``torch.cuda._sleep`` first keeps the host ahead
 of the GPU, so a loop of ``--iters`` calls runs without host gaps (PDL then overlaps a

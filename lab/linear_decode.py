@@ -12,13 +12,13 @@ lm_head [151936, 2048]; bf16, no bias. One process:
    float64 reference;
 2. per call: a 1 GiB copy's bandwidth (read + write), then each shape at M in TIME_MS,
    calls cycling through distinct weight copies (>= 4x the L2) replayed from a CUDA graph
-   (scripts/moe_bench.py's timer), for the baseline (the committed rule of BASELINE_RULE,
+   (lab/moe_bench.py's timer), for the baseline (the committed rule of BASELINE_RULE,
    i.e. ``config_for`` / ``plan_launch`` under it) and every bit-clean candidate;
 3. per step: 48 x (qkv, o_proj, router) + lm_head in one graph at each M, baseline vs
    the rule in force (``config_for`` / ``plan_launch``) vs the fastest candidate per
    shape; TB/s of weight bytes (2.46 GB at this shape) and % of the copy's.
 
-Usage (device): ``source scripts/device_setup.sh; python3 scripts/linear_decode.py --out $OUT``.
+Usage (device): ``source lab/device_setup.sh; python3 lab/linear_decode.py --out $OUT``.
 ``--smoke``: CPU dry run under TRITON_INTERPRET=1 (tiny shapes, fp16, wall-clock timings).
 """
 
@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-import sweep_support  # scripts/sweep_support.py
+import sweep_support  # lab/sweep_support.py
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
           "lm_head": (151936, 2048)}  # name -> (N, K)

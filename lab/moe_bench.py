@@ -10,9 +10,9 @@ graph (decode steps run in graphs). Bandwidth is the weight bytes of the experts
 the time, as a fraction of a 1 GiB device copy's (read + write bytes) measured here;
 FLOP/s as a fraction of an 8192^3 bf16 torch.matmul's.
 
-    source scripts/device_setup.sh
-    python scripts/moe_bench.py --baseline OLD_MOE.py --sweep --out DIR
-    python scripts/moe_bench.py --shape mixtral-8x7b --rows 8192 --rows-per-token 2 \
+    source lab/device_setup.sh
+    python lab/moe_bench.py --baseline OLD_MOE.py --sweep --out DIR
+    python lab/moe_bench.py --shape mixtral-8x7b --rows 8192 --rows-per-token 2 \
         --tokens '' --sweep --grid prefill --layers 2 --reps 3 --out DIR
 
 --baseline: a module file with ``expert_ffn`` (e.g. ``git show REV:kernels/triton_impl/moe.py``
@@ -29,7 +29,7 @@ LocalExperts.dispatch) against expert_ffn(x, rows_per_token=k). --gluon: each GE
 at each size, the planned prefill launch's Triton TMA kernels (gluon=False) against
 moe_gluon's persistent kernel (Hopper), bitwise:
 
-    python scripts/moe_bench.py --rows 32768,131072 --rows-per-token 8 --tokens '' \
+    python lab/moe_bench.py --rows 32768,131072 --rows-per-token 8 --tokens '' \
         --layers 2 --gluon
 """
 
