@@ -3,7 +3,7 @@
 A full (generation 2) collection scans every object the collector tracks. After an
 engine is built that is ~170k objects on the built-in tiny model (more with a real one),
 and a full pass paused a CPU decode loop of 256 sequences for 74 ms (a 110 ms gap between
-two decode steps at batch 256 on an H100, docs/benchmarks.md): once every ~100 steps, an
+two decode steps at batch 256 on an H100): once every ~100 steps, an
 outlier in every inter-token-latency tail and ~2-5 ms of every back-to-back step on
 average. ``gc.freeze()`` (vLLM and SGLang freeze after start-up too) moves the objects
 alive at that point into a permanent generation the collector does not scan; the same

@@ -9,7 +9,7 @@ The synchronous engine runs beside the event loop in one of two ways:
   API server from the engine core. A front-end thread shares the event loop's
   interpreter lock, and at many streams the two take turns: the server streaming 1,024
   requests ran at 0.23x of ``LLM.generate`` on an H200 with the engine in a thread
-  (docs/benchmarks.md, "serving at the batch-size defaults"). In a process of its own the
+  (docs/performance.md, "Serving"). In a process of its own the
   engine schedules, steps and detokenises on its own interpreter; the front-end only
   validates prompts (with its own copy of the tokenizer) and streams. Commands go over
   one pipe, each step's outputs come back over another as plain tuples (one message a
