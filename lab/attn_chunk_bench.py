@@ -1,5 +1,5 @@
 """Paged attention's default launch at decode and prefill shapes, at a chosen chunk size
-(roofline round 8: CHUNK_SPLITS is part of the arithmetic, so it is picked by timing).
+(CHUNK_SPLITS is part of the arithmetic, so it is picked by timing).
 
 Run on one GPU: ``PYTHONPATH=. python3 lab/attn_chunk_bench.py [--chunk-splits N]``.
 Qwen3-30B-A3B's attention (Hq 32, Hkv 4, head_dim 128, bf16, cache blocks of 16); each

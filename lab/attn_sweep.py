@@ -1,16 +1,15 @@
-"""Device sweep for paged attention (issue 3, rounds 4-8): bitwise checks, then timings.
-(Split mode, which rounds 4-8 also swept, went with the per-split arithmetic in issue 14's
-roofline round 8; its launches here now run as chunk mode.)
+"""Device sweep for paged attention: bitwise checks, then timings. (Split-mode launches
+run as chunk mode: the per-split arithmetic is gone.)
 
 Run on one GPU: ``PYTHONPATH=. python3 lab/attn_sweep.py [--out DIR] [--phase P]``.
 Phase 1 runs the checks of each shape (``--parts`` children per shape) and a compile
 warm-up of the timed variants in parallel child processes; phase 2 times every variant
 against SDPA flash in this process and prints a line per variant. Checks, per shape (GQA group, head dim, block size, context): the reference is
-the round-3 tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
+the reference tile (serial, 64 rows, 4 warps); every launch variant of the full prefill,
 decode of single tokens, chunked prefill with several chunk sizes and a mixed batch of
 sequences must equal it bitwise (``torch.equal``); float64 error of sampled rows <= 1e-2.
-The checks use paged_attention's default arithmetic (the round-6 EXP2 form; run with
-``MEGASERVE_ATTN_EXP2=0`` to check the round-5 form); the timed variants name theirs. The
+The checks use paged_attention's default arithmetic (the EXP2 form; run with
+``MEGASERVE_ATTN_EXP2=0`` to check the exp form); the timed variants name theirs. The
 variants are Triton tiles (``gluon=False`` unless a variant says otherwise: on Hopper the
 default serial prefill launch is the Gluon kernel).
 """
@@ -29,7 +28,7 @@ import time
 SHAPES = [(32, 8, 128, 16, 8192), (8, 8, 128, 32, 3000), (32, 4, 64, 32, 5000),
           (16, 4, 64, 16, 2100)]
 REF = dict(mode="serial", rows=64, num_warps=4, num_stages=2)
-NEW = dict(mask_tail=True, prefetch=True)  # round-5 loop switches
+NEW = dict(mask_tail=True, prefetch=True)  # loop switches
 R4_DECODE = dict(mode="chunk", rows=16, num_warps=2, num_stages=3, fold_unroll=16)
 CHECK_VARIANTS = [
     dict(mode="serial", rows=16, num_warps=4, num_stages=3),
@@ -41,7 +40,7 @@ CHECK_VARIANTS = [
     dict(mode="chunk", rows=16, num_warps=4, num_stages=3),
     dict(mode="chunk", rows=64, num_warps=4, num_stages=2, fold_tokens=4),
     R4_DECODE,
-    # round 5 (indices 9..)
+    # loop switches (indices 9..)
     dict(mode="serial", rows=64, num_warps=4, num_stages=2, mask_tail=True),
     dict(mode="serial", rows=64, num_warps=4, num_stages=3, **NEW),
     dict(mode="serial", rows=128, num_warps=8, num_stages=3, long_first=True, **NEW),
@@ -50,11 +49,11 @@ CHECK_VARIANTS = [
     dict(mode="chunk", rows=16, num_warps=4, num_stages=4, fold_block_d=32, long_first=True, **NEW),
     dict(mode="chunk", rows=64, num_warps=4, num_stages=3, prefetch=True, fold_tokens=4),
 ]
-# Round 8 candidates (timed below): the two-level reduction (attention NOTE) with chunk
+# Candidates (timed below): the two-level reduction (attention NOTE) with chunk
 # mode, decode tiles of 2 and 4 warps (the mma layout now splits head_dim across warps),
 # prefill tiles of 8 warps (the chunk accumulator made 4-warp 64-row tiles spill).
 CH = dict(mode="chunk", rows=16, num_warps=2, num_stages=3, fold_unroll=16, fold_block_d=16,
-          fold_warps=1, **NEW)  # the round-7 decode default's tile (then split mode)
+          fold_warps=1, **NEW)  # a split-mode decode tile, now run as chunk mode
 DECODE_VARIANTS = [
     ("chunk r16 w2 s2", dict(CH, num_stages=2), True),
     ("chunk r16 w2 s3", CH, True),
@@ -64,7 +63,7 @@ DECODE_VARIANTS = [
     ("chunk r16 w4 s4", dict(CH, num_warps=4, num_stages=4), True),
     ("chunk r16 w1 s3", dict(CH, num_warps=1), True),
     ("chunk r16 w4 s3 fold_d32 fw1", dict(CH, num_warps=4, fold_block_d=32), True),
-    ("serial r16 w2 s4 (round-7 serial)", dict(mode="serial", rows=16, num_warps=2,
+    ("serial r16 w2 s4 (2-warp serial)", dict(mode="serial", rows=16, num_warps=2,
                                               num_stages=4, **NEW), True),
     ("serial r16 w4 s3", dict(mode="serial", rows=16, num_warps=4, num_stages=3, **NEW), True),
     ("serial r16 w4 s4", dict(mode="serial", rows=16, num_warps=4, num_stages=4, **NEW), True),
@@ -73,7 +72,7 @@ DECODE_VARIANTS = [
 PARTS_TIMED = {n for n, v, _ in DECODE_VARIANTS if v["mode"] != "serial"}
 MT = dict(mode="serial", mask_tail=True)
 PREFILL_VARIANTS = [
-    ("r64 w4 s2 mask_tail (round-7 default)", dict(MT, rows=64, num_warps=4, num_stages=2),
+    ("r64 w4 s2 mask_tail (64-row default)", dict(MT, rows=64, num_warps=4, num_stages=2),
      True),
     ("r64 w8 s2 mask_tail", dict(MT, rows=64, num_warps=8, num_stages=2), True),
     ("r64 w8 s3 mask_tail", dict(MT, rows=64, num_warps=8, num_stages=3), True),

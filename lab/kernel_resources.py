@@ -5,10 +5,10 @@ is compiled ahead of time for an H100/H200 (``GPUTarget('cuda', 90, 32)``) with 
 bundled ptxas, pointers and strides marked 16-divisible as the JIT marks them at run time,
 and ``cuobjdump -res-usage`` reads the cubin. ``stack`` > 0 means the kernel spills.
 
-Round 8 used it to find that 16-row decode tiles replicated their accumulators across warps
+It found that 16-row decode tiles replicated their accumulators across warps
 (mma warps along the rows; the 16-wide l-dot chose that layout for all three dots) and
 that the chunk accumulator made 64-row 4-warp prefill tiles spill; the device sweep then
-confirmed both (docs/benchmarks.md, Round 8).
+confirmed both.
 """
 
 from __future__ import annotations

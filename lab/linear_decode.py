@@ -43,7 +43,7 @@ CHECK_MS = [1, 3, 8, 64]
 TIME_MS = [1, 8, 64, 256]
 SWAP_MS = [1, 8, 64]
 CYCLE_BYTES = 256 << 20  # weight bytes cycled per timed graph (H100 L2: 50 MB)
-# The rule committed before this script (round 5): today's baseline in every run.
+# The rule committed before this script: the baseline in every run.
 BASELINE_RULE = ('{"max_k": 2048, "min_steps": 4, "quantum": 128, "swap": [[64, {"block_k": '
                  '128, "block_m": 64, "block_n": 128, "flat": 2, "flatten": false, '
                  '"fold_last": true, "group_m": 8, "mode": "swap", "num_stages": 3, '
@@ -97,7 +97,7 @@ def usable(lp, cfg, k: int) -> bool:
 
 
 def baseline_plan(n: int, k: int, m: int, dt):
-    """(config, launch) of the committed round-5 rule, whatever rule is in force now."""
+    """(config, launch) of the earlier committed rule, whatever rule is in force now."""
     from megaserve.kernels.triton_impl import matmul as mm
 
     before = os.environ.get(mm._RULE_ENV)

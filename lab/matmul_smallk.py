@@ -1,4 +1,4 @@
-"""Round 5 sweep: split rules for small-K matmul families (K <= 2048), decided in one run.
+"""Sweep: split rules for small-K matmul families (K <= 2048), decided in one run.
 
 For each candidate :class:`SmallKRule` (split length from (N, K) only) and each decode
 launch (swap mode: 64/128 weight rows, K step 64/128, stages, who folds):

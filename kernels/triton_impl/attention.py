@@ -115,8 +115,8 @@ class AttentionLaunch:
 
 
 # Tiles, chosen by timing every candidate with its bitwise checks (lab/attn_sweep.py,
-# lab/attn_prefill_bench.py, lab/attn_chunk_bench.py; the numbers and their runs are
-# in docs/benchmarks.md in git history, "Kernels" and "Roofline"). None changes a bit (module NOTE).
+# lab/attn_chunk_bench.py; the numbers are in docs/benchmarks.md in git history). None
+# changes a bit (module NOTE).
 # * Decode: serial 16-row tiles of 4 warps, both loop switches (mask_tail, prefetch) and
 #   4 stages wherever the serial grid fills the GPU; else chunk mode, whose fold covers
 #   16 head_dim columns a one-warp program when the fold grid is small.
