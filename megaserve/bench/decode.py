@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from megaserve.bench import roofline
+from megaserve.bench.devices import device_name
 from megaserve.engine.config import default_max_num_batched_tokens
 from megaserve.engine.gc_heap import frozen_heap
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
@@ -253,12 +254,6 @@ def _resolve_model(args, options: dict, device: str) -> tuple[str, int | None]:
     return str(random_model.resolve_random_model(name, args.random_weights)), fitted
 
 
-def _device_name(device: str) -> str:
-    from megaserve.bench.throughput import _device_name as name
-
-    return name(device)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,7 +289,7 @@ def main(argv: list[str]) -> int:
     device = options["device"]
     if device == "auto":
         device = options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    name = _device_name(device)
+    name = device_name(device)
     copy_bw = measure_copy_bandwidth(device, args.copy_mib << 20)
     matmul = measure_matmul_flops(device, args.matmul_n)
     held = (measure_held_matmul_flops(device, args.matmul_n, args.matmul_seconds)
@@ -306,7 +301,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"megaserve bench: {e}", file=sys.stderr)
         return 2
-    from megaserve.bench.profile_out import catalog_gpu
+    from megaserve.bench.devices import catalog_gpu
     from megaserve.planner.catalog import DEFAULT_GPUS
 
     spec = DEFAULT_GPUS.get(catalog_gpu(name) or "")

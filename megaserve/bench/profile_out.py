@@ -32,16 +32,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from megaserve.bench.devices import catalog_gpu  # noqa: F401 (part of this module's API)
+
 logger = logging.getLogger(__name__)
-
-# GPU names as torch reports them -> planner catalog names (first match wins)
-_CATALOG = (("H200", "H200"), ("H100", "H100-SXM"), ("H800", "H800"), ("H20", "H20"), ("A100", "A100-80G"),
-            ("L40S", "L40S"), ("L20", "L20"), ("B200", "B200"))
-
-
-def catalog_gpu(device_name: str) -> str | None:
-    """The planner catalog name of a CUDA device name, or None if unknown."""
-    return next((cat for key, cat in _CATALOG if key in device_name), None)
 
 
 def planner_model(model: str) -> tuple[str, int]:

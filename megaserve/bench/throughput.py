@@ -15,6 +15,7 @@ import random
 import sys
 import time
 
+from megaserve.bench.devices import device_name
 from megaserve.entrypoints.generate_cli import add_runtime_flags, runtime_options
 
 
@@ -69,16 +70,6 @@ def _run(options: dict, num_prompts: int, input_len: int, output_len: int, seed:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-
-        return torch.cuda.get_device_name()
-    import platform
-
-    return f"CPU ({platform.processor() or platform.machine()})"
 
 
 def main(argv: list[str]) -> int:
@@ -137,7 +128,7 @@ def main(argv: list[str]) -> int:
         if (r, e) == (1, 1):
             baseline["transport"] = "inproc"
         runs.insert(0, ("baseline", baseline))
-    print(f"device: {_device_name(args.device)}  model: {args.model}  "
+    print(f"device: {device_name(args.device)}  model: {args.model}  "
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out)")
     print(f"{'run':<12} {'R':>2} {'E':>2} {'m':>2} {'transport':<9} {'GPUs':>4} {'req/s':>8} "
           f"{'tok/s':>9} {'tok/s/GPU':>9} {'ratio':>6} {'rows/GEMM':>9}")
@@ -158,7 +149,7 @@ def main(argv: list[str]) -> int:
     if args.profile_out:
         from megaserve.bench import profile_out
 
-        runs = profile_out.collect(args.profile_out, args, options, _device_name(args.device), batches)
+        runs = profile_out.collect(args.profile_out, args, options, device_name(args.device), batches)
         for r in runs:
             if "step_ms" in r:
                 print(f"profile: batch {r['batch']:>4}: decode step {r['step_ms']:8.3f} ms (median of "
