@@ -16,6 +16,8 @@ import tokenizers
 logger = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+# Texts longer than this are encoded without holding the interpreter lock (see encode).
+_LONG_TEXT_CHARS = 4096
 
 # Used when a checkpoint has no chat template. For messages [{"role": "user", "content":
 # "hi"}] and add_generation_prompt=True it renders "<|user|>\nhi\n<|assistant|>\n".
@@ -103,6 +105,7 @@ class Tokenizer:
         self._chat_template = chat_template
         self._bos_token = bos_token
         self._eos_token = eos_token
+        self._max_chars_per_token: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -174,6 +177,27 @@ class Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``."""
         return self._backend
 
+    @property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of input text one token stands for, so that
+        ``len(text) > max_len * max_chars_per_token`` proves, without tokenizing, that
+        ``text`` has more than ``max_len`` tokens.
+
+        It is the longest token's text in UTF-8 bytes (a character is at least one byte;
+        a piece of a character decodes to U+FFFD, three bytes, which only loosens the
+        bound) plus one (a word-start marker the decoder drops from a lone token), doubled
+        when the tokenizer has a normalizer (one that drops or composes characters makes
+        a token stand for more input than its own text). Computed on first use (a pass
+        over the vocabulary), then remembered.
+        """
+        if self._max_chars_per_token is None:
+            ids = [[i] for i in range(self._vocab_size)]
+            texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+            longest = max((len(t.encode("utf-8", "replace")) for t in texts), default=1)
+            margin = 2 if self._backend.normalizer is not None else 1
+            self._max_chars_per_token = (max(1, longest) + 1) * margin
+        return self._max_chars_per_token
+
     def is_special(self, token_id: int) -> bool:
         """True for the added special tokens, i.e. the ids ``decode(skip_special_tokens=True)`` drops."""
         return token_id in self._special_ids
@@ -185,7 +209,13 @@ class Tokenizer:
         runs, and BOS is prepended when ``add_bos_token`` is set and it is not there yet."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _LONG_TEXT_CHARS:
+            # NOTE: encode_batch releases the interpreter lock while it tokenizes (encode
+            # holds it): a long text tokenized in a worker thread then leaves the event
+            # loop free. Same ids as encode.
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if (
             add_special_tokens
             and self._add_bos_token

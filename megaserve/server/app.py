@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from megaserve.engine.config import EngineConfig
-from megaserve.server.core import ServerState, ServingCore
+from megaserve.server.core import ServerState, ServingCore, chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ async def serve(config: ServeConfig,
                            aborted)
     await grpc_stopped
     await runner.cleanup()
+    core.close()
     core.state = ServerState.STOPPED
     if core.engine is not None:
         await core.engine.shutdown()
@@ -178,6 +179,8 @@ def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,
           dtype: dict[str, str]) -> Any:
     """Builds the engine (in a worker thread) and resolves ``dtype["name"]``."""
     engine = engine_factory(config)
+    # The size bound on text prompts (a pass over the vocabulary): here, not on the loop.
+    chars_per_token(getattr(engine, "tokenizer", None))
     if dtype["name"] == "auto":
         try:
             from megaserve.models.builtin import resolve_model

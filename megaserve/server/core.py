@@ -23,6 +23,7 @@ import enum
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -33,12 +34,24 @@ from megaserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-# Text prompts longer than this many characters per token of max_model_len are refused
-# before tokenization: no tokenizer we ship packs more characters than this into a token,
-# and it keeps a 10 MB prompt from holding the event loop while it is tokenized.
+# Text prompts longer than max_model_len tokens of the tokenizer's longest token
+# (Tokenizer.max_chars_per_token) are refused before tokenization: they cannot fit, and
+# tokenizing them is the expensive part. Without a tokenizer this bound is used.
 MAX_CHARS_PER_TOKEN = 32
-# Prompts of more characters than this are tokenized in a worker thread.
-_THREAD_TOKENIZE_CHARS = 16384
+# Prompts of more characters than this are tokenized in the tokenizer pool, off the event
+# loop (the tokenizer releases the interpreter lock for them, see Tokenizer.encode).
+_THREAD_TOKENIZE_CHARS = 4096
+# Worker threads tokenizing at once: a storm of long prompts queues here instead of taking
+# every core from the engine and the event loop (vLLM's API server uses one).
+TOKENIZE_WORKERS = 2
+
+
+def chars_per_token(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` can stand for (its
+    ``max_chars_per_token``; ``MAX_CHARS_PER_TOKEN`` without a tokenizer)."""
+    if tokenizer is None:
+        return MAX_CHARS_PER_TOKEN
+    return getattr(tokenizer, "max_chars_per_token", MAX_CHARS_PER_TOKEN)
 
 
 class ServerState(enum.Enum):
@@ -91,6 +104,9 @@ class ServingCore:
         self.started_at = time.monotonic()
         self._in_flight: dict[str, float] = {}  # request id → arrival time (monotonic)
         self._token_bytes = None
+        # Tokenizes long prompts off the event loop; threads start on first use.
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS,
+                                                 thread_name_prefix="megaserve-tokenize")
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = asyncio.Event()  # set once by mark_failed
@@ -202,11 +218,13 @@ class ServingCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError.invalid(field_name, "must not be empty")
-            limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+            per_token = chars_per_token(engine.tokenizer)
+            limit = engine.max_model_len * per_token
             if len(prompt) > limit:
                 raise RequestError.invalid(
-                    field_name, f"{len(prompt)} characters is too long: the limit is {limit} "
-                    f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={engine.max_model_len})")
+                    field_name, f"{len(prompt)} characters is too long: it cannot fit in "
+                    f"max_model_len={engine.max_model_len} tokens (the limit is {limit} "
+                    f"characters, {per_token} per token: this tokenizer's longest token)")
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
@@ -226,7 +244,8 @@ class ServingCore:
                         f"vocabulary [0, {vocab})")
         try:
             if isinstance(prompt, str) and len(prompt) > _THREAD_TOKENIZE_CHARS:
-                prompt_ids = await asyncio.to_thread(engine.validate, prompt, params)
+                prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, engine.validate, prompt, params)
             else:
                 prompt_ids = engine.validate(prompt, params)
         except ValueError as e:
@@ -325,6 +344,10 @@ class ServingCore:
         return True
 
     # -- shutdown ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Releases the tokenizer pool (prompts still queued there are dropped)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
     async def drain(self, grace_period: float, flush_timeout: float = 1.0) -> int:
         """Stops admitting, waits up to ``grace_period`` s for in-flight requests, then
         aborts what is left (their streams end with finish_reason "abort") and waits up to
