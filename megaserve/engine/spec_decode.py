@@ -37,6 +37,7 @@ import torch
 from megaserve import kernels
 from megaserve.kernels.filters import filter_row
 from megaserve.engine.config import SpeculativeConfig
+from megaserve.engine.micro_batch import build_micro_batch
 from megaserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -267,7 +268,6 @@ class DraftModelProposer(Proposer):
     def _forward(self, inputs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """Log-probs `[S, V]` fp32 of each input's last row (writes the inputs' draft K/V):
         from a CUDA graph where one fits (bitwise the same rows), else eagerly."""
-        from megaserve.engine.model_runner import build_micro_batch
         from megaserve.models.forward import run_layers
 
         for graphs in self.graphs:

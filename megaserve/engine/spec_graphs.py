@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 _TOKEN, _POSITION, _SLOT, _CONTEXT, _TABLE = 0, 1, 2, 3, 4
 
-# One sequence's rows of a step, as ``model_runner.build_micro_batch`` takes them:
+# One sequence's rows of a step, as ``micro_batch.build_micro_batch`` takes them:
 # (token ids, position of the first, block table).
 StepInput = tuple[list[int], int, list[int]]
 
