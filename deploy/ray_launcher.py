@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import ctypes
 import itertools
 import logging
 import os
 import queue
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -213,6 +217,52 @@ class RayGroup:
         ray.kill(self._mailbox, no_restart=True)
 
 
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGACTION_BYTES = 512  # more than any libc's struct sigaction (152 bytes on x86-64 glibc)
+
+
+@contextlib.contextmanager
+def keep_signal_handlers(signals: tuple[int, ...]) -> Iterator[None]:
+    """Restores the process's handlers of ``signals`` as they were before the block, at the
+    C level (``sigaction``), from whichever thread runs it.
+
+    NOTE: why ``ray.init`` needs this. A driver's Ray core worker installs Abseil's failure
+    signal handler for SIGTERM (among crash signals). On SIGTERM it prints ``*** SIGTERM
+    received``, arms ``alarm(3)`` with an abort handler, then calls the previous handler
+    (the server's, which starts the drain) — so any shutdown that takes more than 3 s
+    (a drain with streams in flight, stopping workers after a recovery) ends in SIGABRT
+    (exit code -6). The server owns SIGTERM/SIGINT: it drains in its grace period and
+    releases the actors and placement group itself. Crash signals keep Ray's handler
+    (its stack traces are useful). ``struct sigaction`` is kept as opaque bytes, so no
+    libc layout is assumed. Where libc has no ``sigaction`` (not POSIX), a no-op.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sigaction = libc.sigaction
+    except (OSError, AttributeError):
+        yield
+        return
+    sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    # Python's own table too (ray.init sets a SIGTERM handler when run in the main thread).
+    main = threading.current_thread() is threading.main_thread()
+    python_handlers = {signum: signal.getsignal(signum) for signum in signals} if main else {}
+    saved = {}
+    for signum in signals:
+        buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        if sigaction(int(signum), None, buf) == 0:
+            saved[signum] = buf
+    try:
+        yield
+    finally:
+        for signum, handler in python_handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum, buf in saved.items():
+            if sigaction(int(signum), buf, None) != 0:
+                logger.warning("could not restore the handler of signal %d (errno %d)",
+                               signum, ctypes.get_errno())
+
+
 def _bundle(spec: WorkerSpec) -> dict[str, float]:
     bundle = {"CPU": 1.0}
     if spec.device.startswith("cuda"):
@@ -236,9 +286,10 @@ class RayLauncher:
                  placement_timeout_s: float = PLACEMENT_TIMEOUT_S) -> None:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                     runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                               if k.startswith(ENV_PREFIXES)}})
+            with keep_signal_handlers(SHUTDOWN_SIGNALS):
+                ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                         runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                                   if k.startswith(ENV_PREFIXES)}})
         self._placement_timeout_s = placement_timeout_s
         self._pg = None
         self._bundles: list[dict[str, float]] = []
