@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaserve.deploy.plans import load_units, unit_gpus
+from megaserve.service import SERVICE_NAME
 
 RAY_VERSION = "2.60.0"
 PLAN_DIR = "/etc/megaserve"
@@ -123,8 +124,6 @@ def _probes(config: DeployConfig) -> dict[str, Any]:
     """gRPC health (grpc.health.v1): readiness on the service (traffic stops while a lost
     worker is replaced), liveness on the server overall with room for a restart, startup
     with room for loading the model."""
-    from megaserve.server.grpc_protocol import SERVICE_NAME
-
     return {
         "startupProbe": {"grpc": {"port": config.grpc_port}, "periodSeconds": 10,
                          "failureThreshold": 90},

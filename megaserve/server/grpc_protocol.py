@@ -27,8 +27,7 @@ from megaserve.sampling_params import SamplingParams
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.errors import RequestError
 from megaserve.server.openai_models import MAX_STOP, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
-
-SERVICE_NAME = "megaserve.v1.Generation"
+from megaserve.service import SERVICE_NAME  # noqa: F401 (the service this module speaks)
 
 
 @dataclass(frozen=True)
