@@ -108,6 +108,10 @@ class LayoutConfig:
     expert_gpu_type: str | None = None
     disaggregate: bool = False
     data_plane: str = "auto"
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    attention_gpus: tuple[int, ...] | None = None
+    expert_gpus: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +150,9 @@ class EngineConfig:
 
     model: str = "builtin:tiny-moe"
     dtype: str = "auto"
+    # "fp8": round the linear weights of a bf16/fp32 checkpoint through block-FP8 at load
+    # (megaserve.models.loader); None: the checkpoint's weights (block-FP8 ones included).
+    quantization: str | None = None
     device: str = "auto"
     max_num_seqs: int | None = None  # None: default_max_num_seqs(device, ...)
     max_model_len: int | None = None
@@ -190,6 +197,21 @@ class EngineConfig:
     # "host" (frames through comm endpoints), "auto" (device where it applies: CUDA, one
     # attention replica, inproc or cuda_ipc).
     data_plane: str = "auto"
+    # vLLM's data parallelism (``--data-parallel-size N``): N attention replicas, each in a
+    # worker of its own. With ``enable_expert_parallel`` (co-located expert parallelism)
+    # worker i is attention replica i *and* expert worker i, holding 1/N of the experts
+    # (or ``expert_placement[i]``), and every replica's routed tokens go to the workers
+    # holding their experts over the same dispatch/combine as a disaggregated layout;
+    # without it each worker holds every expert (N independent engines). Sets
+    # ``attention_replicas`` (and, with expert parallelism, ``expert_workers``) to N.
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # Which GPU (an index of the visible ones) each attention replica / expert worker
+    # runs on, for ``device="cuda"``; None: round-robin over the visible GPUs, attention
+    # replicas first (co-located expert parallelism: worker i on GPU i). Several workers
+    # may share a GPU.
+    attention_gpus: tuple[int, ...] | None = None
+    expert_gpus: tuple[int, ...] | None = None
 
     @property
     def single_engine(self) -> bool:
@@ -198,6 +220,19 @@ class EngineConfig:
         placement, not disaggregated."""
         return ((self.attention_replicas, self.expert_workers, self.transport) == (1, 1, "inproc")
                 and self.expert_placement is None and not self.disaggregate)
+
+    @property
+    def colocated(self) -> bool:
+        """Whether each worker runs an attention replica together with its share of the
+        experts (``data_parallel_size`` with ``enable_expert_parallel``), rather than
+        attention replicas and expert workers in workers of their own."""
+        return self.enable_expert_parallel and not self.single_engine
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether each worker is a whole engine, all experts in it (``data_parallel_size``
+        > 1 without ``enable_expert_parallel``): no dispatch, no combine."""
+        return self.data_parallel_size > 1 and not self.enable_expert_parallel
 
     @property
     def layout(self) -> LayoutConfig:
@@ -223,6 +258,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a GPU type name such as 'H100', got {value!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
@@ -234,6 +271,7 @@ class EngineConfig:
                 continue  # defaults that depend on the device and layout, below
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self._resolve_data_parallel()
         value = self.kv_cache_memory_bytes
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {value!r}")
@@ -271,8 +309,65 @@ class EngineConfig:
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", default_max_num_seqs(
                 self.device, max_num_batched_tokens=self.max_num_batched_tokens))
+        self._check_gpus()
         if self.cpu_threads is None:
             object.__setattr__(self, "cpu_threads", default_cpu_threads(self))
+
+    def _resolve_data_parallel(self) -> None:
+        """``data_parallel_size`` / ``enable_expert_parallel`` → the replica and expert
+        worker counts they mean (a count given too must agree); raises ``ValueError``."""
+        size, expert_parallel = self.data_parallel_size, self.enable_expert_parallel
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
+        if not isinstance(expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {expert_parallel!r}")
+        if size == 1 and not expert_parallel:
+            return
+        counts = {"attention_replicas": size}
+        if expert_parallel:
+            counts["expert_workers"] = size
+        for name, value in counts.items():
+            if getattr(self, name) not in (1, value):
+                raise ValueError(
+                    f"{name}={getattr(self, name)} contradicts data_parallel_size={size}"
+                    f"{' with enable_expert_parallel' if expert_parallel else ''}, which "
+                    f"means {value}: give one or the other")
+            object.__setattr__(self, name, value)
+        if self.disaggregate:
+            raise ValueError("data_parallel_size / enable_expert_parallel co-locate attention "
+                             "and experts in each worker: they exclude disaggregate=True")
+        if not expert_parallel:
+            if self.expert_workers != 1 or self.expert_placement is not None:
+                raise ValueError("data_parallel_size without enable_expert_parallel runs every "
+                                 "expert in each replica: expert_workers / expert_placement "
+                                 "need enable_expert_parallel=True")
+            if self.aggregation != "per_layer":
+                raise ValueError("aggregation applies to expert workers: data parallelism "
+                                 "without enable_expert_parallel has none")
+
+    def _check_gpus(self) -> None:
+        """Validate ``attention_gpus`` / ``expert_gpus`` (lists become tuples)."""
+        for name, count in (("attention_gpus", self.attention_replicas),
+                            ("expert_gpus", self.expert_workers)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not all(
+                    isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in value):
+                raise ValueError(f"{name} must list GPU indices (integers >= 0), got {value!r}")
+            value = tuple(value)
+            object.__setattr__(self, name, value)
+            if self.device != "cuda":
+                raise ValueError(f"{name} places workers on the visible GPUs: it needs "
+                                 f"device='cuda', not {self.device!r}")
+            if len(value) != count:
+                what = "attention replica" if name == "attention_gpus" else "expert worker"
+                raise ValueError(f"{name} lists {len(value)} GPUs for {count} {what}(s): "
+                                 f"give one GPU per {what}")
+        if (self.colocated and self.expert_gpus is not None
+                and self.expert_gpus != self.attention_gpus):
+            raise ValueError("enable_expert_parallel puts expert worker i with attention "
+                             "replica i: give attention_gpus only (expert_gpus must match it)")
 
 
 # vLLM's defaults (EngineArgs.get_batch_defaults), (max_num_batched_tokens, max_num_seqs):

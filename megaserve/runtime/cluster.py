@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import functools
-import os
 import threading
 import time
 from dataclasses import replace
@@ -41,6 +40,8 @@ from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepO
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
                                         RestartPolicy, WorkerHealth, add_counters, restarted,
                                         worker_params)
+from megaserve.runtime.layout import (comm_world, nccl_gpu_clash, ready_messages,
+                                      worker_specs)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
@@ -48,34 +49,6 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
-
-
-def _worker_device(device: str, rank: int) -> str:
-    """A worker's device: ``cuda`` spreads workers round-robin over the visible GPUs
-    (attention replicas first, then expert workers); ``cuda:N`` and ``cpu`` are shared."""
-    if device != "cuda":
-        return device
-    import torch
-
-    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
-
-
-def nccl_gpu_clash(device: str, replicas: int, experts: int) -> str | None:
-    """Why the ``nccl`` transport cannot connect this layout, or None.
-
-    NCCL refuses a communicator with two ranks on one GPU ("invalid usage"), and every
-    attention replica exchanges with every expert worker, so no replica may share a GPU
-    with an expert worker (expert workers may share one: they never exchange). On the
-    CPU the data plane is gloo, which has no such limit."""
-    if not device.startswith("cuda"):
-        return None
-    devices = [_worker_device(device, rank) for rank in range(replicas + experts)]
-    for a in range(replicas):
-        for e in range(experts):
-            if devices[a] == devices[replicas + e]:
-                return (f"attention replica {a} and expert worker {e} would both run on "
-                        f"{devices[a]}, and NCCL does not connect two processes on one GPU")
-    return None
 
 
 class WorkerError(RuntimeError):
@@ -113,8 +86,7 @@ class DisaggregatedEngine:
             if reason is not None:
                 raise ValueError(f"transport 'rdma': {reason}; use tcp")
         if config.transport == "nccl":
-            clash = nccl_gpu_clash(config.device, config.attention_replicas,
-                                   config.expert_workers)
+            clash = nccl_gpu_clash(config)
             if clash is not None:
                 raise ValueError(f"transport 'nccl': {clash}; use cuda_ipc, or give the "
                                  "attention replicas and expert workers separate GPUs")
@@ -161,29 +133,25 @@ class DisaggregatedEngine:
         return ChannelConfig(slot_bytes=size, slots_per_peer=self.config.microbatches + 1,
                              timeout_s=120.0, connect_timeout_s=STARTUP_TIMEOUT_S)
 
-    def _worker_specs(self, rendezvous: str) -> list[WorkerSpec]:
-        """One WorkerSpec per rank: attention replicas first, then expert workers."""
-        num_replicas, num_experts = self.config.attention_replicas, self.placement.num_workers
-        world = num_replicas + num_experts
-        channel = self._channel()
-        specs = []
-        for rank in range(world):
-            role, index = ("attention", rank) if rank < num_replicas else ("expert", rank - num_replicas)
-            specs.append(WorkerSpec(role, index, rank, world, rendezvous, self.config.transport,
-                                    channel, self.config, self.placement, num_replicas, os.getpid(),
-                                    _worker_device(self.config.device, rank)))
-        return specs
+    def _worker_specs(self) -> list[WorkerSpec]:
+        """A fresh rendezvous round, and one WorkerSpec per worker to meet there."""
+        world = comm_world(self.config)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        self._rendezvous = (RendezvousServer(world, host=self._launcher.rendezvous_host)
+                            if world else None)
+        address = self._rendezvous.address if world else ""
+        return worker_specs(self.config, self.placement, address, self._channel())
 
     def _start_workers(self) -> None:
-        world = self.config.attention_replicas + self.placement.num_workers
         self._launcher = self._launcher or make_launcher(
             self.config.launcher, use_processes=self.config.transport != "inproc",
             ray_address=self.config.ray_address)
-        self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
+        self._rendezvous = None
         self._group = None
         try:
-            self._group = self._launcher.start(self._worker_specs(self._rendezvous.address))
-            self._await_ready(world)
+            self._group = self._launcher.start(self._worker_specs())
+            self._await_ready(ready_messages(self.config))
         except BaseException:
             self.shutdown()
             raise
@@ -255,14 +223,10 @@ class DisaggregatedEngine:
         for stats in filter(None, self._stats):
             self._retired = add_counters(stats, self._retired)
         self._stats = [restarted(s) if s is not None else None for s in self._stats]
-        world = self.config.attention_replicas + self.placement.num_workers
-        self._rendezvous.close()
-        self._rendezvous = RendezvousServer(world, host=self._launcher.rendezvous_host)
         self._starting = True
         try:
-            self._group = self._launcher.restart(self._group,
-                                                 self._worker_specs(self._rendezvous.address))
-            self._await_ready(world)
+            self._group = self._launcher.restart(self._group, self._worker_specs())
+            self._await_ready(ready_messages(self.config))
         finally:
             self._starting = False
 
@@ -287,8 +251,10 @@ class DisaggregatedEngine:
             if self._group is not None:
                 self._group.stop(STOP_GRACE_S)
                 self._drain_stats()
-            self._rendezvous.close()
-            self._launcher.close()
+            if self._rendezvous is not None:
+                self._rendezvous.close()
+            if self._launcher is not None:
+                self._launcher.close()
 
     @property
     def _workers(self) -> list:

@@ -23,6 +23,11 @@ def device_plane_reason(config: EngineConfig) -> str | None:
     """Why ``config`` cannot run on the device data plane, or None if it can."""
     if not config.device.startswith("cuda"):
         return "the device data plane needs CUDA"
+    if config.colocated or config.data_parallel:
+        return ("data_parallel_size runs its workers on the host data plane (co-located "
+                "expert parallelism, or whole engines)")
+    if config.attention_gpus is not None or config.expert_gpus is not None:
+        return "attention_gpus / expert_gpus place the workers of the host data plane"
     if config.transport == "nccl" and not _experts_on_other_gpus(config):
         return ("nccl connects no two processes on one GPU: the device data plane puts the "
                 "expert workers on the other GPUs (device='cuda' with several visible)")

@@ -102,8 +102,13 @@ def process_context():
 
 def process_title(spec: WorkerSpec) -> str:
     """The short name a worker process shows in ``ps`` / ``/proc/<pid>/comm``:
-    ``megaserve-A<i>`` for attention replica i, ``megaserve-E<i>`` for expert worker i."""
-    return f"megaserve-{'A' if spec.role == 'attention' else 'E'}{spec.index}"
+    ``megaserve-A<i>`` for attention replica i, ``megaserve-E<i>`` for expert worker i,
+    ``megaserve-EP<i>`` for co-located worker i (both), ``megaserve-DP<i>`` for
+    data-parallel engine i."""
+    return f"megaserve-{_TITLES[spec.role]}{spec.index}"
+
+
+_TITLES = {"attention": "A", "expert": "E", "colocated": "EP", "engine": "DP"}
 
 
 def set_process_title(title: str) -> None:

@@ -1,5 +1,12 @@
-"""Worker entry points: one function runs an attention or an expert worker, as a thread
-(``inproc``) or as a spawned process (``tcp``, ``cuda_ipc``, ``nccl``).
+"""Worker entry points: one function runs a worker, as a thread (``inproc``) or as a
+spawned process (``tcp``, ``cuda_ipc``, ``nccl``). A worker's role:
+
+* ``attention``: one attention replica (an LLMEngine whose experts are remote);
+* ``expert``: one expert worker serving every replica;
+* ``colocated``: both, replica i and expert worker i (co-located expert parallelism): the
+  expert role serves from a thread of the worker, with its own comm rank, so a replica
+  waiting for its combine never blocks the experts other replicas wait for;
+* ``engine``: a whole engine, every expert in it (data parallelism), no comm.
 
 Messages both ways are the typed dataclasses of :mod:`megaserve.runtime.messages`.
 """
@@ -9,8 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,13 +33,16 @@ logger = logging.getLogger(__name__)
 
 # How long an idle attention worker blocks on its inbox before checking its parent.
 IDLE_WAIT_S = 0.2
+# How long a co-located worker waits for its expert thread to stop.
+EXPERT_THREAD_JOIN_S = 10.0
+ROLES = ("attention", "expert", "colocated", "engine")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    role: str  # "attention" | "expert"
-    index: int  # replica index, or expert worker index
-    rank: int  # comm rank: attention replicas first, then expert workers
+    role: str  # one of ROLES (the module docstring)
+    index: int  # replica index, or expert worker index (both, for "colocated")
+    rank: int  # comm rank: attention replicas first, then expert workers (colocated: its replica's)
     world_size: int
     rendezvous: str  # host:port of the front-end's rendezvous server
     transport: str
@@ -43,24 +54,37 @@ class WorkerSpec:
     device: str  # this worker's device, e.g. "cpu" or "cuda:1"
     host: str = "127.0.0.1"  # where this worker's endpoint listens (its node's IP across hosts)
 
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {list(ROLES)}, got {self.role!r}")
+
     @property
     def expert_ranks(self) -> list[int]:
         return [self.num_replicas + w for w in range(self.placement.num_workers)]
 
+    @property
+    def runs_attention(self) -> bool:
+        """Whether this worker holds an attention replica (takes AddRequest etc.)."""
+        return self.role != "expert"
+
 
 def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
     """Entry point of a worker thread or process; reports failures to ``outbox``."""
+    if spec.role == "colocated":
+        _run_colocated(spec, inbox, outbox)
+        return
     endpoint = None
     try:
         if spec.device == "cpu":
             torch.set_num_threads(spec.engine.cpu_threads)
         else:
             torch.cuda.set_device(torch.device(spec.device))
-        endpoint = _connect(spec)
-        if spec.role == "attention":
-            _serve_attention(spec, endpoint, inbox, outbox)
-        else:
+        if spec.role != "engine":
+            endpoint = _connect(spec)
+        if spec.role == "expert":
             _serve_experts(spec, endpoint, inbox, outbox)
+        else:
+            _serve_attention(spec, endpoint, inbox, outbox)
     except BaseException as e:  # noqa: BLE001 - forwarded to the front-end
         logger.exception("%s worker %d failed", spec.role, spec.index)
         outbox.put(WorkerFailure(spec.role, spec.index,
@@ -68,6 +92,22 @@ def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
     finally:
         if endpoint is not None:
             endpoint.close()
+
+
+def _run_colocated(spec: WorkerSpec, inbox, outbox) -> None:
+    """Attention replica ``spec.index`` on this thread, expert worker ``spec.index`` (comm
+    rank ``num_replicas + index``) on a thread of its own; both stop when the replica's
+    loop ends (Stop, a failure, or the front-end gone)."""
+    expert = replace(spec, role="expert", rank=spec.num_replicas + spec.index)
+    expert_inbox: queue.Queue = queue.Queue()
+    thread = threading.Thread(target=run_worker, args=(expert, expert_inbox, outbox),
+                              name=f"megaserve-expert-{spec.index}", daemon=True)
+    thread.start()
+    try:
+        run_worker(replace(spec, role="attention"), inbox, outbox)
+    finally:
+        expert_inbox.put(Stop())
+        thread.join(EXPERT_THREAD_JOIN_S)
 
 
 def settle_heap(transport: str) -> None:
@@ -110,13 +150,15 @@ def _parent_gone(spec: WorkerSpec) -> bool:
     return False
 
 
-def _serve_attention(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
+def _serve_attention(spec: WorkerSpec, endpoint: Endpoint | None, inbox, outbox) -> None:
     from megaserve.engine.engine import LLMEngine
     from megaserve.runtime.remote_experts import RemoteExperts
 
     config = spec.engine.replica(device=spec.device)
-    lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
-    experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
+    lockstep = experts = None
+    if endpoint is not None:  # else: a whole engine (data parallelism), experts in it
+        lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
+        experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
     engine = LLMEngine(config, experts=experts)
     settle_heap(spec.transport)
     outbox.put(WorkerReady(spec.role, spec.index))

@@ -12,7 +12,8 @@ import pytest
 from megaserve.comm.rdma import rdma_unavailable
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
-from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError, nccl_gpu_clash
+from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
+from megaserve.runtime.layout import nccl_gpu_clash
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.recovery import RestartPolicy
 from tests.processes import alive
@@ -145,8 +146,12 @@ def test_placement_validation_and_uneven_split():
     with pytest.raises(ValueError, match="transport 'nccl': attention replica 0 and expert "
                                          "worker 0 would both run on cuda:0"):
         LLM(dtype="float32", device="cuda:0", expert_workers=2, transport="nccl")
-    assert nccl_gpu_clash("cpu", 2, 3) is None  # gloo on the CPU
-    assert nccl_gpu_clash("cuda:1", 1, 2) is not None
+    assert nccl_gpu_clash(EngineConfig(device="cpu", attention_replicas=2,
+                                       expert_workers=3)) is None  # gloo on the CPU
+    assert nccl_gpu_clash(EngineConfig(device="cuda:1", expert_workers=2)) is not None
+    # Explicit GPUs: attention on 0 and 1, experts on 2: NCCL connects them.
+    assert nccl_gpu_clash(EngineConfig(device="cuda", attention_replicas=2, attention_gpus=(0, 1),
+                                       expert_gpus=(2,)), num_gpus=3) is None
 
 
 FRONT_END = """

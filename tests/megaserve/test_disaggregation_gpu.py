@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megaserve import LLM, SamplingParams
-from megaserve.runtime.cluster import nccl_gpu_clash
+from megaserve.engine.config import EngineConfig
+from megaserve.runtime.layout import nccl_gpu_clash
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,8 @@ def test_disaggregated_gpus_equal_single_gpu(single_gpu, transport, replicas, ex
         pytest.skip("needs at least 2 GPUs")
     if (replicas, experts, microbatches) == (1, 3, 4) and gpus < 4:
         pytest.skip("the experts-on-GPUs-1-3 layout needs 4 GPUs")
-    if transport == "nccl" and nccl_gpu_clash("cuda", replicas, experts):
+    if transport == "nccl" and nccl_gpu_clash(EngineConfig(
+            device="cuda", attention_replicas=replicas, expert_workers=experts)):
         # On the host data plane a replica would share a GPU with an expert worker: NCCL
         # cannot connect them (its "invalid usage", 2x H200), so the layout is refused up
         # front with a clear error. The device data plane (the default on CUDA) keeps the

@@ -1,0 +1,111 @@
+"""Where a layout's workers run: which device each role gets, and one WorkerSpec per worker.
+
+Three kinds of layout, all served by :class:`~megaserve.runtime.cluster.DisaggregatedEngine`::
+
+    disaggregated     R attention workers + E expert workers   ranks 0..R-1 | R..R+E-1
+                      (attention_replicas, expert_workers)     one worker each
+    co-located EP     N workers, worker i = attention replica i + expert worker i
+                      (data_parallel_size=N,                   ranks i and N+i in worker i
+                       enable_expert_parallel=True)
+    data parallel     N workers, each a whole engine (all experts in it), no comm ranks
+                      (data_parallel_size=N)
+
+Comm ranks are the same in the first two: attention replicas first, then expert workers,
+so co-located EP runs the disaggregated dispatch/combine unchanged, each worker's expert
+rank serving every replica (its own included) from a thread of the same process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megaserve.comm import ChannelConfig
+from megaserve.engine.config import EngineConfig
+from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.workers import WorkerSpec
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_devices(config: EngineConfig, num_gpus: int | None = None) -> tuple[list[str], list[str]]:
+    """(device of each attention replica, device of each expert worker).
+
+    ``device="cuda"``: ``attention_gpus`` / ``expert_gpus`` where given, else round-robin
+    over the ``num_gpus`` visible GPUs (default: :func:`visible_gpus`), attention replicas
+    first; co-located EP puts expert worker i on attention replica i's GPU. ``cpu`` and
+    ``cuda:N`` are shared by every worker. Raises ``ValueError`` for a GPU index that is not
+    visible."""
+    replicas, experts = config.attention_replicas, config.expert_workers
+    if config.device != "cuda":
+        return [config.device] * replicas, [config.device] * experts
+    count = max(1, visible_gpus() if num_gpus is None else num_gpus)
+    attention = list(config.attention_gpus or [r % count for r in range(replicas)])
+    if config.colocated:
+        expert = list(attention)
+    else:
+        expert = list(config.expert_gpus or [(replicas + e) % count for e in range(experts)])
+    bad = sorted({g for g in attention + expert if g >= count})
+    if bad and (config.attention_gpus or config.expert_gpus):
+        raise ValueError(f"attention_gpus / expert_gpus: GPU(s) {bad} are not visible "
+                         f"(this process sees {count}; CUDA_VISIBLE_DEVICES renumbers them)")
+    return [f"cuda:{g}" for g in attention], [f"cuda:{g}" for g in expert]
+
+
+def nccl_gpu_clash(config: EngineConfig, num_gpus: int | None = None) -> str | None:
+    """Why the ``nccl`` transport cannot connect this layout, or None.
+
+    NCCL refuses a communicator with two ranks on one GPU ("invalid usage"), and every
+    attention replica exchanges with every expert worker, so no replica may share a GPU
+    with an expert worker (expert workers may share one: they never exchange). Co-located
+    EP shares every GPU by definition. On the CPU the data plane is gloo, which has no
+    such limit."""
+    if not config.device.startswith("cuda") or config.data_parallel:
+        return None
+    attention, experts = worker_devices(config, num_gpus)
+    for a, a_device in enumerate(attention):
+        for e, e_device in enumerate(experts):
+            if a_device == e_device:
+                return (f"attention replica {a} and expert worker {e} would both run on "
+                        f"{a_device}, and NCCL does not connect two processes on one GPU")
+    return None
+
+
+def comm_world(config: EngineConfig) -> int:
+    """Comm ranks of the layout: attention replicas + expert workers (0: data parallel)."""
+    return 0 if config.data_parallel else config.attention_replicas + config.expert_workers
+
+
+def ready_messages(config: EngineConfig) -> int:
+    """WorkerReady messages a started layout sends: one per role of each worker (a
+    co-located worker sends two, one per role it runs)."""
+    if config.data_parallel:
+        return config.attention_replicas
+    return config.attention_replicas + config.expert_workers
+
+
+def worker_specs(config: EngineConfig, placement: ExpertPlacement, rendezvous: str,
+                 channel: ChannelConfig) -> list[WorkerSpec]:
+    """One WorkerSpec per worker of ``config``'s layout (see the module docstring), in
+    start order: attention-bearing workers first. ``config`` is the front-end's (model path
+    resolved)."""
+    replicas = config.attention_replicas
+    attention_devices, expert_devices = worker_devices(config)
+    world = comm_world(config)
+    parent = os.getpid()
+
+    def spec(role: str, index: int, rank: int, device: str) -> WorkerSpec:
+        return WorkerSpec(role, index, rank, world, rendezvous, config.transport, channel,
+                          config, placement, replicas, parent, device)
+
+    if config.data_parallel:
+        return [spec("engine", r, r, attention_devices[r]) for r in range(replicas)]
+    if config.colocated:
+        return [spec("colocated", r, r, attention_devices[r]) for r in range(replicas)]
+    return ([spec("attention", r, r, attention_devices[r]) for r in range(replicas)]
+            + [spec("expert", e, replicas + e, expert_devices[e])
+               for e in range(placement.num_workers)])
