@@ -90,7 +90,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, model_config)
         start = memory.snapshot(config.device)  # before the weights (CUDA only)
         model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len,
-                           expert_ids=[] if experts is not None else None, config=model_config)
+                           expert_ids=[] if experts is not None else None, config=model_config,
+                           quantization=config.quantization)
         self.model_config = model.config
         self.model_name = config.model
         self.vocab_size = model.config.vocab_size
@@ -104,7 +105,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            cache_root=cache_root(path, model.attention.dtype, config.block_size),
+                            cache_root=cache_root(path, model.attention.dtype, config.block_size,
+                                                  config.quantization),
                             max_model_len=self.max_model_len),
             self.pool,
             num_drafts=self.proposer.num_proposals if self.proposer is not None else None,
@@ -351,9 +353,12 @@ class LLMEngine:
         """Release resources (worker processes, once disaggregated)."""
 
 
-def cache_root(model_path: str | Path, dtype: torch.dtype, block_size: int) -> bytes:
+def cache_root(model_path: str | Path, dtype: torch.dtype, block_size: int,
+               quantization: str | None = None) -> bytes:
     """The prefix cache's hash-chain root: what besides tokens shapes a block's K/V."""
-    return root_hash(str(Path(model_path).resolve()), str(dtype), block_size)
+    if quantization is None:
+        return root_hash(str(Path(model_path).resolve()), str(dtype), block_size)
+    return root_hash(str(Path(model_path).resolve()), str(dtype), block_size, quantization)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

@@ -15,6 +15,8 @@ from megaserve.models.attention_part import AttentionPart, LayerWeights
 from megaserve.models.checkpoint import CheckpointReader
 from megaserve.models.config import ModelConfig
 from megaserve.models.expert_part import ExpertPart
+from megaserve.models.quantization import (QUANTIZATION_METHODS, QuantConfig, dequantize,
+                                           is_fp8, quantize, scale_shape)
 from megaserve.models.random_weights import RandomWeights, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,11 +38,25 @@ class LoadedModel:
     experts: ExpertPart | None
 
 
-class _Weights:
-    """Typed access to checkpoint tensors: converted, placed and shape-checked."""
+# Linear weights that block-FP8 checkpoints store in e4m3 and ``quantization="fp8"``
+# quantizes; embeddings, the LM head, router gates, norms and biases stay as they are.
+_QUANTIZED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight",
+                       ".w3.weight")
 
-    def __init__(self, reader: CheckpointReader | RandomWeights, dtype: torch.dtype, device: torch.device):
+
+class _Weights:
+    """Typed access to checkpoint tensors: converted, placed and shape-checked.
+
+    Block-FP8 tensors (the checkpoint's ``quantization_config``) are dequantized with their
+    ``weight_scale_inv`` into the compute dtype; with ``quantize`` set, the linear weights
+    of a higher-precision checkpoint are rounded through the same block-FP8 format first.
+    """
+
+    def __init__(self, reader: CheckpointReader | RandomWeights, dtype: torch.dtype,
+                 device: torch.device, checkpoint_quant: QuantConfig | None = None,
+                 quantize: QuantConfig | None = None):
         self.reader, self.dtype, self.device = reader, dtype, device
+        self.checkpoint_quant, self.quantize = checkpoint_quant, quantize
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self.reader.get(name)
@@ -48,7 +64,38 @@ class _Weights:
             raise ValueError(
                 f"model: tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}"
             )
+        if is_fp8(t):
+            return self._dequantized(name, t)
+        if self.quantize is not None and name.endswith(_QUANTIZED_SUFFIXES):
+            block = self.quantize.weight_block_size
+            q, scale = quantize(t.to(self.device), block)
+            return dequantize(q, scale, block, self.dtype)
         return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """An FP8 tensor with its block scales, in the compute dtype; ValueError naming
+        the field or tensor where the checkpoint does not describe it fully."""
+        quant = self.checkpoint_quant
+        if quant is None:
+            raise ValueError(f"model: tensor {name!r} is {t.dtype} but config.json has no "
+                             "quantization_config")
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"model: tensor {name!r} is {t.dtype}; quantization_config.fmt "
+                             "e4m3 needs float8_e4m3fn")
+        if t.dim() != 2:
+            raise ValueError(f"model: FP8 tensor {name!r} is not a matrix")
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if not self.reader.has(scale_name):
+            raise ValueError(f"model: FP8 tensor {name!r} has no {scale_name!r} "
+                             "(quantization_config.weight_block_size needs one scale per block)")
+        scale = self.reader.get(scale_name)
+        block = quant.weight_block_size
+        expected = scale_shape(tuple(t.shape), block)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"model: tensor {scale_name!r} has shape {tuple(scale.shape)}; "
+                             f"{list(t.shape)} in quantization_config.weight_block_size "
+                             f"{list(block)} needs {list(expected)}")
+        return dequantize(t.to(self.device), scale.to(self.device), block, self.dtype)
 
     def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.get(name, shape) if self.reader.has(name) else None
@@ -63,19 +110,29 @@ def load_model(
     expert_ids: list[int] | None = None,
     max_positions: int | None = None,
     config: ModelConfig | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load the parts of a checkpoint that one worker needs.
 
     ``attention``: build the AttentionPart. ``expert_ids``: the routed experts to hold
     (None = all, [] = none). ``max_positions``: rotary table length (default: the
     model's max_position_embeddings). ``config``: the checkpoint's config when the caller
-    has read it already. A random checkpoint (megaserve.models.random_weights) is drawn
-    on ``device`` instead of read. Raises ``ValueError`` naming the file or tensor for anything
-    missing, corrupt or inconsistent.
+    has read it already. ``quantization``: "fp8" rounds the linear weights of a bf16/fp32
+    checkpoint through block-FP8 (128 x 128 blocks) at load; None keeps the checkpoint's
+    weights (a block-FP8 checkpoint is always read with its scales). Weights are computed
+    with in the resolved ``dtype`` (FP8 ones dequantized into it). A random checkpoint
+    (megaserve.models.random_weights) is drawn on ``device`` instead of read. Raises
+    ``ValueError`` naming the file, tensor or config field for anything missing, corrupt,
+    inconsistent or not understood.
     """
     config = config or ModelConfig.from_dir(path)
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                         f"got {quantization!r}")
     torch_dtype, torch_device = resolve_dtype(dtype, config), torch.device(device)
-    weights = _Weights(open_checkpoint(path, torch_dtype, torch_device), torch_dtype, torch_device)
+    weights = _Weights(open_checkpoint(path, torch_dtype, torch_device), torch_dtype, torch_device,
+                       config.quantization,
+                       QuantConfig() if quantization and config.quantization is None else None)
     if expert_ids is None:
         expert_ids = list(range(config.num_experts))
     bad = [e for e in expert_ids if not 0 <= e < config.num_experts]

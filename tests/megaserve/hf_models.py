@@ -52,3 +52,55 @@ def make_checkpoint(directory: Path, family: str, seed: int = 0, shard: bool = F
     model = model_cls(config).eval()
     model.save_pretrained(directory, max_shard_size="100KB" if shard else "5GB")
     return model
+
+
+# Linear weights DeepSeek's block-FP8 checkpoints store in e4m3 (router gates, embeddings,
+# the LM head and norms stay in the checkpoint's dtype).
+FP8_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Rewrite the safetensors checkpoint ``src`` into ``dst`` in DeepSeek's block-FP8 format
+    (e4m3 weights, ``weight_scale_inv`` `[ceil(N/bn), ceil(K/bk)]` = block amax / 448,
+    ``quantization_config`` in config.json). Returns every tensor of the dequantized model
+    (``fp8.float() * scale`` of its block, float32): what HF runs as the reference."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors |= load_file(str(file))
+    out, reference = {}, {}
+    bn, bk = block
+    for name, w in tensors.items():
+        if not name.endswith(FP8_SUFFIXES) or w.dim() != 2:
+            out[name] = reference[name] = w
+            continue
+        n, k = w.shape
+        rows, cols = -(-n // bn), -(-k // bk)
+        scale = torch.ones(rows, cols)
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        deq = torch.empty(n, k)
+        for r in range(rows):
+            for c in range(cols):
+                tile = w[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk].float()
+                amax = tile.abs().max().item()
+                s = amax / 448.0 if amax > 0 else 1.0
+                scale[r, c] = s
+                qt = (tile / s).to(torch.float8_e4m3fn)
+                q[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk] = qt
+                deq[r * bn:(r + 1) * bn, c * bk:(c + 1) * bk] = qt.float() * scale[r, c]
+        out[name], reference[name] = q, deq
+        out[name.removesuffix(".weight") + ".weight_scale_inv"] = scale
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in ("generation_config.json",):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
+    return reference
