@@ -211,7 +211,7 @@ def _logprobs(core: ServingCore, req: oai.OpenAIRequest, ids: list[int], lps, of
     if req.top_logprobs is None or lps is None:
         return None
     if req.chat:
-        return oai.chat_logprobs(ids, lps, core.token_bytes)
+        return oai.chat_logprobs(ids, lps, core.token_bytes, req.top_logprobs)
     return oai.completion_logprobs(ids, lps, offset, core.token_bytes)
 
 

@@ -216,12 +216,15 @@ def completion_logprobs(token_ids: list[int], logprobs: Logprobs, offset: int,
             "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: Logprobs,
-                  tokens: TokenBytes) -> dict[str, Any]:
+def chat_logprobs(token_ids: list[int], logprobs: Logprobs, tokens: TokenBytes,
+                  top_n: int) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
 
     ``bytes`` are the token's own bytes (a piece of a multi-byte character stays that
-    piece, not U+FFFD); ``top_logprobs`` lists every alternative the engine returned.
+    piece, not U+FFFD); ``top_logprobs`` are the ``top_n`` most likely tokens, most likely
+    first, the sampled one included where it ranks (OpenAI's and vLLM's shape). Each of
+    ``logprobs`` holds the engine's top ``top_n`` in rank order, then the sampled token
+    when it is not among them.
     """
     def entry(t: int, lp: float) -> dict[str, Any]:
         return {"token": tokens.text_of(t), "token_id": t, "logprob": lp,
@@ -229,6 +232,7 @@ def chat_logprobs(token_ids: list[int], logprobs: Logprobs,
     content = []
     for t, lp in zip(token_ids, logprobs):
         item = entry(t, lp.get(t))
-        item["top_logprobs"] = [entry(k, v) for k, v in lp.items() if k != t]
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]  # stable: ties keep rank
+        item["top_logprobs"] = [entry(k, v) for k, v in ranked]
         content.append(item)
     return {"content": content}
