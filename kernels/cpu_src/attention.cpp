@@ -9,29 +9,45 @@ namespace ms {
 namespace {
 
 
-// In-place transpose of a 16 x 16 block held as 16 row vectors (only moves values).
-// Stage s swaps bit s of the row and column index of every element; after the four
-// stages element (r, c) holds the original (c, r).
-inline void transpose16(v16* rows) {
-  static const v16i lo[4] = {
-      {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
-      {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-      {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
-  static const v16i hi[4] = {
-      {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
-      {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-      {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+// In-place transpose of a VW x VW block held as VW row vectors (only moves values).
+// Stage s swaps bit s of the row and column index of every element; after the log2(VW)
+// stages element (r, c) holds the original (c, r). Stage s's masks: lo[i] = i with bit s
+// clear, else (i - 2^s) + VW (from y); hi[i] = i + 2^s with bit s clear, else i + VW.
+#if defined(__AVX512F__)
+constexpr int TRANSPOSE_STAGES = 4;
+static const veci TRANSPOSE_LO[4] = {
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
+static const veci TRANSPOSE_HI[4] = {
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+#elif defined(__AVX2__)
+constexpr int TRANSPOSE_STAGES = 3;
+static const veci TRANSPOSE_LO[3] = {
+    {0, 8, 2, 10, 4, 12, 6, 14}, {0, 1, 8, 9, 4, 5, 12, 13}, {0, 1, 2, 3, 8, 9, 10, 11}};
+static const veci TRANSPOSE_HI[3] = {
+    {1, 9, 3, 11, 5, 13, 7, 15}, {2, 3, 10, 11, 6, 7, 14, 15}, {4, 5, 6, 7, 12, 13, 14, 15}};
+#else
+constexpr int TRANSPOSE_STAGES = 2;
+static const veci TRANSPOSE_LO[2] = {{0, 4, 2, 6}, {0, 1, 4, 5}};
+static const veci TRANSPOSE_HI[2] = {{1, 5, 3, 7}, {2, 3, 6, 7}};
+#endif
+static_assert(1 << TRANSPOSE_STAGES == VW, "one transpose stage per bit of a lane index");
+
+inline void transpose_block(vec* rows) {
 #pragma GCC unroll 4
-  for (int b = 0; b < 4; ++b) {
+  for (int b = 0; b < TRANSPOSE_STAGES; ++b) {
     const int s = 1 << b;
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
+    for (int r = 0; r < VW; ++r) {
       if (r & s) continue;
-      const v16 x = rows[r], y = rows[r | s];
-      rows[r] = __builtin_shuffle(x, y, lo[b]);
-      rows[r | s] = __builtin_shuffle(x, y, hi[b]);
+      const vec x = rows[r], y = rows[r | s];
+      rows[r] = __builtin_shuffle(x, y, TRANSPOSE_LO[b]);
+      rows[r | s] = __builtin_shuffle(x, y, TRANSPOSE_HI[b]);
     }
   }
 }
@@ -44,39 +60,43 @@ inline float to_float(uint16_t bf16) {  // bfloat16 bits -> float (exact)
   return f;
 }
 
-// out_g[d] = sum_j p_g[j] * v_j[d], j ascending, for heads g0 <= g < g0 + G; NV = dh / 16.
-// The G heads share each value row's loads, and their G * NV sums are independent add
-// chains (a lane's order is the same for any G).
+// out_g[d] = sum_j p_g[j] * v_j[d], j ascending, for heads g0 <= g < g0 + G and the NV
+// vectors of d starting at d0. The G heads share each value row's loads, and their G * NV
+// sums are independent add chains (a lane's order is the same for any G, NV and d0).
 template <int NV, int G>
 inline void attend_values_heads(const float* const* vrows, const float* scores, int64_t padded,
-                                int64_t len, int64_t g0, float* acc) {
-  v16 a[G][NV];
+                                int64_t len, int64_t g0, int64_t d0, int64_t dh, float* acc) {
+  vec a[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < NV; ++v) a[g][v] = v16{};
+    for (int v = 0; v < NV; ++v) a[g][v] = vec{};
   const float* p = scores + g0 * padded;
   for (int64_t j = 0; j < len; ++j) {
-    const float* vr = vrows[j];
-    v16 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = load16(vr + 16 * v);
+    const float* vr = vrows[j] + d0;
+    vec x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = loadv(vr + VW * v);
     for (int g = 0; g < G; ++g) {
       const float pj = p[g * padded + j];
       for (int v = 0; v < NV; ++v) a[g][v] = a[g][v] + pj * x[v];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < NV; ++v) store16(acc + (g0 + g) * NV * 16 + 16 * v, a[g][v]);
+    for (int v = 0; v < NV; ++v) storev(acc + (g0 + g) * dh + d0 + VW * v, a[g][v]);
 }
 
-// The sums above for heads g < group, up to four heads at a time (at most 8 vectors of
-// accumulators: NV = 8 takes one head at a time).
-template <int NV>
+// The sums above for heads g < group and DH = dh (a multiple of VW): slices of at most 8
+// vectors of d, and as many heads at a time (up to four) as keep 8 accumulators.
+template <int DH>
 void attend_values(const float* const* vrows, const float* scores, int64_t padded,
                    int64_t len, int64_t group, float* acc) {
+  constexpr int NV_ALL = DH / VW, NV = NV_ALL < 8 ? NV_ALL : 8;
   constexpr int WIDE = NV >= 8 ? 1 : 8 / NV < 4 ? 8 / NV : 4;
-  int64_t g = 0;
-  for (; g + WIDE <= group; g += WIDE)
-    attend_values_heads<NV, WIDE>(vrows, scores, padded, len, g, acc);
-  for (; g < group; ++g) attend_values_heads<NV, 1>(vrows, scores, padded, len, g, acc);
+  static_assert(DH % VW == 0 && NV_ALL % NV == 0, "d slices of equal width");
+  for (int64_t d0 = 0; d0 < DH; d0 += NV * VW) {
+    int64_t g = 0;
+    for (; g + WIDE <= group; g += WIDE)
+      attend_values_heads<NV, WIDE>(vrows, scores, padded, len, g, d0, DH, acc);
+    for (; g < group; ++g) attend_values_heads<NV, 1>(vrows, scores, padded, len, g, d0, DH, acc);
+  }
 }
 
 // The same sums for any dh (one lane per element, same order as attend_values).
@@ -89,38 +109,38 @@ void attend_values_any(const float* const* vrows, const float* scores, int64_t p
         acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vrows[j][dd];
 }
 
-// s_g[j] = (sum_d q_g[d] * kt[d][j], d ascending) * scale for j0 <= j < j0 + 16 * B and
+// s_g[j] = (sum_d q_g[d] * kt[d][j], d ascending) * scale for j0 <= j < j0 + VW * B and
 // heads g < G (q_g = q + g * dh, s_g = s + g * padded), kt rows `stride` apart. The G heads
 // share each kt load; the G * B sums are independent add chains (a lane's order is the
 // same for any G and B).
 template <int G, int B>
 inline void score_blocks(const float* q, const float* kt, int64_t stride, int64_t padded,
                          int64_t dh, float scale, int64_t j0, float* s) {
-  v16 d[G][B];
+  vec d[G][B];
   for (int g = 0; g < G; ++g)
-    for (int b = 0; b < B; ++b) d[g][b] = v16{};
+    for (int b = 0; b < B; ++b) d[g][b] = vec{};
   for (int64_t dd = 0; dd < dh; ++dd) {
-    v16 k[B];
-    for (int b = 0; b < B; ++b) k[b] = load16(kt + dd * stride + j0 + 16 * b);
+    vec k[B];
+    for (int b = 0; b < B; ++b) k[b] = loadv(kt + dd * stride + j0 + VW * b);
     for (int g = 0; g < G; ++g) {
       const float qd = q[g * dh + dd];
       for (int b = 0; b < B; ++b) d[g][b] = d[g][b] + qd * k[b];
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int b = 0; b < B; ++b) store16(s + g * padded + j0 + 16 * b, d[g][b] * scale);
+    for (int b = 0; b < B; ++b) storev(s + g * padded + j0 + VW * b, d[g][b] * scale);
 }
 
-// All j < padded (a multiple of 16) for heads g < G: 4 or 8 chains at a time, then single
-// blocks.
+// All j < padded (a multiple of SUM_LANES, so of VW) for heads g < G: 4 or 8 chains at a
+// time, then single vectors.
 template <int G>
 inline void score_heads(const float* q, const float* kt, int64_t stride, int64_t padded,
                         int64_t dh, float scale, float* s) {
   constexpr int B = G >= 4 ? 2 : 4;
   int64_t j0 = 0;
-  for (; j0 + 16 * B <= padded; j0 += 16 * B)
+  for (; j0 + VW * B <= padded; j0 += VW * B)
     score_blocks<G, B>(q, kt, stride, padded, dh, scale, j0, s);
-  for (; j0 < padded; j0 += 16) score_blocks<G, 1>(q, kt, stride, padded, dh, scale, j0, s);
+  for (; j0 < padded; j0 += VW) score_blocks<G, 1>(q, kt, stride, padded, dh, scale, j0, s);
 }
 
 // The scores of `group` heads (q: [group, dh], s: [group, padded]), four heads at a time.
@@ -132,17 +152,24 @@ void attend_scores(const float* q, const float* kt, int64_t stride, int64_t padd
   for (; g < group; ++g) score_heads<1>(q + g * dh, kt, stride, padded, dh, scale, s + g * padded);
 }
 
-// Scores -> exp(score - max) in place; keys past len get exactly 0.
+// Scores -> exp(score - max) in place; keys past len get exactly 0. The max: key j into
+// lane j % SUM_LANES (SUM_LANES / VW vectors), then the lanes in order.
 void softmax_numerators(float* s, int64_t len, int64_t padded) {
+  constexpr int PARTS = SUM_LANES / VW;
   for (int64_t j = len; j < padded; ++j) s[j] = -__builtin_inff();
-  v16 mx16 = load16(s);
-  for (int64_t j0 = 16; j0 < padded; j0 += 16) {
-    const v16 v = load16(s + j0);
-    mx16 = v > mx16 ? v : mx16;
+  vec mx_lanes[PARTS];
+  for (int i = 0; i < PARTS; ++i) mx_lanes[i] = loadv(s + i * VW);
+  for (int64_t j0 = SUM_LANES; j0 < padded; j0 += SUM_LANES)
+    for (int i = 0; i < PARTS; ++i) {
+      const vec v = loadv(s + j0 + i * VW);
+      mx_lanes[i] = v > mx_lanes[i] ? v : mx_lanes[i];
+    }
+  float mx = mx_lanes[0][0];  // key 0 is always visible: finite unless q or k is not
+  for (int l = 1; l < SUM_LANES; ++l) {
+    const float x = mx_lanes[l / VW][l % VW];
+    mx = x > mx ? x : mx;
   }
-  float mx = mx16[0];  // key 0 is always visible: finite unless q or k is not
-  for (int l = 1; l < 16; ++l) mx = mx16[l] > mx ? mx16[l] : mx;
-  for (int64_t j0 = 0; j0 < padded; j0 += 16) store16(s + j0, exp16(load16(s + j0) - mx));
+  for (int64_t j0 = 0; j0 < padded; j0 += VW) storev(s + j0, expv(loadv(s + j0) - mx));
 }
 
 // Causal paged attention; each query token computed on its own (see the runs below).
@@ -216,14 +243,14 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
         }
       }
       // Keys transposed: kt[d][j]; keys past len stay 0 (never read from the cache).
-      if (dh % 16 == 0) {
-        v16 block[16];
-        for (int64_t j0 = 0; j0 < stride; j0 += 16)
-          for (int64_t d0 = 0; d0 < dh; d0 += 16) {
-            for (int64_t i = 0; i < 16; ++i)
-              block[i] = j0 + i < len ? load16(krows[j0 + i] + d0) : v16{};
-            transpose16(block);
-            for (int64_t i = 0; i < 16; ++i) store16(&kt[(d0 + i) * stride + j0], block[i]);
+      if (dh % VW == 0) {
+        vec block[VW];
+        for (int64_t j0 = 0; j0 < stride; j0 += VW)
+          for (int64_t d0 = 0; d0 < dh; d0 += VW) {
+            for (int64_t i = 0; i < VW; ++i)
+              block[i] = j0 + i < len ? loadv(krows[j0 + i] + d0) : vec{};
+            transpose_block(block);
+            for (int64_t i = 0; i < VW; ++i) storev(&kt[(d0 + i) * stride + j0], block[i]);
           }
       } else {
         for (int64_t j = 0; j < len; ++j)
@@ -237,10 +264,10 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
                       scores);
         for (int64_t g = 0; g < group; ++g) softmax_numerators(scores + g * padded, len_t, padded);
         switch (dh) {
-          case 16: attend_values<1>(vrows, scores, padded, len_t, group, acc); break;
-          case 32: attend_values<2>(vrows, scores, padded, len_t, group, acc); break;
-          case 64: attend_values<4>(vrows, scores, padded, len_t, group, acc); break;
-          case 128: attend_values<8>(vrows, scores, padded, len_t, group, acc); break;
+          case 16: attend_values<16>(vrows, scores, padded, len_t, group, acc); break;
+          case 32: attend_values<32>(vrows, scores, padded, len_t, group, acc); break;
+          case 64: attend_values<64>(vrows, scores, padded, len_t, group, acc); break;
+          case 128: attend_values<128>(vrows, scores, padded, len_t, group, acc); break;
           default: attend_values_any(vrows, scores, padded, len_t, group, dh, acc); break;
         }
         for (int64_t g = 0; g < group; ++g) {

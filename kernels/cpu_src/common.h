@@ -37,21 +37,37 @@
 
 namespace ms {
 
-constexpr int NR = 64;         // output columns per packed weight panel (four 16-lane vectors)
+constexpr int NR = 64;         // output columns per packed weight panel (the packed layout)
 constexpr int MR = 6;          // rows per GEMM micro-kernel call (fewer for the last rows)
 constexpr int SUM_LANES = 16;  // partial sums of every row sum
 
-typedef float v16 __attribute__((vector_size(64)));
+// The native vector: VW floats, the widest register the build's ISA flags allow (AVX-512:
+// 16, AVX2: 8, SSE2: 4). Every kernel is written in `vec` (never in vectors wider than a
+// register: GCC splits those through memory, ~100x slower) and its lanes are always
+// independent elements (output columns, keys, ...), so VW changes how many elements run
+// at once, never an element's operations: every build gives the same bits.
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+constexpr int NUM_VREGS = 32;
+#elif defined(__AVX2__)
+constexpr int VW = 8;
+constexpr int NUM_VREGS = 16;
+#else
+constexpr int VW = 4;
+constexpr int NUM_VREGS = 16;
+#endif
+static_assert(NR % VW == 0 && SUM_LANES % VW == 0, "vector width must divide the tiles");
 
-inline v16 load16(const float* p) {
-  v16 v;
+typedef float vec __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t veci __attribute__((vector_size(VW * sizeof(int32_t))));
+
+inline vec loadv(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-typedef int32_t v16i __attribute__((vector_size(64)));
+inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Runs fn(task) for task in [0, num_tasks) on up to `threads` threads (the caller
 // included), each task once; which thread runs a task never changes its bits.
@@ -61,17 +77,18 @@ void parallel_for(int threads, int64_t num_tasks, const std::function<void(int64
 // exp / log with a fixed evaluation order (+ * / only), ~1-2 ulp.
 
 
-// exp of 16 lanes; the one exp of this file (scalars go through exp_array's padded tail).
-inline v16 exp16(v16 x) {
-  const v16 zero = v16{}, hi = zero + 88.72283f, lo = zero + -103.97208f;
-  v16 xc = x < lo ? lo : x;
+// exp of each lane; the one exp of these kernels (scalars go through exp_array's padded
+// tail).
+inline vec expv(vec x) {
+  const vec zero = vec{}, hi = zero + 88.72283f, lo = zero + -103.97208f;
+  vec xc = x < lo ? lo : x;
   xc = xc > hi ? hi : xc;  // NaN stays NaN (comparisons with NaN are false)
-  const v16 round = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (xc * 1.44269504f + round) - round;
+  const vec round = zero + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec n = (xc * 1.44269504f + round) - round;
   // Cody-Waite: ln2 = C1 + C2, C1 with few mantissa bits so n * C1 is exact.
-  v16 r = xc - n * 0.693145751953125f;
+  vec r = xc - n * 0.693145751953125f;
   r = r - n * 1.428606765330187e-06f;
-  v16 p = zero + 1.9875691500e-4f;
+  vec p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -79,10 +96,10 @@ inline v16 exp16(v16 x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   // Scale by 2^n in two steps (n >= -150 stays representable): halves of n are normal.
-  const v16i ni = __builtin_convertvector(n, v16i);
-  const v16i e1 = ni >> 1, e2 = ni - e1;
-  const v16 s1 = (v16)((e1 + 127) << 23), s2 = (v16)((e2 + 127) << 23);
-  v16 out = p * s1 * s2;
+  const veci ni = __builtin_convertvector(n, veci);
+  const veci e1 = ni >> 1, e2 = ni - e1;
+  const vec s1 = (vec)((e1 + 127) << 23), s2 = (vec)((e2 + 127) << 23);
+  vec out = p * s1 * s2;
   out = x > hi ? zero + __builtin_inff() : out;
   return x < lo ? zero : out;
 }
@@ -90,11 +107,11 @@ inline v16 exp16(v16 x) {
 // out[j] = exp(in[j]) for j < n (in place allowed).
 inline void exp_array(const float* in, float* out, int64_t n) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) store16(out + j, exp16(load16(in + j)));
+  for (; j + VW <= n; j += VW) storev(out + j, expv(loadv(in + j)));
   if (j < n) {
-    float tmp[16] = {0};
+    float tmp[VW] = {0};
     std::memcpy(tmp, in + j, sizeof(float) * (n - j));
-    store16(tmp, exp16(load16(tmp)));
+    storev(tmp, expv(loadv(tmp)));
     std::memcpy(out + j, tmp, sizeof(float) * (n - j));
   }
 }

@@ -8,30 +8,60 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // GEMM: c[m, n] = sum_k a[m, k] * w[n, k], k ascending, for one packed panel of NR columns.
 // Panel layout: [K][NR] (column n of the panel at offset n), zero-padded past N.
+//
+// A micro-kernel computes ROWS rows x CV vectors (CV * VW columns) of a panel, every
+// accumulator a register: ROWS * CV accumulators, CV weight vectors and one broadcast
+// within the ISA's registers. The tile shape never changes a bit (each element is its own
+// chain over k); it only decides how much of a weight load and of an `a` broadcast is
+// reused.
 
-template <int ROWS>
+// Accumulator registers a micro-kernel may take (the rest hold weights and a broadcast).
+constexpr int MAX_ACC = NUM_VREGS - 4;
+
+// Vectors per micro-kernel for `rows` rows: the widest power-of-two slice of the panel
+// whose accumulators fit (more independent add chains for few rows).
+constexpr int cv_for(int rows) {
+  int cv = NR / VW;
+  while (cv > 1 && rows * cv > MAX_ACC) cv /= 2;
+  return cv;
+}
+
+template <int ROWS, int CV>
 inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_t k_len,
                          float* c, int64_t ldc, int cols, const float* prefetch) {
-  v16 acc[ROWS][4];
-  for (int m = 0; m < ROWS; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = v16{};
+  vec acc[ROWS][CV];
+  for (int m = 0; m < ROWS; ++m)
+    for (int v = 0; v < CV; ++v) acc[m][v] = vec{};
   for (int64_t k = 0; k < k_len; ++k) {
     if (prefetch != nullptr)  // the next panel's row k, into L2 (4 cache lines)
       for (int line = 0; line < NR; line += 16) __builtin_prefetch(prefetch + k * NR + line, 0, 2);
-    const v16 b0 = load16(panel + k * NR), b1 = load16(panel + k * NR + 16);
-    const v16 b2 = load16(panel + k * NR + 32), b3 = load16(panel + k * NR + 48);
+    vec b[CV];
+    for (int v = 0; v < CV; ++v) b[v] = loadv(panel + k * NR + v * VW);
     for (int m = 0; m < ROWS; ++m) {
       const float av = a[m * lda + k];
-      acc[m][0] = acc[m][0] + av * b0;
-      acc[m][1] = acc[m][1] + av * b1;
-      acc[m][2] = acc[m][2] + av * b2;
-      acc[m][3] = acc[m][3] + av * b3;
+      for (int v = 0; v < CV; ++v) acc[m][v] = acc[m][v] + av * b[v];
     }
   }
   for (int m = 0; m < ROWS; ++m) {
-    float tmp[NR];
-    for (int v = 0; v < 4; ++v) store16(tmp + 16 * v, acc[m][v]);
-    std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
+    if (cols == CV * VW) {
+      for (int v = 0; v < CV; ++v) storev(c + m * ldc + v * VW, acc[m][v]);
+    } else {
+      float tmp[CV * VW];
+      for (int v = 0; v < CV; ++v) storev(tmp + v * VW, acc[m][v]);
+      std::memcpy(c + m * ldc, tmp, sizeof(float) * cols);
+    }
   }
+}
+
+// ROWS rows of one panel, CV * VW columns at a time; `cols` of the panel's NR are kept.
+// Only the first column slice prefetches (the next panel's rows, once).
+template <int ROWS>
+inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t k_len, float* c,
+                       int64_t ldc, int cols, const float* prefetch) {
+  constexpr int CV = cv_for(ROWS), WIDTH = CV * VW;
+  for (int c0 = 0; c0 < cols; c0 += WIDTH, prefetch = nullptr)
+    micro_kernel<ROWS, CV>(a, lda, panel + c0, k_len, c + c0, ldc, std::min(WIDTH, cols - c0),
+                           prefetch);
 }
 
 // rows x [n_begin, n_end) of a @ W^T for panels n_begin / NR .. (n_end - 1) / NR.
@@ -47,15 +77,15 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
     const float* next = p + 1 < panel_end && rows > MR ? panel + k_len * NR : nullptr;
     int64_t m = 0;
     for (; m + MR <= rows; m += MR, next = nullptr)
-      micro_kernel<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols, next);
+      panel_rows<MR>(a + m * lda, lda, panel, k_len, cp + m * ldc, ldc, cols, next);
     const float* am = a + m * lda;
     float* cm = cp + m * ldc;
     switch (rows - m) {
-      case 5: micro_kernel<5>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-      case 4: micro_kernel<4>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-      case 3: micro_kernel<3>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-      case 2: micro_kernel<2>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-      case 1: micro_kernel<1>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 5: panel_rows<5>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 4: panel_rows<4>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 3: panel_rows<3>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 2: panel_rows<2>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+      case 1: panel_rows<1>(am, lda, panel, k_len, cm, ldc, cols, next); break;
       default: break;
     }
   }
@@ -63,17 +93,17 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
 
 // out[j] = silu(gate[j]) * up[j] = gate[j] / (1 + exp(-gate[j])) * up[j], j < n.
 inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-  const v16 one = v16{} + 1.0f;
+  const vec one = vec{} + 1.0f;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const v16 g = load16(gate + j);
-    store16(out + j, g / (one + exp16(-g)) * load16(up + j));
+  for (; j + VW <= n; j += VW) {
+    const vec g = loadv(gate + j);
+    storev(out + j, g / (one + expv(-g)) * loadv(up + j));
   }
   if (j < n) {
-    float g[16] = {0}, u[16] = {0};
+    float g[VW] = {0}, u[VW] = {0};
     std::memcpy(g, gate + j, sizeof(float) * (n - j));
     std::memcpy(u, up + j, sizeof(float) * (n - j));
-    silu_mul(g, u, g, 16);
+    silu_mul(g, u, g, VW);
     std::memcpy(out + j, g, sizeof(float) * (n - j));
   }
 }
