@@ -40,9 +40,13 @@ def reference():
     return {f"r{i}": signature(o) for i, o in enumerate(outs)}
 
 
-def expert_pid(engine, index=0) -> int:
-    (pid,) = [w.pid for w in engine._workers if w.name == f"megaserve-expert-{index}"]
+def worker_pid(engine, role="expert", index=0) -> int:
+    (pid,) = [w.pid for w in engine._workers if w.name == f"megaserve-{role}-{index}"]
     return pid
+
+
+def expert_pid(engine, index=0) -> int:
+    return worker_pid(engine, "expert", index)
 
 
 def add_all(engine):
@@ -60,8 +64,17 @@ def run_to_end(engine, outputs, healths, limit_s=240.0):
         healths.append(engine.health().state)
 
 
-def test_killed_expert_mid_stream_streams_complete_bitwise(reference):
-    engine = DisaggregatedEngine(EngineConfig(**LAYOUT, seed=0))
+# One process of each kind of worker, killed mid-stream: an expert worker and an attention
+# replica of a disaggregated layout, and a worker of co-located expert parallelism (replica
+# and expert worker at once).
+KILLED = [("expert", 0, LAYOUT), ("attention", 1, LAYOUT),
+          ("colocated", 1, dict(dtype="float32", data_parallel_size=2,
+                                enable_expert_parallel=True, transport="tcp"))]
+
+
+@pytest.mark.parametrize("role, index, layout", KILLED, ids=[k[0] for k in KILLED])
+def test_killed_worker_mid_stream_streams_complete_bitwise(reference, role, index, layout):
+    engine = DisaggregatedEngine(EngineConfig(**layout, seed=0))
     try:
         add_all(engine)
         outputs: dict[str, list] = {}
@@ -72,12 +85,12 @@ def test_killed_expert_mid_stream_streams_complete_bitwise(reference):
             for out in engine.step(timeout=0.05):
                 outputs.setdefault(out.request_id, []).append(out)
         assert not any(o[-1].finished for o in outputs.values())
-        old_pid = expert_pid(engine)
+        old_pid = worker_pid(engine, role, index)
         os.kill(old_pid, signal.SIGKILL)
         run_to_end(engine, outputs, healths)
         assert "recovering" in healths or engine.health().restarts == 1
         assert engine.health().state == "serving" and engine.health().restarts == 1
-        assert expert_pid(engine) != old_pid
+        assert worker_pid(engine, role, index) != old_pid
         for rid, outs in outputs.items():
             assert signature(outs[-1]) == reference[rid], rid
             for before, after in zip(outs, outs[1:]):  # a stream never takes tokens back

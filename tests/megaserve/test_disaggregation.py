@@ -41,6 +41,8 @@ def single_worker():
 LAYOUTS = list(itertools.product(["inproc", "tcp"], [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]))
 # nccl on CPU: the torch.distributed (gloo) data plane, one process group per direction.
 LAYOUTS += [("nccl", 1, 2, 2), ("nccl", 2, 3, 4), ("nccl", 3, 8, 1)]
+# Attention replicas in processes of their own at R:E in {1:1, 2:1, 1:2, 3:2}, m = 3.
+LAYOUTS += [("tcp", 1, 1, 3), ("tcp", 2, 1, 3), ("tcp", 1, 2, 3), ("tcp", 3, 2, 3)]
 
 
 @pytest.mark.parametrize("transport, replicas, experts, microbatches", LAYOUTS,
