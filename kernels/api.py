@@ -204,6 +204,24 @@ def route(
     return _backend(x).route(x, weight, top_k, renormalize)
 
 
+def sigmoid_topk_route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (sigmoid scores, bias-corrected group-limited top-k, scaled
+    weights); contract in :func:`kernels.grouped_topk.sigmoid_topk_route`. Per-row torch
+    ops on every device: batch-invariant, ties to the lower id."""
+    from .grouped_topk import sigmoid_topk_route as route_rows
+
+    return route_rows(router_logits, correction_bias, top_k, num_groups, topk_groups,
+                      renormalize, scaling)
+
+
 def expert_ffn(
     x: torch.Tensor,
     expert_ids: torch.Tensor,

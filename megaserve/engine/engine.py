@@ -113,8 +113,9 @@ class LLMEngine:
         )
         self.async_scheduling = self._async_applies(experts)
         kv = allocate_kv_tensors(
-            model.config.num_layers, num_blocks, config.block_size, model.config.num_kv_heads,
-            model.config.head_dim, model.attention.dtype, model.attention.device,
+            model.config.num_layers, num_blocks, config.block_size, model.config.cache_kv_heads,
+            model.config.cache_head_dim, model.attention.dtype, model.attention.device,
+            model.config.cache_shares_kv,
         )
         self.runner = ModelRunner(
             model.attention, experts, kv, config.block_size, config.max_num_seqs,
@@ -175,8 +176,8 @@ class LLMEngine:
         """Size the KV pool (megaserve.engine.memory) and log what fits."""
         cfg = self.model_config
         bytes_per_block = memory.kv_bytes_per_block(
-            cfg.num_layers, self.config.block_size, cfg.num_kv_heads, cfg.head_dim,
-            model.attention.dtype)
+            cfg.num_layers, self.config.block_size, cfg.cache_kv_heads, cfg.cache_head_dim,
+            model.attention.dtype, cfg.cache_shares_kv)
         if self.proposer is not None:
             bytes_per_block += self.proposer.kv_bytes_per_block(self.config.block_size)
         profile = None

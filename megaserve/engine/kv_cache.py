@@ -141,13 +141,16 @@ def allocate_kv_tensors(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    shared_kv: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer a (k, v) pair of `[num_blocks, block_size, Hkv, Dh]` tensors."""
+    """Per layer a (k, v) pair of `[num_blocks, block_size, Hkv, Dh]` tensors; with
+    ``shared_kv`` (MLA's latent cache) the pair is one tensor twice."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    pairs = []
+    for _ in range(num_layers):
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        pairs.append((k, k if shared_kv else torch.zeros(shape, dtype=dtype, device=device)))
+    return pairs
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megaserve.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from megaserve.engine.kv_cache import blocks_for
+from megaserve.engine.kv_cache import allocate_kv_tensors, blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,12 @@ GIB = 1 << 30
 
 
 def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    shared_kv: bool = False,
 ) -> int:
-    """Bytes of one KV block over all layers: K and V, `[block_size, Hkv, Dh]` each."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+    """Bytes of one KV block over all layers: K and V, `[block_size, Hkv, Dh]` each (one
+    tensor with ``shared_kv``, MLA's latent cache)."""
+    return (1 if shared_kv else 2) * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,8 @@ def _profile_forward(attention, experts, num_tokens: int, num_seqs: int, block_s
         slots.append(ids.long().repeat_interleave(block_size)[:n] * block_size
                      + torch.arange(n) % block_size)
         first += nb
-    shape = (first, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=attention.dtype, device=device),
-           torch.zeros(shape, dtype=attention.dtype, device=device)) for _ in range(cfg.num_layers)]
+    kv = allocate_kv_tensors(cfg.num_layers, first, block_size, cfg.cache_kv_heads,
+                             cfg.cache_head_dim, attention.dtype, device, cfg.cache_shares_kv)
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(
         positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),

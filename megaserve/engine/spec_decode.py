@@ -240,8 +240,8 @@ class DraftModelProposer(Proposer):
         from megaserve.engine.memory import kv_bytes_per_block
 
         cfg = self.draft_config
-        return kv_bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                  self.attention.dtype)
+        return kv_bytes_per_block(cfg.num_layers, block_size, cfg.cache_kv_heads, cfg.cache_head_dim,
+                                  self.attention.dtype, cfg.cache_shares_kv)
 
     def attach(self, engine) -> None:
         """Allocate the draft's K/V; on CUDA with ``cuda_graphs``, set up its graphs: the
@@ -252,8 +252,8 @@ class DraftModelProposer(Proposer):
         self.block_size = engine.config.block_size
         cfg = self.draft_config
         self.kv_caches = allocate_kv_tensors(
-            cfg.num_layers, engine.pool.num_blocks, self.block_size, cfg.num_kv_heads,
-            cfg.head_dim, self.attention.dtype, self.device)
+            cfg.num_layers, engine.pool.num_blocks, self.block_size, cfg.cache_kv_heads,
+            cfg.cache_head_dim, self.attention.dtype, self.device, cfg.cache_shares_kv)
         self.graphs = []  # tried in order: the first that fits a forward runs it
         if engine.config.cuda_graphs and self.device.type == "cuda":
             self.graphs = [

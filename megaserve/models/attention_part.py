@@ -15,6 +15,7 @@ import torch
 
 from megaserve import kernels
 from megaserve.models.config import ModelConfig
+from megaserve.models.mla import MLAWeights, mla_attention, rope_tables, softmax_scale
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,9 @@ class LayerWeights:
     """One decoder layer's attention-side weights (None where the family has none)."""
 
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [Hq*Dh + 2*Hkv*Dh, D], q, k, v rows stacked
+    qkv: torch.Tensor | None  # [Hq*Dh + 2*Hkv*Dh, D], q, k, v rows stacked; None with MLA
     qkv_bias: torch.Tensor | None  # [Hq*Dh + 2*Hkv*Dh]
-    o_proj: torch.Tensor  # [D, Hq*Dh]
+    o_proj: torch.Tensor  # [D, Hq*Dh] (MLA: [D, Hq*Dv])
     q_norm: torch.Tensor | None  # [Dh] (Qwen3)
     k_norm: torch.Tensor | None  # [Dh] (Qwen3)
     post_norm: torch.Tensor  # [D]
@@ -49,7 +50,9 @@ class LayerWeights:
     dense_down: torch.Tensor | None  # [D, I]
     shared_gate_up: torch.Tensor | None  # [2Is, D] (Qwen2-MoE shared expert)
     shared_down: torch.Tensor | None  # [D, Is]
-    shared_gate: torch.Tensor | None  # [1, D] sigmoid gate of the shared expert
+    shared_gate: torch.Tensor | None  # [1, D] sigmoid gate of the shared expert (Qwen2-MoE)
+    mla: MLAWeights | None = None  # DeepSeek-V3's latent attention (then qkv is None)
+    router_bias: torch.Tensor | None = None  # [E] float32 e_score_correction_bias
 
 
 class AttentionPart:
@@ -69,8 +72,12 @@ class AttentionPart:
         self.layers = layers
         self.final_norm = final_norm  # [D]
         self.lm_head = lm_head  # [V, D]
-        self.scale = config.head_dim**-0.5
-        self.cos, self.sin = _rotary_tables(config, max_positions, embed.device, embed.dtype)
+        if config.mla is not None:
+            self.scale = softmax_scale(config)
+            self.cos, self.sin = rope_tables(config, max_positions, embed.device, embed.dtype)
+        else:
+            self.scale = config.head_dim**-0.5
+            self.cos, self.sin = _rotary_tables(config, max_positions, embed.device, embed.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,11 +110,18 @@ class AttentionPart:
 
         h: `[T, D]` residual stream; x: its input norm `[T, D]` (:meth:`input_norm`, or
         the previous layer's :meth:`finish_moe` / :meth:`dense_mlp`). Writes this batch's
-        K/V into ``kv_cache`` (the layer's `[num_blocks, block_size, Hkv, Dh]` pair) before
-        attending. Returns ``(h + attn(x), post_norm(that))``, both `[T, D]`.
+        K/V into ``kv_cache`` (the layer's `[num_blocks, block_size, Hkv, Dh]` pair; MLA:
+        one `[num_blocks, block_size, 1, Dc]` latent tensor twice, megaserve.models.mla)
+        before attending. Returns ``(h + attn(x), post_norm(that))``, both `[T, D]`.
         """
         cfg, w = self.config, self.layers[layer]
         num_tokens = h.shape[0]
+        if w.mla is not None:
+            attn = mla_attention(cfg, w.mla, x, meta.positions, self.cos, self.sin, kv_cache[0],
+                                 meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                 meta.query_start_loc, self.scale, meta.one_token_per_seq)
+            x, h = kernels.linear_rms_norm(attn, w.o_proj, w.post_norm, cfg.rms_norm_eps, h)
+            return h, x
         qkv = kernels.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2Hkv) * Dh]
         k_cache, v_cache = kv_cache
         # q/k norm, rotary, and the K/V write of this batch: one pass
@@ -128,9 +142,17 @@ class AttentionPart:
         return self.layers[layer].router is not None
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[T, D]` → (topk_ids `[T, k]` int64, topk_weights `[T, k]` float32)."""
-        return kernels.route(x, self.layers[layer].router, self.config.top_k,
-                             self.config.norm_topk_prob)
+        """x `[T, D]` → (topk_ids `[T, k]` int64, topk_weights `[T, k]` float32).
+
+        Sigmoid scoring (DeepSeek-V3): the router runs in float32 (its weight is kept in
+        float32, as HF keeps it) and ``kernels.sigmoid_topk_route`` picks the experts."""
+        cfg, w = self.config, self.layers[layer]
+        if cfg.scoring == "sigmoid":
+            logits = kernels.linear(x.float(), w.router)  # [T, E] fp32
+            return kernels.sigmoid_topk_route(logits, w.router_bias, cfg.top_k, cfg.num_groups,
+                                              cfg.topk_groups, cfg.norm_topk_prob,
+                                              cfg.routed_scaling_factor)
+        return kernels.route(x, w.router, cfg.top_k, cfg.norm_topk_prob)
 
     def dense_mlp(
         self, layer: int, h: torch.Tensor, x: torch.Tensor
@@ -166,8 +188,11 @@ class AttentionPart:
             return h, x_next
         out = kernels.combine(expert_out, topk_weights)  # [T, D] fp32
         shared = _swiglu(x, w.shared_gate_up, w.shared_down)
-        gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
-        out = out + gate * shared.float()
+        if w.shared_gate is not None:
+            gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
+            out = out + gate * shared.float()
+        else:
+            out = out + shared.float()
         return self._add_and_norm(layer + 1, h, out.to(h.dtype))
 
     def _next_input_norm(self, layer: int) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ from megaserve.models.attention_part import AttentionPart, LayerWeights
 from megaserve.models.checkpoint import CheckpointReader
 from megaserve.models.config import ModelConfig
 from megaserve.models.expert_part import ExpertPart
+from megaserve.models.mla import MLAWeights, split_kv_b
 from megaserve.models.quantization import (QUANTIZATION_METHODS, QuantConfig, dequantize,
                                            is_fp8, quantize, scale_shape)
 from megaserve.models.random_weights import RandomWeights, open_checkpoint
@@ -58,7 +59,8 @@ class _Weights:
         self.reader, self.dtype, self.device = reader, dtype, device
         self.checkpoint_quant, self.quantize = checkpoint_quant, quantize
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` of ``shape`` in the compute dtype (or ``dtype``) on the device."""
         t = self.reader.get(name)
         if tuple(t.shape) != shape:
             raise ValueError(
@@ -70,7 +72,7 @@ class _Weights:
             block = self.quantize.weight_block_size
             q, scale = quantize(t.to(self.device), block)
             return dequantize(q, scale, block, self.dtype)
-        return t.to(device=self.device, dtype=self.dtype).contiguous()
+        return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """An FP8 tensor with its block scales, in the compute dtype; ValueError naming
@@ -97,8 +99,9 @@ class _Weights:
                              f"{list(block)} needs {list(expected)}")
         return dequantize(t.to(self.device), scale.to(self.device), block, self.dtype)
 
-    def optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self.get(name, shape) if self.reader.has(name) else None
+    def optional(self, name: str, shape: tuple[int, ...],
+                 dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return self.get(name, shape, dtype) if self.reader.has(name) else None
 
 
 def load_model(
@@ -163,25 +166,56 @@ def _moe_prefix(config: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.{block}."
 
 
+def _load_mla(config: ModelConfig, w: _Weights, a: str) -> MLAWeights:
+    """One layer's MLA projections (prefix ``a`` = ``model.layers.{i}.self_attn.``)."""
+    d, mla, heads = config.hidden_size, config.mla, config.num_heads
+    q_width = heads * mla.qk_head_dim
+    kv_a = w.get(a + "kv_a_proj_with_mqa.weight", (mla.cache_dim, d))
+    if mla.q_lora_rank:
+        q_a = w.get(a + "q_a_proj.weight", (mla.q_lora_rank, d))
+        a_proj = torch.cat([q_a, kv_a])
+        q_a_norm = w.get(a + "q_a_layernorm.weight", (mla.q_lora_rank,))
+        q_b = w.get(a + "q_b_proj.weight", (q_width, mla.q_lora_rank))
+    else:
+        a_proj, q_a_norm = kv_a, None
+        q_b = w.get(a + "q_proj.weight", (q_width, d))
+    kv_b = w.get(a + "kv_b_proj.weight",
+                 (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
+    w_uk, w_uv = split_kv_b(kv_b, config)
+    return MLAWeights(
+        a_proj=a_proj, q_a_norm=q_a_norm, q_b_proj=q_b,
+        kv_a_norm=w.get(a + "kv_a_layernorm.weight", (mla.kv_lora_rank,)),
+        w_uk=w_uk, w_uv=w_uv,
+        o_proj=w.get(a + "o_proj.weight", (d, heads * mla.v_head_dim)),
+    )
+
+
 def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
     d, dh = config.hidden_size, config.head_dim
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    sizes = {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}
-    qkv = torch.cat([w.get(f"{a}{n}_proj.weight", (s, d)) for n, s in sizes.items()])
-    qkv_bias = None
-    if config.qkv_bias:
-        qkv_bias = torch.cat([w.get(f"{a}{n}_proj.bias", (s,)) for n, s in sizes.items()])
+    if config.mla is not None:
+        mla = _load_mla(config, w, a)
+        qkv, qkv_bias, o_proj = None, None, mla.o_proj
+    else:
+        mla = None
+        sizes = {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}
+        qkv = torch.cat([w.get(f"{a}{n}_proj.weight", (s, d)) for n, s in sizes.items()])
+        qkv_bias = None
+        if config.qkv_bias:
+            qkv_bias = torch.cat([w.get(f"{a}{n}_proj.bias", (s,)) for n, s in sizes.items()])
+        o_proj = w.get(a + "o_proj.weight", (d, config.q_size))
     layer = LayerWeights(
         input_norm=w.get(p + "input_layernorm.weight", (d,)),
         qkv=qkv,
         qkv_bias=qkv_bias,
-        o_proj=w.get(a + "o_proj.weight", (d, config.q_size)),
+        o_proj=o_proj,
         q_norm=w.get(a + "q_norm.weight", (dh,)) if config.qk_norm else None,
         k_norm=w.get(a + "k_norm.weight", (dh,)) if config.qk_norm else None,
         post_norm=w.get(p + "post_attention_layernorm.weight", (d,)),
         router=None, dense_gate_up=None, dense_down=None,
         shared_gate_up=None, shared_down=None, shared_gate=None,
+        mla=mla,
     )
     if not config.moe_layers[i]:
         inter = config.dense_intermediate_size
@@ -191,14 +225,22 @@ def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
         layer.dense_down = w.get(p + "mlp.down_proj.weight", (d, inter))
         return layer
     m = _moe_prefix(config, i)
-    layer.router = w.get(m + "gate.weight", (config.num_experts, d))
+    if config.scoring == "sigmoid":
+        # Kept in float32, as HF keeps them: the choice compares sigmoid scores + bias.
+        layer.router = w.get(m + "gate.weight", (config.num_experts, d), torch.float32)
+        layer.router_bias = w.optional(m + "gate.e_score_correction_bias", (config.num_experts,),
+                                       torch.float32)
+    else:
+        layer.router = w.get(m + "gate.weight", (config.num_experts, d))
     if config.shared_expert_intermediate_size:
         s = config.shared_expert_intermediate_size
+        shared = "shared_expert." if config.shared_expert_gated else "shared_experts."
         layer.shared_gate_up = torch.cat(
-            [w.get(f"{m}shared_expert.{n}_proj.weight", (s, d)) for n in ("gate", "up")]
+            [w.get(f"{m}{shared}{n}_proj.weight", (s, d)) for n in ("gate", "up")]
         )
-        layer.shared_down = w.get(m + "shared_expert.down_proj.weight", (d, s))
-        layer.shared_gate = w.get(m + "shared_expert_gate.weight", (1, d))
+        layer.shared_down = w.get(f"{m}{shared}down_proj.weight", (d, s))
+        if config.shared_expert_gated:
+            layer.shared_gate = w.get(m + "shared_expert_gate.weight", (1, d))
     return layer
 
 

@@ -104,3 +104,41 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int]) -> dict[s
         if (src / extra).is_file():
             shutil.copy(src / extra, dst / extra)
     return reference
+
+
+# name → DeepseekV3Config overrides. Together: q_lora_rank or q_proj, interleaved or
+# half-split rope, YaRN or plain rope, group-limited routing or one group, dense first layers.
+DEEPSEEK_VARIANTS = {
+    "deepseek-qlora-yarn-groups": dict(
+        q_lora_rank=48, rope_interleave=True, n_group=4, topk_group=2, num_experts_per_tok=3,
+        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=1.0,
+                             beta_fast=32, beta_slow=1)),
+    "deepseek-qproj-plainrope": dict(
+        q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=2, norm_topk_prob=False, routed_scaling_factor=1.5,
+        n_shared_experts=2, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+}
+
+
+def make_deepseek_checkpoint(directory: Path, seed: int = 0, **overrides):
+    """Write a tiny random ``DeepseekV3ForCausalLM`` checkpoint (float32) into
+    ``directory``; returns the HF model. The routers' e_score_correction_bias is drawn
+    (HF initialises it to zeros) so the bias-corrected choice is exercised."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**{
+        "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_routed_experts": 8, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32,
+        "v_head_dim": 24, "max_position_embeddings": 512, "initializer_range": 0.08, **overrides})
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.normal_(0.0, 0.05)
+    model.save_pretrained(directory)
+    return model
