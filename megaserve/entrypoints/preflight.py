@@ -3,7 +3,8 @@
 What would otherwise fail minutes later, deep in a worker thread or process, with a
 traceback (a model path that is not a checkpoint, ``--device cuda`` on a machine without
 a GPU, more worker processes than the machine can hold, a transport this machine lacks:
-rdma without pyverbs or a device, cuda_ipc without a GPU) fails here with a ValueError of
+rdma without pyverbs or a device, cuda_ipc without a GPU, a dtype the device's kernels do
+not run, a ``--max-model-len`` beyond the model's positions) fails here with a ValueError of
 one line that says what to change; the CLI prints it and exits with status 2.
 
 With a launcher other than ``local`` (Ray) the workers run on other machines, so only the
@@ -29,10 +30,13 @@ def max_worker_processes() -> int:
 def check_runtime(options: dict[str, Any]) -> None:
     """Raises ValueError (one line, naming the flag) if ``options`` (EngineConfig keyword
     arguments) cannot run on this machine. Reads no weights."""
-    num_experts = _num_experts(str(options.get("model", "builtin:tiny-moe")))
+    model = _model_config(str(options.get("model", "builtin:tiny-moe")))
+    num_experts = model.num_experts
     local = options.get("launcher", "local") == "local"
     if local:
         _check_device(str(options.get("device", "cpu")))
+    _check_dtype(str(options.get("dtype", "auto")), str(options.get("device", "cpu")), model)
+    _check_max_model_len(options.get("max_model_len"), model)
     replicas = int(options.get("attention_replicas", 1))
     workers = int(options.get("expert_workers", 1))
     if options.get("expert_placement") is None and num_experts is not None \
@@ -49,8 +53,8 @@ def check_runtime(options: dict[str, Any]) -> None:
         _check_transport(str(options.get("transport", "inproc")))
 
 
-def _num_experts(model: str) -> int | None:
-    """The model's expert count; ValueError for an unknown built-in or a path that is not
+def _model_config(model: str):
+    """The model's ModelConfig; ValueError for an unknown built-in or a path that is not
     an HF checkpoint. A built-in model is not generated here (that happens while the
     server already answers health checks)."""
     from megaserve.models import builtin
@@ -61,18 +65,59 @@ def _num_experts(model: str) -> int | None:
         if name not in builtin.BUILTIN_MODELS:
             known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
             raise ValueError(f"unknown built-in model {model!r}; built-in models: {known}")
-        return _builtin_configs().get(name, {}).get("num_experts")
+        return ModelConfig.from_hf_dict(_builtin_configs()[name])
     path = builtin.resolve_model(model)  # ValueError: not an existing directory
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model!r}: {path} has no config.json, so it is not an HF "
                          "checkpoint directory")
-    return ModelConfig.from_dir(path).num_experts
+    return ModelConfig.from_dir(path)
 
 
 def _builtin_configs() -> dict[str, dict[str, Any]]:
     from megaserve.models.builtin import TINY_MOE_CONFIG
 
     return {"tiny-moe": TINY_MOE_CONFIG}
+
+
+# dtypes each device type's kernels run (the CPU attention kernel has no float16 path).
+SUPPORTED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
+
+
+def _check_dtype(dtype: str, device: str, model) -> None:
+    """ValueError for a dtype the device's kernels do not run (``auto``: the checkpoint's)."""
+    from megaserve.engine.config import resolve_device
+    from megaserve.models.loader import resolve_dtype
+
+    device_type = str(resolve_device(device)).partition(":")[0]
+    resolved = str(resolve_dtype(dtype, model)).removeprefix("torch.")
+    supported = SUPPORTED_DTYPES.get(device_type)
+    if supported is not None and resolved not in supported:
+        what = f"dtype {dtype!r}" if dtype != "auto" else \
+            f"dtype 'auto' (the checkpoint's {resolved})"
+        raise ValueError(f"{what} does not run on {device_type.upper()}: use --dtype "
+                         f"{' or --dtype '.join(supported)}")
+
+
+def max_supported_len(model) -> int:
+    """The longest context the model's positions support: ``max_position_embeddings``, or
+    with YaRN rope scaling ``original_max_position_embeddings * factor`` (vLLM's rule)."""
+    scaling = model.rope_scaling
+    if scaling is None:
+        return model.max_position_embeddings
+    return max(model.max_position_embeddings,
+               int(scaling.original_max_position_embeddings * scaling.factor))
+
+
+def _check_max_model_len(max_model_len: Any, model) -> None:
+    """ValueError for a ``--max-model-len`` beyond the positions the model supports."""
+    if max_model_len is None:
+        return
+    limit = max_supported_len(model)
+    if int(max_model_len) > limit:
+        source = "max_position_embeddings" if model.rope_scaling is None else \
+            "its rope scaling (original_max_position_embeddings x factor)"
+        raise ValueError(f"max_model_len {max_model_len} is longer than the model supports: "
+                         f"{limit} positions ({source}); use --max-model-len {limit} or less")
 
 
 def _check_device(device: str) -> None:

@@ -14,8 +14,10 @@ Timeline::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,7 +133,8 @@ async def serve(config: ServeConfig,
     if load.done():
         try:
             core.engine = load.result()
-        except Exception:  # a bad model path, a corrupt checkpoint: log it, exit 1
+            await _warm_up(core.engine)
+        except Exception:  # a bad model path, a corrupt checkpoint, a model that cannot run
             logger.exception("megaserve: loading %s failed", config.model)
             exit_code = 1
             stop.set()
@@ -193,6 +196,25 @@ def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,
         except Exception:  # an engine that is not a checkpoint: report what was asked
             logger.debug("could not resolve dtype auto", exc_info=True)
     return engine
+
+
+async def _warm_up(engine: Any) -> None:
+    """Runs one tiny request (one prompt token, one greedy token) through the engine, so a
+    model that loads but cannot run (no kernel for its dtype on this device, say) fails
+    start-up instead of its first request. Raises what the engine raised.
+
+    Its seed is fixed, so it leaves no trace in the sampling of later requests except the
+    engine's arrival count (unseeded requests' seeds derive from it)."""
+    from megaserve.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, seed=0,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    token = engine.eos_token_ids[0] if engine.eos_token_ids else 0
+    started = time.perf_counter()
+    async with contextlib.aclosing(engine.generate("megaserve-warm-up", [token], params)) as outs:
+        async for _ in outs:
+            pass
+    logger.info("megaserve: warm-up request done in %.2f s", time.perf_counter() - started)
 
 
 async def _watch_failure(core: ServingCore, health: Any) -> None:

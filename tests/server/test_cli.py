@@ -41,6 +41,10 @@ CASES = {
                            "a GPU is present" if torch.cuda.is_available() else None),
     "too many expert workers": (["--expert-workers", "1000"], ["expert_workers"], None),
     "too many workers": (["--attention-replicas", "5000"], ["worker processes"], None),
+    "float16 on CPU": (["--device", "cpu", "--dtype", "float16"],
+                       ["float16", "CPU", "--dtype bfloat16"], None),
+    "max_model_len over the model's positions": (
+        ["--max-model-len", "5000"], ["5000", "4096", "max_position_embeddings"], None),
     "unavailable transport": (["--transport", "rdma", "--attention-replicas", "2"],
                               ["rdma", "rdma-core"],
                               None if _rdma_missing() else "RDMA is available here"),
