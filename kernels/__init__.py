@@ -10,7 +10,9 @@ Shape legend used throughout:
     k = experts per token (top-k), V = vocabulary, R = routed rows (token, expert) pairs.
 
 The implementation is chosen from the device of the first tensor argument: CUDA tensors go
-to ``megaserve.kernels.triton_impl`` (once it exists), everything else to ``megaserve.kernels.cpu``.
+to ``megaserve.kernels.triton_impl`` (Triton, and Gluon on Hopper), everything else to
+``megaserve.kernels.cpu`` (C++ compiled on first use). ``megaserve.kernels.testing`` holds
+the timing and input helpers that benchmarks, ``lab/`` and tests share.
 """
 
 from __future__ import annotations
