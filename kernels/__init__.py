@@ -1,4 +1,4 @@
-"""Batch-invariant kernels: one API, a torch implementation for CPU and Triton for CUDA.
+"""Batch-invariant kernels: one API, compiled C++ for CPU and Triton (and Gluon) for CUDA.
 
 Every function here promises **batch invariance**: the result for one row (token) is
 bitwise the same whatever the other rows are and however many there are. Reduction orders
