@@ -274,6 +274,16 @@ def _bundle(spec: WorkerSpec) -> dict[str, float]:
     return bundle
 
 
+def make_ray_launcher(use_processes: bool, address: str | None = None) -> "RayLauncher":
+    """The ``ray`` entry of the runtime's launchers (pyproject's ``megaserve.launchers``
+    entry points; ``runtime.launcher.make_launcher`` loads it). Raises ValueError for
+    thread workers: Ray runs every worker as an actor, a process of its own."""
+    if not use_processes:
+        raise ValueError("launcher 'ray' runs workers as Ray actors (processes): choose a "
+                         "process transport, e.g. transport='tcp'")
+    return RayLauncher(address=address)
+
+
 class RayLauncher:
     """Launches worker groups on a Ray cluster (see the module docstring).
 

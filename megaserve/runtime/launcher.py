@@ -4,7 +4,7 @@ The front-end only needs four things from a worker: send it a message, receive w
 workers send back, know whether it is alive, and stop or kill it. A launcher provides
 them for one *group* (every worker of one mesh: attention replicas, then expert workers):
 
-    launcher = LocalLauncher(use_processes=True)      # or deploy.ray_launcher.RayLauncher
+    launcher = LocalLauncher(use_processes=True)      # or make_launcher("ray", ...)
     group = launcher.start(specs)                     # one worker per WorkerSpec, same order
     group.handles[i].send(AddRequest(...))            # front-end → worker i
     group.receive(timeout)                            # any worker → front-end, or None
@@ -231,19 +231,35 @@ class LocalLauncher:
         pass
 
 
+LAUNCHER_ENTRY_POINTS = "megaserve.launchers"
+
+
+def registered_launchers() -> dict[str, Any]:
+    """Launchers other packages provide: the ``megaserve.launchers`` entry points, name ->
+    entry point. Each loads a factory ``(use_processes: bool, address: str | None) ->
+    WorkerLauncher`` (megaserve's own ``ray`` is ``megaserve.deploy.ray_launcher``'s)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=LAUNCHER_ENTRY_POINTS)}
+
+
 def make_launcher(name: str, use_processes: bool, ray_address: str | None = None) -> WorkerLauncher:
-    """The launcher called ``name`` (one of :data:`LAUNCHERS`). Raises ValueError for an
-    unknown name or a launcher whose optional dependency is missing."""
+    """The launcher called ``name`` (one of :data:`LAUNCHERS`): ``local`` here, the others
+    from the package that registers them (:func:`registered_launchers`; the runtime imports
+    no launcher beyond one host). Raises ValueError for an unknown name, a launcher that is
+    not installed or whose optional dependency is missing."""
     if name == "local":
         return LocalLauncher(use_processes)
-    if name == "ray":
-        if not use_processes:
-            raise ValueError("launcher 'ray' runs workers as Ray actors (processes): choose a "
-                             "process transport, e.g. transport='tcp'")
-        try:
-            from megaserve.deploy.ray_launcher import RayLauncher
-        except ImportError as e:
-            raise ValueError(f"launcher 'ray': {e}; install it with pip install "
-                             "'megaserve[ray]'") from None
-        return RayLauncher(address=ray_address)
-    raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, not {name!r}")
+    if name not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, not {name!r}")
+    entry = registered_launchers().get(name)
+    if entry is None:
+        raise ValueError(f"launcher {name!r} is not installed (no {LAUNCHER_ENTRY_POINTS!r} "
+                         f"entry point named {name!r}): pip install -e '.[{name}]' from a "
+                         "checkout, or reinstall megaserve")
+    try:
+        factory = entry.load()
+    except ImportError as e:
+        raise ValueError(f"launcher {name!r}: {e}; install it with pip install "
+                         f"'megaserve[{name}]'") from None
+    return factory(use_processes, ray_address)

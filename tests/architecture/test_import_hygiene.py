@@ -28,10 +28,6 @@ CHECKED_FOLDERS = ("megaserve", "comm", "kernels", "planner", "deploy", "lab", "
 
 # Import cycles not broken yet: the modules of one cycle -> why.
 KNOWN_CYCLES = {
-    frozenset({"megaserve.deploy.ray_launcher", "megaserve.runtime.launcher"}):
-        "runtime.launcher.make_launcher imports the Ray launcher lazily; a launcher registry "
-        "that deploy fills is to replace it (runtime/launcher.py and deploy/ray_launcher.py "
-        "were being changed by their owners)",
     frozenset({"megaserve.runtime.device_engine", "megaserve.runtime.factory"}):
         "factory.make_engine builds the device-plane engine, whose pieces call back into the "
         "factory; the runtime is being restructured by its owners",
