@@ -26,13 +26,27 @@ PRESETS = {
     "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                           moe_intermediate_size=768, vocab_size=151936, rope_theta=1e6),
+    "qwen3-235b-a22b": dict(architecture="Qwen3MoeForCausalLM", hidden_size=4096, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=1536, vocab_size=151936, rope_theta=1e6),
+    # DeepSeek-V3 (Kimi-K2 shares the architecture): MLA, 256 routed experts + 1 shared,
+    # group-limited sigmoid routing, 3 dense first layers, YaRN to 160k positions.
+    "deepseek-v3": dict(architecture="DeepseekV3ForCausalLM", hidden_size=7168, num_attention_heads=128,
+                        num_key_value_heads=128, num_experts=256, num_experts_per_tok=8,
+                        moe_intermediate_size=2048, vocab_size=129280, rope_theta=10000.0,
+                        intermediate_size=18432, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, n_shared_experts=1, n_group=8, topk_group=4,
+                        first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
     "mixtral-8x7b": dict(architecture="MixtralForCausalLM", hidden_size=4096, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=14336, vocab_size=32000, rope_theta=1e6),
 }
 # Earlier name of the Mixtral shape (then in Qwen3-MoE's layout); same dimensions.
 PRESETS["mixtral-8x7b-like"] = PRESETS["mixtral-8x7b"]
-FULL_DEPTH = {"qwen3-30b-a3b": 48, "mixtral-8x7b": 32, "mixtral-8x7b-like": 32}
+FULL_DEPTH = {"qwen3-30b-a3b": 48, "qwen3-235b-a22b": 94, "deepseek-v3": 61, "mixtral-8x7b": 32,
+              "mixtral-8x7b-like": 32}
 SEED = 0
 WEIGHTS = ("device", "file")
 
@@ -51,9 +65,14 @@ def parse_random_name(name: str) -> tuple[str, int]:
 
 
 def hf_config(preset: str, num_layers: int) -> dict:
-    """The ``config.json`` of ``random:<preset>:<num_layers>`` (bf16, every layer MoE)."""
+    """The ``config.json`` of ``random:<preset>:<num_layers>`` (bf16; every layer MoE but
+    DeepSeek-V3's dense first layers)."""
     dims = dict(PRESETS[preset])
     arch = dims.pop("architecture")
+    if arch == "DeepseekV3ForCausalLM":
+        return dict(architectures=[arch], model_type="deepseek_v3", num_hidden_layers=num_layers,
+                    max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    torch_dtype="bfloat16", n_routed_experts=dims.pop("num_experts"), **dims)
     num_experts, inter = dims.pop("num_experts"), dims.pop("moe_intermediate_size")
     config = dict(architectures=[arch], num_hidden_layers=num_layers, max_position_embeddings=32768,
                   rms_norm_eps=1e-5 if arch == "MixtralForCausalLM" else 1e-6, tie_word_embeddings=False,

@@ -42,13 +42,16 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
     Supports ``MixtralForCausalLM`` (``block_sparse_moe.experts.{e}.w1|w3|w2``, expert
     width ``intermediate_size``) and ``Qwen3MoeForCausalLM`` (``mlp.experts.{e}.gate|up|
-    down_proj``, width ``moe_intermediate_size``, q/k norms), every layer a MoE layer.
-    Raises ValueError for another architecture.
+    down_proj``, width ``moe_intermediate_size``, q/k norms), every layer a MoE layer, and
+    ``DeepseekV3ForCausalLM`` (:func:`_deepseek_shapes`). Raises ValueError for another
+    architecture.
     """
     arch = (config.get("architectures") or [None])[0]
+    if arch == "DeepseekV3ForCausalLM":
+        return _deepseek_shapes(config)
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         raise ValueError(f"random weights: architecture {arch!r} not supported "
-                         "(MixtralForCausalLM, Qwen3MoeForCausalLM)")
+                         "(MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)")
     mixtral = arch == "MixtralForCausalLM"
     d, v = config["hidden_size"], config["vocab_size"]
     hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -70,6 +73,44 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             q = f"{p}{moe}.experts.{x}."
             shapes |= {q + f"{names[0]}.weight": (inter, d), q + f"{names[1]}.weight": (inter, d),
                        q + f"{names[2]}.weight": (d, inter)}
+    return shapes
+
+
+def _deepseek_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a DeepseekV3ForCausalLM checkpoint (MLA, dense first layers,
+    shared experts, router correction bias; no MTP layers)."""
+    from megaserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(config)
+    mla, d, h = cfg.mla, cfg.hidden_size, cfg.num_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d),
+                                          "model.norm.weight": (d,), "lm_head.weight": (cfg.vocab_size, d)}
+    for i, is_moe in enumerate(cfg.moe_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   a + "kv_a_proj_with_mqa.weight": (mla.cache_dim, d),
+                   a + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+                   a + "kv_b_proj.weight": (h * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+                   a + "o_proj.weight": (d, h * mla.v_head_dim)}
+        if mla.q_lora_rank:
+            shapes |= {a + "q_a_proj.weight": (mla.q_lora_rank, d), a + "q_a_layernorm.weight": (mla.q_lora_rank,),
+                       a + "q_b_proj.weight": (h * mla.qk_head_dim, mla.q_lora_rank)}
+        else:
+            shapes[a + "q_proj.weight"] = (h * mla.qk_head_dim, d)
+        width = cfg.moe_intermediate_size if is_moe else cfg.dense_intermediate_size
+        mlps = [f"{p}mlp.experts.{e}." for e in range(cfg.num_experts)] if is_moe else [p + "mlp."]
+        if is_moe:
+            shapes |= {p + "mlp.gate.weight": (cfg.num_experts, d),
+                       p + "mlp.gate.e_score_correction_bias": (cfg.num_experts,)}
+            if cfg.shared_expert_intermediate_size:
+                s = cfg.shared_expert_intermediate_size
+                q = p + "mlp.shared_experts."
+                shapes |= {q + "gate_proj.weight": (s, d), q + "up_proj.weight": (s, d),
+                           q + "down_proj.weight": (d, s)}
+        for q in mlps:
+            shapes |= {q + "gate_proj.weight": (width, d), q + "up_proj.weight": (width, d),
+                       q + "down_proj.weight": (d, width)}
     return shapes
 
 
