@@ -13,7 +13,8 @@ The synchronous engine runs beside the event loop in one of two ways:
   engine schedules, steps and detokenises on its own interpreter; the front-end only
   validates prompts (with its own copy of the tokenizer) and streams. Commands go over
   one pipe, each step's outputs come back over another as plain tuples (one message a
-  step), with the engine's stats.
+  step), with the engine's stats; both ways the messages are the typed ones of
+  :mod:`megaserve.runtime.messages`.
 
 Either way a step's outputs reach the event loop in one callback, which hands each to its
 request's collector: a request whose consumer has fallen behind (a saturated front-end)
@@ -37,8 +38,11 @@ from typing import Any
 
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import EngineStats, Prompt, load_tokenizer, validate_prompt
-from megaserve.outputs import CompletionOutput, RequestOutput
+from megaserve.outputs import RequestOutput
 from megaserve.runtime.factory import make_engine, uses_device_plane
+from megaserve.runtime.messages import (AbortRequest, AddRequest, EngineFailed, EngineOutputs,
+                                        EngineReady, RequestRejected, Stop, pack_output,
+                                        unpack_output)
 from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -113,7 +117,8 @@ class AsyncLLMEngine:
             self._loop = asyncio.get_running_loop()
         collector = _Collector(params.output_kind is RequestOutputKind.DELTA)
         self._collectors[request_id] = collector
-        self._driver.send("add", request_id, (prompt, params, prompt_ids))
+        self._driver.send(AddRequest(request_id, prompt_ids, params,
+                                     prompt=prompt if isinstance(prompt, str) else None))
         finished = False
         try:
             while True:
@@ -127,11 +132,11 @@ class AsyncLLMEngine:
         finally:
             self._collectors.pop(request_id, None)
             if not finished:
-                self._driver.send("abort", request_id, None)
+                self._driver.send(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" (its stream gets that last output)."""
-        self._driver.send("abort", request_id, None)
+        self._driver.send(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
         """Counters as of the last engine step (read without blocking the engine)."""
@@ -254,7 +259,7 @@ class _ThreadDriver:
         self.info = _EngineInfo.of(engine, engine.tokenizer)
         self.stats = engine.stats()
         self._cond = threading.Condition()
-        self._commands: list[tuple[str, str, Any]] = []  # (kind, request_id, payload)
+        self._commands: list[AddRequest | AbortRequest] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -263,9 +268,9 @@ class _ThreadDriver:
                                         daemon=True)
         self._thread.start()
 
-    def send(self, kind: str, request_id: str, payload: Any) -> None:
+    def send(self, command: AddRequest | AbortRequest) -> None:
         with self._cond:
-            self._commands.append((kind, request_id, payload))
+            self._commands.append(command)
             self._cond.notify()
 
     def shutdown(self) -> None:
@@ -287,7 +292,8 @@ class _ThreadDriver:
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, []
-                outputs = _apply(engine, commands, sink)
+                outputs = _apply(engine, commands,
+                                 lambda request_id, e: sink("rejected", (request_id, e)))
                 outputs += engine.step()
                 self.stats = engine.stats()
                 if outputs:
@@ -297,20 +303,24 @@ class _ThreadDriver:
             sink("dead", e)
 
 
-def _apply(engine, commands: list[tuple[str, str, Any]], sink: Sink) -> list[RequestOutput]:
-    """Run add / abort commands on ``engine``; the aborted requests' last outputs."""
+def _apply(engine, commands: list[AddRequest | AbortRequest],
+           rejected: Callable[[str, ValueError], None]) -> list[RequestOutput]:
+    """Run add / abort commands on ``engine``; the aborted requests' last outputs. An add
+    the engine refuses goes to ``rejected(request_id, error)``."""
     outputs = []
-    for kind, request_id, payload in commands:
-        if kind == "add":
-            prompt, params, _ = payload
+    for command in commands:
+        if isinstance(command, AddRequest):
             try:
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(command.request_id, command.engine_prompt(), command.params,
+                                   seed=command.seed)
             except ValueError as e:
-                sink("rejected", (request_id, e))
-        else:
-            out = engine.abort_request(request_id)
+                rejected(command.request_id, e)
+        elif isinstance(command, AbortRequest):
+            out = engine.abort_request(command.request_id)
             if out is not None:
                 outputs.append(out)
+        else:
+            raise TypeError(f"engine: unexpected command {command!r}")
     return outputs
 
 
@@ -334,17 +344,17 @@ class _ProcessDriver:
         commands_out.close()
         results_in.close()
         try:
-            kind, payload = self._results.recv()
+            ready = self._results.recv()
         except EOFError:
             self._process.join(timeout=10)
-            kind, payload = "failed", (RuntimeError.__name__, "the engine process exited "
-                                       f"while loading (exit code {self._process.exitcode})")
-        if kind != "ready":
+            ready = EngineFailed(RuntimeError.__name__, "the engine process exited while "
+                                 f"loading (exit code {self._process.exitcode})", loading=True)
+        if not isinstance(ready, EngineReady):
             self._process.join()
-            error_type, message = payload
-            raise (ValueError if error_type == ValueError.__name__ else RuntimeError)(message)
-        model_path, info, self.stats = payload
-        self.info = replace(info, tokenizer=load_tokenizer(model_path))
+            raise (ValueError if ready.error_type == ValueError.__name__
+                   else RuntimeError)(ready.message)
+        self.stats = ready.stats
+        self.info = replace(ready.info, tokenizer=load_tokenizer(ready.model_path))
         # (text or None, token ids) of each request in the engine: it gets the ids only
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -359,16 +369,15 @@ class _ProcessDriver:
         for thread in self._threads:
             thread.start()
 
-    def send(self, kind: str, request_id: str, payload: Any) -> None:
-        if kind == "add":
-            prompt, params, prompt_ids = payload
-            self._prompts[request_id] = (prompt if isinstance(prompt, str) else None, prompt_ids)
-            payload = (prompt_ids, params, None)  # the engine gets the ids only
-        self._outbox.put((kind, request_id, payload))
+    def send(self, command: AddRequest | AbortRequest) -> None:
+        if isinstance(command, AddRequest):
+            self._prompts[command.request_id] = (command.prompt, command.token_ids)
+            command = replace(command, prompt=None)  # the engine gets the ids only
+        self._outbox.put(command)
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._outbox.put(("stop", "", None))
+        self._outbox.put(Stop())
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -377,7 +386,7 @@ class _ProcessDriver:
             thread.join(timeout=5)
 
     def _send_loop(self) -> None:
-        """Everything queued so far as one message, until "stop"."""
+        """Everything queued so far as one message (a list of commands), until Stop."""
         while True:
             batch = [self._outbox.get()]
             while not self._outbox.empty():
@@ -386,37 +395,34 @@ class _ProcessDriver:
                 self._commands_in.send(batch)
             except OSError:  # the engine process is gone (the reader reports it)
                 return
-            if any(kind == "stop" for kind, _, _ in batch):
+            if any(isinstance(command, Stop) for command in batch):
                 return
 
     def _read_loop(self, sink: Sink) -> None:
         while True:
             try:
-                kind, payload = self._results.recv()
+                message = self._results.recv()
             except (EOFError, OSError):
                 if not self._stopping:
                     self._process.join(timeout=5)
                     sink("dead", RuntimeError(f"the engine process exited (exit code "
                                               f"{self._process.exitcode})"))
                 return
-            if kind == "outputs":
-                packed, self.stats = payload
-                sink("outputs", [self._unpack(t) for t in packed])
-            elif kind == "rejected":
-                request_id, message = payload
-                self._prompts.pop(request_id, None)
-                sink("rejected", (request_id, ValueError(message)))
-            else:  # "dead": the engine process logged the traceback
-                sink("dead", RuntimeError(payload))
+            if isinstance(message, EngineOutputs):
+                self.stats = message.stats
+                sink("outputs", [self._unpack(t) for t in message.outputs])
+            elif isinstance(message, RequestRejected):
+                self._prompts.pop(message.request_id, None)
+                sink("rejected", (message.request_id, ValueError(message.message)))
+            else:  # EngineFailed: the engine process logged the traceback
+                sink("dead", RuntimeError(f"{message.error_type}: {message.message}"))
                 return
 
     def _unpack(self, packed: tuple) -> RequestOutput:
-        request_id, completions, finished, prompt_logprobs, cached = packed
+        request_id, finished = packed[0], packed[2]
         prompt, prompt_ids = (self._prompts.pop(request_id, (None, [])) if finished
                               else self._prompts.get(request_id, (None, [])))
-        return RequestOutput(request_id, prompt, prompt_ids,
-                             [CompletionOutput(*c) for c in completions], finished,
-                             prompt_logprobs, cached)
+        return unpack_output(packed, prompt, prompt_ids)
 
 
 def _widen(pipe) -> None:
@@ -433,15 +439,6 @@ def _widen(pipe) -> None:
         pass  # not Linux, or not allowed: the default buffer
 
 
-def _pack(out: RequestOutput) -> tuple:
-    """A RequestOutput as plain tuples (cheap to pickle); the front-end restores the prompt
-    (it sent the ids and keeps them)."""
-    return (out.request_id,
-            [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
-             for c in out.outputs],
-            out.finished, out.prompt_logprobs, out.num_cached_tokens)
-
-
 def engine_process_main(commands, results, config: dict[str, Any], log_level: int) -> None:
     """Entry point of the engine process: build the engine, report ready (or why not),
     then loop: apply the front-end's commands, step, send the step's outputs."""
@@ -456,12 +453,12 @@ def engine_process_main(commands, results, config: dict[str, Any], log_level: in
         engine = make_engine(EngineConfig(**config))
     except Exception as e:  # noqa: BLE001 - the front-end raises it
         logger.exception("the engine process could not load the model")
-        results.send(("failed", (type(e).__name__, str(e))))
+        results.send(EngineFailed(type(e).__name__, str(e), loading=True))
         return
     _capture_graphs(engine)
     # (the front-end loads its own tokenizer from the path)
-    results.send(("ready", (str(engine.model_path), _EngineInfo.of(engine, None),
-                            engine.stats())))
+    results.send(EngineReady(str(engine.model_path), _EngineInfo.of(engine, None),
+                             engine.stats()))
     freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
     try:
         _serve(engine, commands, results)
@@ -469,7 +466,7 @@ def engine_process_main(commands, results, config: dict[str, Any], log_level: in
         pass
     except Exception as e:  # noqa: BLE001 - reported to the front-end, which fails
         logger.exception("engine process failed")
-        results.send(("dead", f"{type(e).__name__}: {e}"))
+        results.send(EngineFailed(type(e).__name__, str(e)))
     finally:
         engine.shutdown()
 
@@ -494,11 +491,10 @@ def _capture_graphs(engine) -> None:
 
 
 def _serve(engine, commands, results) -> None:
-    """The engine process's loop, until a "stop" command."""
+    """The engine process's loop, until a Stop command."""
 
-    def rejected(kind: str, payload: tuple) -> None:
-        request_id, error = payload
-        results.send(("rejected", (request_id, str(error))))
+    def rejected(request_id: str, error: ValueError) -> None:
+        results.send(RequestRejected(request_id, str(error)))
 
     while True:
         # Wait for commands only when nothing runs; else take what has come and step.
@@ -507,8 +503,8 @@ def _serve(engine, commands, results) -> None:
         while commands.poll(wait):
             batch += commands.recv()
             wait = 0
-        if any(kind == "stop" for kind, _, _ in batch):
+        if any(isinstance(command, Stop) for command in batch):
             return
         outputs = _apply(engine, batch, rejected)
         outputs += engine.step()
-        results.send(("outputs", ([_pack(o) for o in outputs], engine.stats())))
+        results.send(EngineOutputs([pack_output(o) for o in outputs], engine.stats()))

@@ -1,9 +1,18 @@
-"""Typed messages between the front-end and its workers (picklable, frozen dataclasses).
+"""Typed messages that cross a process (picklable, frozen dataclasses).
+
+Between a disaggregated front-end (:mod:`megaserve.runtime.cluster`) and its workers::
 
     front-end → attention worker:  AddRequest, AbortRequest, RunStep (lockstep), Stop
     front-end → expert worker:     Stop
     worker → front-end:            WorkerReady, StepOutputs, WorkerStats (on the way out),
                                    WorkerFailure
+
+Between ``AsyncLLMEngine`` and its engine process (:mod:`megaserve.runtime.async_engine`,
+``engine_process=True``; each pipe message is a list of these)::
+
+    front-end → engine process:    AddRequest (seed None), AbortRequest, Stop
+    engine process → front-end:    EngineReady | EngineFailed (once, at start), then
+                                   EngineOutputs (one a step), RequestRejected, EngineFailed
 
 The launchers (local queues, Ray actors) carry them unchanged; the device data plane's own
 messages (``GraphStep``, ``Tick``) are in :mod:`megaserve.runtime.device_plane`.
@@ -14,18 +23,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megaserve.outputs import RequestOutput
+from megaserve.outputs import CompletionOutput, RequestOutput
 from megaserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Start a request on the attention worker that receives it."""
+    """Start a request on the engine (attention worker, engine process) that receives it."""
 
     request_id: str
     token_ids: list[int]  # the validated prompt
     params: SamplingParams
-    seed: int  # assigned by the front-end (arrival order), so the replica cannot matter
+    # Assigned by a front-end over replicas (arrival order), so the replica cannot matter;
+    # None: the receiving engine derives it (an engine alone sees the front-end's order).
+    seed: int | None = None
+    # The prompt's text where the receiver's outputs should carry it (None: ids only).
+    prompt: str | None = None
+
+    def engine_prompt(self) -> str | list[int]:
+        """What ``LLMEngine.add_request`` takes as the prompt."""
+        return self.prompt if self.prompt is not None else self.token_ids
 
 
 @dataclass(frozen=True)
@@ -77,3 +94,59 @@ class WorkerFailure:
     role: str
     index: int
     detail: str
+
+
+# -- engine process (AsyncLLMEngine) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The engine process loaded its model and serves."""
+
+    model_path: str  # the front-end loads its own tokenizer from it
+    info: Any  # async_engine's _EngineInfo, tokenizer None
+    stats: Any  # EngineStats
+
+
+@dataclass(frozen=True)
+class EngineOutputs:
+    """One step's outputs, each packed by :func:`pack_output`, with the stats after it."""
+
+    outputs: list[tuple]
+    stats: Any  # EngineStats
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """The engine refused an AddRequest (``message``: the ValueError's text)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine process could not load (``loading``) or failed while serving; it logged
+    the traceback. ``error_type``: the exception's class name."""
+
+    error_type: str
+    message: str
+    loading: bool = False
+
+
+def pack_output(out: RequestOutput) -> tuple:
+    """A RequestOutput as plain tuples (cheap to pickle; one step at 1,024 sequences is one
+    message), without the prompt: the receiver sent it and restores it
+    (:func:`unpack_output`)."""
+    return (out.request_id,
+            [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+             for c in out.outputs],
+            out.finished, out.prompt_logprobs, out.num_cached_tokens)
+
+
+def unpack_output(packed: tuple, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    """The RequestOutput :func:`pack_output` packed, with its prompt restored."""
+    request_id, completions, finished, prompt_logprobs, cached = packed
+    return RequestOutput(request_id, prompt, prompt_token_ids,
+                         [CompletionOutput(*c) for c in completions], finished,
+                         prompt_logprobs, cached)
