@@ -127,3 +127,61 @@ def test_alone_crowded_chunked_and_cached_are_bitwise_equal(deepseek_path):
         again = _run(engine, [(0, "again", target, params)])["again"]
         assert again.num_cached_tokens >= 32
         assert _signature(again) == _signature(alone)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(kv_lora_rank=None), "kv_lora_rank"),
+    (dict(qk_rope_head_dim=15), "qk_rope_head_dim"),
+    (dict(n_group=3), "n_group"),
+    (dict(topk_group=5), "topk_group"),
+    (dict(num_experts_per_tok=7), "num_experts_per_tok"),
+    (dict(scoring_func="softmax"), "scoring_func"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "rope_type"),
+    (dict(v_head_dim=20), "kv_b_proj"),  # the config no longer matches the tensors
+])
+def test_inconsistent_config_is_refused_naming_the_field(deepseek_path, tmp_path, change, field):
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(deepseek_path, path)
+    config = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=field) as info:
+        LLM(model=str(path), dtype="float32")
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_deepseek_checkpoint_matches_dequantized_transformers(tmp_path):
+    """DeepSeek's own block-FP8 layout (e4m3 projections incl. kv_a_proj_with_mqa and the
+    experts, float32 router) against HF on the dequantized weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.megaserve.hf_models import write_fp8_checkpoint
+
+    src, dst, deq = tmp_path / "bf", tmp_path / "fp8", tmp_path / "deq"
+    model = make_deepseek_checkpoint(src, seed=2, **DEEPSEEK_VARIANTS["deepseek-qlora-yarn-groups"])
+    reference = write_fp8_checkpoint(src, dst, (16, 16))
+    deq.mkdir()
+    save_file(reference, str(deq / "model.safetensors"))
+    shutil.copy(src / "config.json", deq / "config.json")
+    hf = type(model).from_pretrained(deq, dtype=torch.float32).eval()
+    prompt = _prompts(hf.config.vocab_size)[2]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    with LLM(model=str(dst), dtype="float32") as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].double(), -1)
+    for step, token in enumerate(out.token_ids):
+        row = ref[len(prompt) - 1 + step]
+        assert abs(out.logprobs[step][token] - row[token].item()) < LOGPROB_TOL
+        top2 = torch.topk(row, 2)
+        if (top2.values[0] - top2.values[1]).item() < TIE_MARGIN:
+            break
+        assert token == top2.indices[0].item()
