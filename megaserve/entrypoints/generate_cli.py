@@ -32,6 +32,16 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-replicas", type=int, default=1)
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="N attention replicas, one worker each (vLLM's flag); with "
+                             "--enable-expert-parallel each also holds 1/N of the experts")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="co-located expert parallelism over the --data-parallel-size "
+                             "workers (dispatch/combine between them)")
+    parser.add_argument("--attention-gpus", type=_gpu_list, default=None, metavar="0,1",
+                        help="the GPU of each attention replica (--device cuda)")
+    parser.add_argument("--expert-gpus", type=_gpu_list, default=None, metavar="2",
+                        help="the GPU of each expert worker (--device cuda)")
     parser.add_argument("--transport", default="inproc")
     parser.add_argument("--plan", default=None,
                         help="a `megaserve plan` file: its layout (replicas, expert workers and "
@@ -85,6 +95,14 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
                              "--gpu-memory-utilization)")
 
 
+def _gpu_list(value: str) -> tuple[int, ...]:
+    """``"0,1"`` → (0, 1); argparse reports a bad list."""
+    try:
+        return tuple(int(g) for g in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1, got {value!r}") from None
+
+
 def runtime_options(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments from :func:`add_runtime_flags` flags.
 
@@ -101,6 +119,9 @@ def runtime_options(args: argparse.Namespace) -> dict:
         aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
         cuda_graphs=not args.no_cuda_graphs, async_scheduling=args.async_scheduling,
         disaggregate=args.disaggregate, data_plane=args.data_plane,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        attention_gpus=args.attention_gpus, expert_gpus=args.expert_gpus,
     )
     options.update(enable_prefix_caching=args.enable_prefix_caching,
                    speculative_config=args.speculative_config)

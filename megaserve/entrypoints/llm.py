@@ -20,7 +20,9 @@ class LLM:
     ``LLM(model=..., dtype=..., device=..., max_num_seqs=..., max_model_len=...,
     block_size=16, seed=..., **engine_options)`` where ``engine_options`` are the other
     fields of :class:`~megaserve.engine.config.EngineConfig` (``attention_replicas``,
-    ``expert_workers``, ``microbatches``, ``transport``, ``max_num_batched_tokens``, and the KV
+    ``expert_workers``, ``microbatches``, ``transport``, ``data_parallel_size`` and
+    ``enable_expert_parallel`` (vLLM's data / co-located expert parallelism),
+    ``max_num_batched_tokens``, and the KV
     pool's size: ``gpu_memory_utilization`` (default 0.9 on CUDA), ``kv_cache_memory_bytes``
     or ``num_kv_blocks``). ``device="auto"`` (the default) runs on CUDA where torch sees a GPU.
     Use as a context manager, or call :meth:`shutdown`, to stop worker processes.
