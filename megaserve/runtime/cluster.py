@@ -1,8 +1,8 @@
-"""DisaggregatedEngine: the front-end over R attention replicas and E expert workers.
+"""DisaggregatedEngine: the front-end over R attention replicas and E expert workers
+(or N co-located workers, each both: megaserve.runtime.layout).
 
-It has the synchronous engine's interface (validate / add_request / abort_request / step /
-has_unfinished_requests / stats / shutdown), so ``LLM`` and ``AsyncLLMEngine`` use it
-unchanged. Requests go to the replica with the least outstanding work; each replica
+It implements :class:`~megaserve.runtime.engine_client.EngineClient`, so ``LLM`` and
+``AsyncLLMEngine`` use it unchanged. Requests go to the replica with the least outstanding work; each replica
 steps on its own and streams its outputs back, so a long prefill on one replica never
 holds the others. Unseeded requests get their seed here, from the arrival order, so the
 replica that serves a request cannot change its output.
@@ -30,6 +30,7 @@ from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.loader import resolve_dtype
 from megaserve.outputs import RequestOutput
+from megaserve.runtime.engine_client import EngineClient
 from megaserve.runtime.frames import frame_bytes
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.routing import replica_router
@@ -73,8 +74,10 @@ def _locked(method):
     return wrapper
 
 
-class DisaggregatedEngine:
-    """Front-end engine; see the module docstring. Raises ``ValueError`` for bad config."""
+class DisaggregatedEngine(EngineClient):
+    """Front-end engine over the workers of any layout of :mod:`megaserve.runtime.layout`
+    (disaggregated, co-located expert parallelism, data parallelism); see the module
+    docstring. Raises ``ValueError`` for bad config."""
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
                  launcher: WorkerLauncher | None = None,
@@ -96,6 +99,7 @@ class DisaggregatedEngine:
         if placement is None and config.expert_placement is not None:
             placement = ExpertPlacement(num_experts, config.expert_placement)
         self.placement = placement or ExpertPlacement.even(num_experts, config.expert_workers)
+        self.model_path = path
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.config = replace(config, model=str(path), max_model_len=self.max_model_len)
         self.tokenizer = load_tokenizer(path)

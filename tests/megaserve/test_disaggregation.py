@@ -228,3 +228,24 @@ def test_lockstep_abort_and_idle_replica():
         assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
     finally:
         engine.shutdown()
+
+
+def test_engines_implement_the_engine_client_interface():
+    from megaserve.engine.engine import LLMEngine
+    from megaserve.runtime.engine_client import ATTRIBUTES, EngineClient
+
+    assert issubclass(LLMEngine, EngineClient)  # by shape: the engine layer cannot name it
+    assert issubclass(DisaggregatedEngine, EngineClient)
+
+    class NoStep:
+        def validate(self, prompt, params): ...
+
+    assert not issubclass(NoStep, EngineClient)
+    with LLM(dtype="float32") as one, LLM(dtype="float32", data_parallel_size=2,
+                                          enable_expert_parallel=True) as ep:
+        for engine in (one.engine, ep.engine):
+            assert isinstance(engine, EngineClient)
+            missing = [a for a in ATTRIBUTES if not hasattr(engine, a)]
+            assert not missing, f"{type(engine).__name__} lacks {missing}"
+            assert (engine.vocab_size, engine.max_model_len) == (one.engine.vocab_size,
+                                                                 one.engine.max_model_len)
