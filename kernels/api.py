@@ -222,6 +222,23 @@ def sigmoid_topk_route(
                       renormalize, scaling)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """:func:`linear` for a block-FP8 weight (e4m3 `[N, K]`, float32 scale_inv per 128 x 128
+    block); contract in :mod:`kernels.fp8`."""
+    from .fp8 import fp8_linear as run
+
+    return run(x, weight, scale_inv)
+
+
+def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
+                   s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
+                   *, rows_per_token: int = 1) -> torch.Tensor:
+    """:func:`expert_ffn` on block-FP8 expert weights; contract in :mod:`kernels.fp8`."""
+    from .fp8 import fp8_expert_ffn as run
+
+    return run(x, expert_ids, w_gate_up, s_gate_up, w_down, s_down, rows_per_token=rows_per_token)
+
+
 def expert_ffn(
     x: torch.Tensor,
     expert_ids: torch.Tensor,

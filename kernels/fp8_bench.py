@@ -1,0 +1,126 @@
+"""Block-FP8 GEMM benchmarks on one CUDA GPU (``python -m megaserve.kernels.fp8_bench``).
+
+1. GEMMs: the batch-invariant FP8 linear (activation quantization included) against
+   ``torch._scaled_mm`` (cuBLAS FP8, row-wise scales, operands already quantized) and the
+   batch-invariant bf16 linear, on the linears of Qwen3-30B-A3B and DeepSeek-V3.
+2. One Qwen3-30B-A3B MoE layer's weight GEMMs at decode batch sizes (qkv, o_proj, 128
+   experts top-8): FP8 against bf16, and the FP8 time against the roofline of the weight
+   bytes it reads (HBM bandwidth measured in the same run by a device copy).
+Attention, norms, routing and the LM head are not in (2): it is a layer's GEMM time,
+not an engine's decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+
+def _time_ms(fn, reps: int = 50) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` CUDA-graph-free launches."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=reps, return_mode="median"))
+
+
+def _fp8(n: int, k: int, experts: int | None = None):
+    from megaserve.kernels.triton_impl.fp8_gemm import FP8
+
+    shape = (experts, n, k) if experts else (n, k)
+    w = (torch.randn(shape, device="cuda") * 0.02).to(FP8)
+    s = torch.rand(*shape[:-2], -(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
+    return w, s
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def bench_gemms(sizes: list[int]) -> list[float]:
+    from megaserve import kernels
+    from megaserve.kernels.triton_impl.fp8_gemm import FP8, quantize_rows
+
+    shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
+              "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
+              "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
+    ratios = []
+    print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'_scaled_mm us':>14} {'bf16 (ours) us':>15}"
+          f" {'cuBLAS/ours':>12}")
+    for name, (n, k) in shapes.items():
+        w, s = _fp8(n, k)
+        wb = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        for m in sizes:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ours = _time_ms(lambda: kernels.fp8_linear(x, w, s)) * 1e3
+            xq, _ = quantize_rows(x)
+            sa = torch.rand(m, 1, device="cuda")
+            sb = torch.rand(1, n, device="cuda")
+            cublas = _time_ms(lambda: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
+                                                       out_dtype=torch.bfloat16)) * 1e3
+            bf16 = _time_ms(lambda: kernels.linear(x, wb)) * 1e3
+            ratios.append(cublas / ours)
+            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {bf16:15.1f} {cublas / ours:12.2f}")
+        del w, s, wb
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f}")
+    return ratios
+
+
+def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
+    from megaserve import kernels
+
+    d, inter, experts, top_k, qkv_n, o_k = 2048, 768, 128, 8, 5120, 4096
+    wq, sq = _fp8(qkv_n, d)
+    wo, so = _fp8(d, o_k)
+    wgu, sgu = _fp8(2 * inter, d, experts)
+    wd, sd = _fp8(d, inter, experts)
+    bq = (torch.randn(qkv_n, d, device="cuda") * 0.02).bfloat16()
+    bo = (torch.randn(d, o_k, device="cuda") * 0.02).bfloat16()
+    bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
+    bd = (torch.randn(experts, d, inter, device="cuda") * 0.02).bfloat16()
+    print(f"\nQwen3-30B-A3B MoE layer GEMMs (qkv, o_proj, experts top-{top_k} of {experts}); "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'batch':>5} {'bf16 us':>9} {'fp8 us':>9} {'fp8/bf16 speed':>15} {'fp8 roofline us':>16}"
+          f" {'fp8 % roofline':>15}")
+    for b in batches:
+        x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
+        xo = torch.randn(b, o_k, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(b)]).reshape(-1)
+        hit = int(torch.unique(ids).numel())
+
+        def run_bf16():
+            kernels.linear(x, bq)
+            kernels.linear(xo, bo)
+            kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)
+
+        def run_fp8():
+            kernels.fp8_linear(x, wq, sq)
+            kernels.fp8_linear(xo, wo, so)
+            kernels.fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, rows_per_token=top_k)
+
+        t16 = _time_ms(run_bf16) * 1e3
+        t8 = _time_ms(run_fp8) * 1e3
+        weight_bytes = qkv_n * d + d * o_k + hit * 3 * inter * d  # e4m3: one byte each
+        roof = weight_bytes / bandwidth * 1e6
+        print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gemm-sizes", type=int, nargs="+", default=[64, 256, 4096])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    args = parser.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    bandwidth = copy_bandwidth()
+    bench_gemms(args.gemm_sizes)
+    bench_moe_layer(args.batches, bandwidth)
+
+
+if __name__ == "__main__":
+    main()
