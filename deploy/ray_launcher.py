@@ -297,9 +297,18 @@ class RayLauncher:
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             with keep_signal_handlers(SHUTDOWN_SIGNALS):
-                ray.init(address=address, include_dashboard=False, log_to_driver=True,
-                         runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                                   if k.startswith(ENV_PREFIXES)}})
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=True,
+                             runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                                       if k.startswith(ENV_PREFIXES)}})
+                except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+                    raise RuntimeError(
+                        f"cannot join the Ray cluster at {address or 'auto'}: {e}. If the "
+                        "cluster uses token authentication (Ray's `ray start` turns it on "
+                        "when ~/.ray/auth_token exists), this process needs "
+                        f"RAY_AUTH_MODE=token and the token (RAY_AUTH_MODE is "
+                        f"{os.environ.get('RAY_AUTH_MODE', 'unset')} here); see "
+                        "docs/deploy.md, 'Walk-through on one machine'") from e
         self._placement_timeout_s = placement_timeout_s
         self._pg = None
         self._bundles: list[dict[str, float]] = []
