@@ -267,7 +267,7 @@ def _bundle(spec: WorkerSpec) -> dict[str, float]:
     bundle = {"CPU": 1.0}
     if spec.device.startswith("cuda"):
         bundle["GPU"] = 1.0
-    gpu_type = (spec.engine.attention_gpu_type if spec.role == "attention"
+    gpu_type = (spec.engine.attention_gpu_type if spec.runs_attention
                 else spec.engine.expert_gpu_type)
     if gpu_type:
         bundle[f"accelerator_type:{gpu_type}"] = ACCELERATOR_SHARE

@@ -357,6 +357,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must list GPU indices (integers >= 0), got {value!r}")
             value = tuple(value)
             object.__setattr__(self, name, value)
+            if self.launcher != "local":
+                raise ValueError(f"{name} places workers on this host's GPUs; launcher "
+                                 f"{self.launcher!r} places them by GPU type "
+                                 "(attention_gpu_type / expert_gpu_type)")
             if self.device != "cuda":
                 raise ValueError(f"{name} places workers on the visible GPUs: it needs "
                                  f"device='cuda', not {self.device!r}")

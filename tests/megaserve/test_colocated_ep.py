@@ -110,6 +110,7 @@ def test_data_parallel_flags_resolve_to_a_layout():
     (dict(data_parallel_size=2, enable_expert_parallel=True, expert_placement=((0, 1),)),
      "expert_placement lists 1 workers"),
     (dict(attention_gpus=(0,)), "needs device='cuda'"),
+    (dict(device="cuda", attention_gpus=(0,), launcher="ray"), "places them by GPU type"),
     (dict(device="cuda", attention_gpus=(0, 1)), "2 GPUs for 1 attention replica"),
     (dict(device="cuda", attention_gpus=(-1,)), "GPU indices"),
     (dict(device="cuda", attention_gpus="0"), "GPU indices"),
