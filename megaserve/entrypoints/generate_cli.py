@@ -123,6 +123,11 @@ def runtime_options(args: argparse.Namespace) -> dict:
         enable_expert_parallel=args.enable_expert_parallel,
         attention_gpus=args.attention_gpus, expert_gpus=args.expert_gpus,
     )
+    # The counts --data-parallel-size means, where not given (EngineConfig refuses a clash).
+    if args.data_parallel_size > 1 and args.attention_replicas == 1:
+        options["attention_replicas"] = args.data_parallel_size
+        if args.enable_expert_parallel and args.expert_workers == 1:
+            options["expert_workers"] = args.data_parallel_size
     options.update(enable_prefix_caching=args.enable_prefix_caching,
                    speculative_config=args.speculative_config)
     if args.plan:
