@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--memory-per-gpu", default=d.memory_per_gpu)
     k.add_argument("--dtype", default=d.dtype)
     k.add_argument("--max-model-len", type=int, default=None)
+    k.add_argument("--grace-period", type=float, default=d.grace_period,
+                   help="the server's --grace-period, seconds from SIGTERM to exit; the pod's "
+                        "terminationGracePeriodSeconds is this plus a margin "
+                        "(default: %(default)s)")
+    k.add_argument("--startup-timeout", type=int, default=d.startup_timeout_s,
+                   help="seconds the first model load may take before the head is restarted "
+                        "(the startup probe; size it for the checkpoint) (default: %(default)s)")
     k.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     return p
 
@@ -64,7 +71,9 @@ def main(argv: list[str]) -> int:
                               gpu_product_label=args.gpu_product_label, gpu_products=products,
                               gpus_per_pod=args.gpus_per_pod, cpu_per_gpu=args.cpu_per_gpu,
                               memory_per_gpu=args.memory_per_gpu, dtype=args.dtype,
-                              max_model_len=args.max_model_len)
+                              max_model_len=args.max_model_len,
+                              grace_period=args.grace_period,
+                              startup_timeout_s=args.startup_timeout)
         text = render(build_manifests(config))
     except (ValueError, OSError) as e:
         print(f"megaserve deploy k8s: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ One deployment per copy of each plan unit (a unit is what one ``megaserve serve`
     ConfigMap   <name>-plan          the plan file, mounted on every head at /etc/megaserve
     RayCluster  <name>[-u<i>-<j>]    (or a RayService around it, with service=True)
         head group     megaserve serve --plan ... --launcher ray (the gRPC + HTTP front-end;
-                       num-cpus 0, so no worker lands there); gRPC health probes
+                       num-cpus 0, so no worker lands there); gRPC health probes (below)
         worker groups  one per GPU type of the unit: nvidia.com/gpu requests = limits,
                        node selector <product label>=<product>, ray.io/accelerator-type
                        label and the accelerator_type:<T> Ray resource the Ray launcher's
@@ -15,6 +15,22 @@ One deployment per copy of each plan unit (a unit is what one ``megaserve serve`
 The head container starts Ray itself (annotation ``ray.io/overwrite-container-cmd``, the
 generated command in ``$KUBERAY_GEN_RAY_START_CMD``), waits for it, then execs
 ``megaserve serve``. Everything here is pure data: no Kubernetes client is needed.
+
+Probes of the head (grpc.health.v1 on the gRPC port), matched to the server's states::
+
+    server state        startup ("")   readiness (Generation)   liveness (megaserve.liveness)
+    LOADING             NOT_SERVING    NOT_SERVING              SERVING
+    SERVING             SERVING        SERVING                  SERVING
+    RECOVERING          NOT_SERVING    NOT_SERVING              SERVING   (a lost worker)
+    DRAINING (SIGTERM)  NOT_SERVING    NOT_SERVING              SERVING
+    FAILED              NOT_SERVING    NOT_SERVING              NOT_SERVING
+    event loop wedged   (no answer: every probe times out)
+
+so traffic stops while a worker group is replaced, and the pod is restarted only once the
+engine gave up (or the loop hangs): never in the middle of a recovery, however long a big
+checkpoint takes to reload. The startup probe allows ``startup_timeout_s`` for the first
+load; ``terminationGracePeriodSeconds`` is the server's grace period plus
+TERMINATION_MARGIN_S, so Kubernetes never kills a drain the server would finish.
 """
 
 from __future__ import annotations
@@ -25,11 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megaserve.deploy.plans import load_units, unit_gpus
-from megaserve.service import SERVICE_NAME
+from megaserve.service import LIVENESS_NAME, SERVICE_NAME
 
 RAY_VERSION = "2.60.0"
 PLAN_DIR = "/etc/megaserve"
 MODEL_DIR = "/models"
+# After the server's grace period (in-flight requests), what its shutdown still needs:
+# stopping the worker actors, removing the placement group, the process exit.
+TERMINATION_MARGIN_S = 30
+STARTUP_PERIOD_S = 10  # the startup probe's period; its threshold covers startup_timeout_s
 # GPU type (as the planner's catalog names it, planner/catalog.py) → the value of NVIDIA
 # GPU feature discovery's nvidia.com/gpu.product node label (check yours with
 # `kubectl get nodes -L nvidia.com/gpu.product`). DeployConfig.gpu_products overrides it.
@@ -54,7 +74,10 @@ class DeployConfig:
     ``model``: a path inside the image, ``builtin:NAME``, or ``pvc://CLAIM/PATH`` (the claim
     is mounted read-only at /models on every pod). ``gpus_per_pod``: the most GPUs one
     worker pod asks for (a group needing fewer asks for what it needs). ``cpu_per_gpu`` /
-    ``memory_per_gpu``: worker pod requests per GPU (Kubernetes quantities)."""
+    ``memory_per_gpu``: worker pod requests per GPU (Kubernetes quantities).
+    ``grace_period``: the server's ``--grace-period`` (seconds from SIGTERM to exit).
+    ``startup_timeout_s``: how long the first model load may take before Kubernetes
+    restarts the head (the startup probe's budget; size it for the checkpoint)."""
 
     plan: str
     image: str = "megaserve:latest"
@@ -73,6 +96,8 @@ class DeployConfig:
     http_port: int = 8000
     dtype: str = "auto"
     max_model_len: int | None = None
+    grace_period: float = 30.0
+    startup_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", self.name):
@@ -87,6 +112,17 @@ class DeployConfig:
             raise ValueError(f"model: {self.model!r}: expected pvc://CLAIM/PATH")
         if self.grpc_port == self.http_port:
             raise ValueError("grpc_port and http_port must differ")
+        if not 0 <= self.grace_period <= 3600:
+            raise ValueError(f"grace_period: {self.grace_period!r} must be in [0, 3600] seconds")
+        if isinstance(self.startup_timeout_s, bool) or not isinstance(self.startup_timeout_s, int) \
+                or self.startup_timeout_s < STARTUP_PERIOD_S:
+            raise ValueError(f"startup_timeout_s: {self.startup_timeout_s!r} must be an integer "
+                             f">= {STARTUP_PERIOD_S} seconds")
+
+    @property
+    def termination_grace_period_s(self) -> int:
+        """The pod's terminationGracePeriodSeconds: above the server's grace period."""
+        return math.ceil(self.grace_period) + TERMINATION_MARGIN_S
 
     def product(self, gpu_type: str) -> str:
         products = {**GPU_PRODUCTS, **self.gpu_products}
@@ -114,23 +150,27 @@ def _serve_command(config: DeployConfig, unit_index: int, model: str) -> str:
     args = ["megaserve", "serve", "--plan", f"{PLAN_DIR}/plan.yaml", "--plan-unit", str(unit_index),
             "--launcher", "ray", "--ray-address", "auto", "--transport", "tcp",
             "--device", "cuda", "--dtype", config.dtype, "--model", model, "--host", "0.0.0.0",
-            "--grpc-port", str(config.grpc_port), "--http-port", str(config.http_port)]
+            "--grpc-port", str(config.grpc_port), "--http-port", str(config.http_port),
+            "--grace-period", f"{config.grace_period:g}"]
     if config.max_model_len:
         args += ["--max-model-len", str(config.max_model_len)]
     return " ".join(args)
 
 
 def _probes(config: DeployConfig) -> dict[str, Any]:
-    """gRPC health (grpc.health.v1): readiness on the service (traffic stops while a lost
-    worker is replaced), liveness on the server overall with room for a restart, startup
-    with room for loading the model."""
+    """The head's probes (module docstring): startup on overall health (SERVING once the
+    model is loaded), readiness on the Generation service, liveness on LIVENESS_NAME.
+    Timeouts leave room for a busy head; liveness restarts after 3 failures (30 s)."""
+    port = config.grpc_port
     return {
-        "startupProbe": {"grpc": {"port": config.grpc_port}, "periodSeconds": 10,
-                         "failureThreshold": 90},
-        "readinessProbe": {"grpc": {"port": config.grpc_port, "service": SERVICE_NAME},
-                           "periodSeconds": 5, "failureThreshold": 1},
-        "livenessProbe": {"grpc": {"port": config.grpc_port}, "periodSeconds": 10,
-                          "failureThreshold": 12},
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": STARTUP_PERIOD_S,
+                         "timeoutSeconds": 5,
+                         "failureThreshold": math.ceil(config.startup_timeout_s
+                                                       / STARTUP_PERIOD_S)},
+        "readinessProbe": {"grpc": {"port": port, "service": SERVICE_NAME},
+                           "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1},
+        "livenessProbe": {"grpc": {"port": port, "service": LIVENESS_NAME},
+                          "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
     }
 
 
@@ -159,7 +199,9 @@ def _head_group(config: DeployConfig, unit_index: int, labels: dict[str, str]) -
     return {
         "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {"metadata": {"labels": {**labels, "megaserve.io/role": "front-end"}},
-                     "spec": {"containers": [container], "volumes": volumes}},
+                     "spec": {"containers": [container], "volumes": volumes,
+                              "terminationGracePeriodSeconds":
+                                  config.termination_grace_period_s}},
     }
 
 

@@ -27,10 +27,11 @@ from grpc_reflection.v1alpha import reflection
 
 from megaserve import __version__
 from megaserve.server import generation_pb2 as pb
-from megaserve.server.core import Delta, ServingCore
+from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import RequestError
 from megaserve.server.grpc_protocol import (
     SERVICE_NAME, BadMessage, deserialize_generate, logprobs_to_proto, parse_generate)
+from megaserve.service import LIVENESS_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +200,31 @@ def build_grpc_server(service: GenerationService, address: str, api_key: str | N
         ("grpc.so_reuseport", 0),
     ])
     server.add_generic_rpc_handlers((_handlers(service),))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = _HealthServicer(service.core)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind gRPC to {address}")
     return server, health_servicer
+
+
+class _HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 as set by ``set_health``, plus ``LIVENESS_NAME`` (megaserve.service),
+    answered from the server's state: NOT_SERVING only once it has FAILED."""
+
+    def __init__(self, core: ServingCore) -> None:
+        super().__init__()
+        self._core = core
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context
+                    ) -> health_pb2.HealthCheckResponse:
+        if request.service == LIVENESS_NAME:
+            failed = self._core.state is ServerState.FAILED
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING if failed
+                else health_pb2.HealthCheckResponse.SERVING)
+        return await super().Check(request, context)
 
 
 async def set_health(health_servicer: health.aio.HealthServicer, serving: bool) -> None:

@@ -120,9 +120,20 @@ def test_two_gpu_types_worker_groups_limits_selectors_probes(tmp_path):
     command = head["args"][0]
     assert "megaserve serve --plan /etc/megaserve/plan.yaml --plan-unit 0 --launcher ray" in command
     assert "--model /models/tiny" in command and "--transport tcp" in command
-    assert head["readinessProbe"]["grpc"] == {"port": 50051, "service": "megaserve.v1.Generation"}
-    assert head["livenessProbe"]["grpc"] == {"port": 50051}
-    assert head["startupProbe"]["grpc"] == {"port": 50051}
+    assert "--grace-period 30 " in command + " "
+    # Probes: readiness = serving; liveness fails only once FAILED (a separate health name,
+    # SERVING while a lost worker is replaced); startup sized for a big checkpoint.
+    assert head["readinessProbe"] == {"grpc": {"port": 50051, "service": "megaserve.v1.Generation"},
+                                      "periodSeconds": 5, "timeoutSeconds": 5,
+                                      "failureThreshold": 1}
+    assert head["livenessProbe"] == {"grpc": {"port": 50051, "service": "megaserve.liveness"},
+                                     "periodSeconds": 10, "timeoutSeconds": 5,
+                                     "failureThreshold": 3}
+    startup = head["startupProbe"]
+    assert startup["grpc"] == {"port": 50051}
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 3600  # the default, 1 h
+    pod = spec["headGroupSpec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 60  # > the server's 30 s grace period
     assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     assert docs[1]["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     service = docs[-1]
@@ -142,6 +153,85 @@ def test_one_gpu_type_as_rayservice_with_label_overrides(tmp_path):
     pod = group["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"  # 2 + 2 workers
     assert pod["nodeSelector"] == {"gpu.example/model": "H200-141GB"}
+
+
+def test_grace_period_and_startup_timeout_flags_size_the_head_pod(tmp_path, capsys):
+    docs = _deploy(tmp_path, ONE_TYPE, "--grace-period", "90", "--startup-timeout", "7200")
+    _validate(docs)
+    head_pod = docs[1]["spec"]["headGroupSpec"]["template"]["spec"]
+    (head,) = head_pod["containers"]
+    assert "--grace-period 90" in head["args"][0]
+    assert head_pod["terminationGracePeriodSeconds"] > 90
+    startup = head["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 7200
+    plan = tmp_path / "plan.yaml"
+    for bad in (["--grace-period", "-1"], ["--startup-timeout", "0"]):
+        assert cli_main(["deploy", "k8s", "--plan", str(plan), *bad]) == 2
+        assert bad[0].removeprefix("--").replace("-", "_") in capsys.readouterr().err
+
+
+def test_probe_health_names_follow_the_server_states():
+    """The names the probes check, answered by the server's real gRPC health service: the
+    liveness name stays SERVING while loading, serving, recovering and draining (states in
+    which readiness is NOT_SERVING) and turns NOT_SERVING only once the server FAILED."""
+    import asyncio
+    import socket
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from megaserve.deploy.k8s import DeployConfig, _probes
+    from megaserve.server.core import ServerState, ServingCore
+    from megaserve.server.grpc_service import GenerationService, build_grpc_server, set_health
+
+    probes = _probes(DeployConfig(plan=""))
+    liveness = probes["livenessProbe"]["grpc"]["service"]
+    readiness = probes["readinessProbe"]["grpc"]["service"]
+
+    async def run() -> list[tuple[str, str, str]]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        core = ServingCore("m", max_num_seqs=4, max_waiting=4)
+        server, health = build_grpc_server(GenerationService(core, "float32", "cpu"),
+                                           f"127.0.0.1:{port}")
+        await server.start()
+        seen = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+
+                async def check(name: str) -> str:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=name),
+                                             timeout=30)
+                    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+                async def record(step: str) -> None:
+                    seen.append((step, await check(readiness), await check(liveness)))
+
+                await set_health(health, serving=False)
+                await record("loading")
+                core.state = ServerState.SERVING
+                await set_health(health, serving=True)
+                await record("serving")
+                await set_health(health, serving=False)  # a lost worker: app._watch_engine
+                await record("recovering")
+                await set_health(health, serving=True)
+                core.state = ServerState.DRAINING
+                await set_health(health, serving=False)
+                await record("draining")
+                core.state = ServerState.SERVING
+                core.mark_failed("gave up after 3 restarts")
+                await set_health(health, serving=False)
+                await record("failed")
+        finally:
+            await server.stop(0)
+        return seen
+
+    assert asyncio.run(run()) == [
+        ("loading", "NOT_SERVING", "SERVING"), ("serving", "SERVING", "SERVING"),
+        ("recovering", "NOT_SERVING", "SERVING"), ("draining", "NOT_SERVING", "SERVING"),
+        ("failed", "NOT_SERVING", "NOT_SERVING")]
 
 
 def test_strict_validation_rejects_unknown_fields_and_bad_inputs(tmp_path, capsys):
