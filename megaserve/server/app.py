@@ -151,31 +151,41 @@ async def serve(config: ServeConfig,
     engine_watch.cancel()
 
     # Drain: refuse new work first, then give in-flight work the grace period.
+    deadline = loop.time() + config.grace_period
     logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
     core.state = ServerState.DRAINING
     await set_health(health, serving=False)
     await site.stop()
     # The whole shutdown fits in the grace period (an orchestrator kills us after it):
-    # in-flight work gets all of it but a reserve for aborting what is left and flushing
-    # those streams' final messages. grpc refuses new RPCs at once and cancels whatever
-    # is still open at the end of the grace period.
+    # in-flight work gets all of it but a reserve for aborting what is left, flushing
+    # those streams' final messages and stopping the engine. grpc refuses new RPCs at once
+    # and cancels whatever is still open at the end of the grace period.
     reserve = min(1.0, 0.25 * config.grace_period)
     grpc_stopped = asyncio.create_task(grpc_server.stop(config.grace_period))
     if core.engine is not None:
-        aborted = await core.drain(config.grace_period - reserve, flush_timeout=reserve / 2)
+        aborted = await core.drain(deadline - reserve - loop.time(), flush_timeout=reserve / 3)
         if aborted:
             logger.warning("megaserve: aborted %d request(s) at the end of the grace period",
                            aborted)
-    await grpc_stopped
-    await runner.cleanup()
+    await _within(grpc_stopped, deadline - loop.time(), "stopping gRPC")
+    await _within(runner.cleanup(), deadline - loop.time(), "closing HTTP connections")
     core.close()
     core.state = ServerState.STOPPED
     if core.engine is not None:
-        await core.engine.shutdown()
+        # (an engine process still running when we exit ends when its pipe closes)
+        await _within(core.engine.shutdown(), deadline - loop.time(), "stopping the engine")
     elif not load.done():
         load.cancel()
     logger.info("megaserve: stopped")
     return exit_code
+
+
+async def _within(work: Any, seconds: float, what: str) -> None:
+    """Awaits ``work`` for at most ``seconds`` (it is cancelled after), logging a miss."""
+    try:
+        await asyncio.wait_for(work, timeout=max(0.0, seconds))
+    except asyncio.TimeoutError:
+        logger.warning("megaserve: %s did not finish within the grace period", what)
 
 
 def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from megaserve.engine.config import (EngineConfig, default_max_num_batched_tokens,
                                      default_max_num_seqs, resolve_device)
@@ -108,7 +109,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(config))
+        code = asyncio.run(serve(config))
     except ModuleNotFoundError as e:  # an incomplete install, e.g. no grpcio-health-checking
         print(f"megaserve serve: missing Python package for module {e.name!r}; install "
               "megaserve's dependencies (pip install -e .)", file=sys.stderr)
@@ -119,3 +120,15 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return 1
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Ends the process once the server has stopped (its engine shut down, its streams
+    ended): the interpreter's own teardown (torch, joining idle pool threads) takes
+    seconds on a loaded machine, and the grace period, after which an orchestrator kills
+    the process, does not have them."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
