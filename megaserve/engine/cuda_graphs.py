@@ -39,6 +39,7 @@ transfer (:class:`DecodeStep`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,9 +130,11 @@ class DecodeStep:
     """A decode step whose sampled tokens are on their way to the host.
 
     ``token_ids()`` waits for the copy (the only synchronisation of a greedy decode step)
-    and returns one token per scheduled sequence. ``token_logprobs``: one dict per
-    sequence (None for those not asking), or None where none asks; the model runner fills
-    them at sampling time, since the next replay overwrites the graph's log-probs.
+    and returns one token per scheduled sequence; then ``check`` (the device data plane's
+    ``check_steps``) raises if the step was abandoned, so garbage is never read as tokens.
+    ``token_logprobs``: one dict per sequence (None for those not asking), or None where
+    none asks; the model runner fills them at sampling time, since the next replay
+    overwrites the graph's log-probs.
     """
 
     scheduled: list[ScheduledSeq]
@@ -139,9 +142,13 @@ class DecodeStep:
     # (row, number of top logprobs) of each sequence asking for logprobs
     logprob_rows: list[tuple[int, int]]
     token_logprobs: list[dict[int, float] | None] | None = None
+    check: Callable[[], None] | None = None
 
     def token_ids(self) -> list[int]:
-        return self.copy.ids()
+        ids = self.copy.ids()
+        if self.check is not None:
+            self.check()
+        return ids
 
 
 def capture_sizes(max_batch: int, multiple: int = 1) -> list[int]:
@@ -273,8 +280,8 @@ class DecodeGraphs:
             graph_step(b, self.microbatches)
         graph.replay()
         finish_step = getattr(self.experts, "finish_step", None)
-        if finish_step is not None:  # bounded: a dead expert worker raises, never hangs
-            finish_step()
+        if finish_step is not None:  # bounded: the step's reader checks (DecodeStep.check)
+            finish_step(block=False)
         self.num_steps += 1
         self._out = out
         return out[:n]
@@ -294,7 +301,8 @@ class DecodeGraphs:
         self.sampled.rows = {s.seq: i for i, s in enumerate(scheduled)}
         wanted = np.flatnonzero(rows[:, extra + _LOGPROBS] >= 0).tolist()
         return DecodeStep(scheduled, self._host_tokens.copy(tokens),
-                          [(i, int(rows[i, extra + _LOGPROBS])) for i in wanted])
+                          [(i, int(rows[i, extra + _LOGPROBS])) for i in wanted],
+                          check=getattr(self.experts, "check_steps", None))
 
     def _sample_tokens(self, n: int) -> torch.Tensor:
         """`[n]` int64 tokens of the last run's rows ``[:n]`` (device work only)."""

@@ -145,7 +145,7 @@ class LLMEngine:
         why = None
         if config.speculative_config is not None:
             why = "speculative decoding"
-        elif not isinstance(experts, LocalExperts):
+        elif not (isinstance(experts, LocalExperts) or getattr(experts, "overlaps_steps", False)):
             why = "experts outside this engine"
         elif config.device != "cpu" and not config.cuda_graphs:
             why = "cuda_graphs off"

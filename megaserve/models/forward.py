@@ -34,7 +34,12 @@ class ExpertClient(Protocol):
         """Send x `[T, D]` with topk_ids `[T, k]` to the experts; returns a handle."""
 
     def combine(self, handle: Any) -> torch.Tensor:
-        """Wait for a dispatch; returns `[T, k, D]`, row (t, r) = expert topk_ids[t, r] of x[t]."""
+        """Wait for a dispatch; returns `[T, k, D]`, row (t, r) = expert topk_ids[t, r] of x[t].
+
+        A client whose ``reduces_on_workers`` is true gets ``topk_weights`` `[T, k]` as a
+        fifth argument of ``dispatch`` and returns `[T, 1, D]` float32 instead: each
+        token's ``kernels.combine`` row, computed where the experts ran (the loop adds it
+        with unit weight, which is exact)."""
 
 
 class LocalExperts:
@@ -71,7 +76,7 @@ class MicroBatch:
 @dataclass
 class _Pending:
     x: torch.Tensor  # [T, D] post-attention-norm input of the experts
-    topk_weights: torch.Tensor  # [T, k] fp32
+    topk_weights: torch.Tensor  # [T, k] fp32 ([T, 1] ones: the client combined)
     handle: Any
 
 
@@ -92,6 +97,9 @@ def run_layers(
     inputs = [attention.input_norm(0, h) for h in hidden]
     pending: list[_Pending | None] = [None] * len(micro_batches)
     num_layers = attention.config.num_layers
+    reduced = getattr(experts, "reduces_on_workers", False)
+    unit = ([torch.ones(h.shape[0], 1, dtype=torch.float32, device=h.device) for h in hidden]
+            if reduced else None)  # [T_i, 1] weights of combined rows
     for layer in range(num_layers):
         for i, mb in enumerate(micro_batches):
             if pending[i] is not None:
@@ -104,8 +112,12 @@ def run_layers(
                 continue
             hidden[i] = h
             topk_ids, topk_weights = attention.route(layer, x)
-            handle = experts.dispatch(layer, i, x, topk_ids)
-            pending[i] = _Pending(x, topk_weights, handle)
+            if reduced:
+                handle = experts.dispatch(layer, i, x, topk_ids, topk_weights)
+                pending[i] = _Pending(x, unit[i], handle)
+            else:
+                handle = experts.dispatch(layer, i, x, topk_ids)
+                pending[i] = _Pending(x, topk_weights, handle)
     return [
         _finish(attention, num_layers - 1, hidden[i], pending[i], experts)[0]
         if pending[i] is not None else hidden[i]

@@ -77,6 +77,9 @@ class ExpertWorkerSpec:
     transport: str = "cuda_ipc"
     rendezvous: str | None = None
     channel: ChannelConfig | None = None
+    # torch.cuda.set_sync_debug_mode of the serving loop ("error": tests prove that the
+    # expert role never synchronises with the host while it serves)
+    sync_debug: str = "default"
 
 
 
@@ -130,10 +133,46 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     return Relay(endpoint, slots.outgoing, routes, slots.incoming), slots
 
 
+TRACE_ENV = "MEGASERVE_EXPERT_TRACE"
+TRACED_STEPS = 3
+
+
+def _traced_graph_steps(server: ExpertServer, trace_dir: str):
+    """``server.graph_step``, wrapped for benchmarks: once the file ``<trace_dir>/start``
+    exists, the next :data:`TRACED_STEPS` graph steps run under torch.profiler and their
+    kernel timeline goes to ``<trace_dir>/expert<index>.json`` (chrome trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = server.graph_step
+    state = {"prof": None, "left": TRACED_STEPS, "done": False}
+
+    def traced(rows: int, replicas: tuple[int, ...] = (0,)) -> None:
+        if state["done"] or (state["prof"] is None
+                             and not os.path.exists(os.path.join(trace_dir, "start"))):
+            return step(rows, replicas)
+        if state["prof"] is None:
+            state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+        step(rows, replicas)
+        state["left"] -= 1
+        if state["left"] == 0:
+            server.stream.synchronize()
+            state["prof"].__exit__(None, None, None)
+            state["prof"].export_chrome_trace(
+                os.path.join(trace_dir, f"expert{server.index}.json"))
+            state["done"] = True
+
+    return traced
+
+
 def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
     """Entry point of an expert worker process (``cuda_ipc``; tcp, rdma, nccl: relayed)."""
     from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (hangs)
     relay = None
     try:
         device = torch.device(spec.device)
@@ -150,6 +189,9 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
             relay, slots = _worker_relay(spec)
         server = ExpertServer(part, spec.index, spec.shape, inbox, replicas,
                               list(spec.moe_layers), device, relay=slots)
+        trace_dir = os.environ.get(TRACE_ENV)
+        if trace_dir:
+            server.graph_step = _traced_graph_steps(server, trace_dir)
         torch.cuda.synchronize()
         handle = share_tensor(inbox.storage) if spec.transport == "cuda_ipc" else None
         freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
@@ -162,7 +204,11 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
                 return True
             return False
 
-        server.serve(messages, None, parent_gone)
+        torch.cuda.set_sync_debug_mode(spec.sync_debug)
+        try:
+            server.serve(messages, None, parent_gone)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     except BaseException as e:  # noqa: BLE001 - reported to the front-end
         logger.exception("expert worker %d failed", spec.index)
@@ -177,8 +223,11 @@ class DevicePlaneEngine:
     """Front-end; see the module docstring."""
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
-                 timeout_s: float = 60.0, profile: bool = False) -> None:
-        """``profile``: record wait times and GEMM sizes (benchmarks; in-process workers)."""
+                 timeout_s: float = 60.0, profile: bool = False,
+                 sync_debug: str = "default") -> None:
+        """``profile``: record wait times and GEMM sizes (benchmarks; in-process workers).
+        ``sync_debug``: torch.cuda.set_sync_debug_mode of expert processes while they
+        serve ("error" in tests: any host synchronisation there fails the worker)."""
         reason = device_plane_reason(config)
         if reason is not None:
             raise ValueError(reason)
@@ -199,7 +248,8 @@ class DevicePlaneEngine:
             capacity=max(config.max_num_batched_tokens, config.max_num_seqs),
             hidden=model_config.hidden_size, top_k=model_config.top_k,
             num_experts=model_config.num_experts,
-            dtype=resolve_dtype(config.dtype, model_config), num_replicas=num_replicas)
+            dtype=resolve_dtype(config.dtype, model_config), num_replicas=num_replicas,
+            reduce_on_workers=placement.num_workers == 1)
         self.moe_layers = [i for i, moe in enumerate(model_config.moe_layers) if moe]
         self._closed = False
         self._threads: list[threading.Thread] = []
@@ -209,6 +259,7 @@ class DevicePlaneEngine:
         self.replica_inboxes = [ReplicaInbox(self.shape, self.device) for _ in range(num_replicas)]
         self.servers: list[ExpertServer] = []  # in-process workers (for stats and tests)
         self.profile = profile
+        self.sync_debug = sync_debug
         self.config = config
         self.model_name = config.model
         self._router = replica_router(config, path, model_config)
@@ -337,7 +388,8 @@ class DevicePlaneEngine:
             spec = ExpertWorkerSpec(index, path, config.dtype, device,
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
                                     handles, os.getpid(), config.transport,
-                                    self._rendezvous.address if relayed else None, channel)
+                                    self._rendezvous.address if relayed else None, channel,
+                                    self.sync_debug)
             messages = ctx.Queue()
             process = ctx.Process(target=run_expert_process, args=(spec, messages, self._replies),
                                   name=f"megaserve-expert-{index}", daemon=True)

@@ -11,10 +11,20 @@ is issued only after combine (l, i), which the expert side writes only after it 
 its rows of (l, i)::
 
     ExpertInbox (expert worker e's GPU)            ReplicaInbox (replica r's GPU, one each)
-      rows   [R, m, C + 1, D]  (row C: dump row)     out   [m, E, C, k, D]
-      ids    [R, m, C + 1, k]  int32, -1: elsewhere  flags [m, E] int32  combine (i, e) done
-      counts [R, m] int32       rows packed
-      flags  [R, m] int32       dispatch (r, i) done
+      rows    [R, m, C + 1, D]  (row C: dump row)    out   [m, E, C, k', D]  k' = k, or 1
+      ids     [R, m, C + 1, k]  int32, -1: elsewhere       (pre-reduced, float32)
+      weights [R, m, C + 1, k]  float32 (routing)    flags [m, E] int32  combine (i, e) done
+      counts  [R, m] int32      rows packed
+      flags   [R, m] int32      dispatch (r, i) done
+
+NOTE (the combine's bits): the attention side sums a token's k expert outputs in fp32 in
+ascending rank order (``kernels.combine``). With ``reduce_on_workers`` (one expert worker,
+which then holds every rank of every token) the worker computes that sum itself, with the
+same kernel over the same rows in the same order, and returns one float32 row per token
+instead of k rows in the model's dtype (k = 8, bf16: 4x fewer bytes); the attention side
+adds it with unit weight (exact), so the result is bitwise the one-GPU result. With several
+expert workers each holds an arbitrary subset of a token's ranks, and a per-worker partial
+sum would change the order of the fp32 additions: they return k rows.
 
 Routing, packing rows per destination (stable: token order), counts, the expert-side
 masking of rows beyond the count, the grouped GEMM and the combine's gather are kernels;
@@ -58,6 +68,7 @@ ever: while the host waits for the step's completion event, a watchdog thread co
 
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import threading
@@ -88,6 +99,8 @@ class PlaneShape:
     num_experts: int
     dtype: torch.dtype
     num_replicas: int = 1
+    # The expert worker returns each token's combined row (module NOTE); one worker only.
+    reduce_on_workers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "microbatches", "capacity", "hidden", "top_k", "num_experts",
@@ -95,6 +108,18 @@ class PlaneShape:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PlaneShape.{name} must be a positive integer, got {value!r}")
+        if self.reduce_on_workers and self.num_workers != 1:
+            raise ValueError(f"PlaneShape.reduce_on_workers keeps the combine's rank order "
+                             f"only with one expert worker, got {self.num_workers}")
+
+    @property
+    def combine_rows(self) -> int:
+        """k': rows a token gets back from a worker (1 once pre-reduced, else top-k)."""
+        return 1 if self.reduce_on_workers else self.top_k
+
+    @property
+    def combine_dtype(self) -> torch.dtype:
+        return torch.float32 if self.reduce_on_workers else self.dtype
 
 
 def _capturing() -> bool:
@@ -144,6 +169,7 @@ class ExpertInbox(_Buffers):
                          shape.top_k)
         super().__init__([("rows", (r, m, c + 1, d), shape.dtype),
                           ("ids", (r, m, c + 1, k), torch.int32),
+                          ("weights", (r, m, c + 1, k), torch.float32),
                           ("counts", (r, m), torch.int32), ("flags", (r, m), torch.int32)],
                          device, storage)
         if storage is None:
@@ -151,9 +177,10 @@ class ExpertInbox(_Buffers):
             self.counts.zero_()
 
     def slot(self, replica: int) -> InboxSlot:
-        """Replica ``replica``'s part: rows `[m, C + 1, D]`, ids, counts `[m]`, flags `[m]`."""
+        """Replica ``replica``'s part: rows `[m, C + 1, D]`, ids, weights, counts `[m]`,
+        flags `[m]`."""
         return InboxSlot(self.rows[replica], self.ids[replica], self.counts[replica],
-                         self.flags[replica])
+                         self.flags[replica], self.weights[replica])
 
 
 @dataclass(frozen=True)
@@ -164,16 +191,17 @@ class InboxSlot:
     ids: torch.Tensor
     counts: torch.Tensor
     flags: torch.Tensor
+    weights: torch.Tensor
 
 
 class ReplicaInbox(_Buffers):
     """What expert workers write into the attention replica (see the module NOTE)."""
 
     def __init__(self, shape: PlaneShape, device=None, storage=None) -> None:
-        m, e, c, k, d = (shape.microbatches, shape.num_workers, shape.capacity, shape.top_k,
-                         shape.hidden)
-        super().__init__([("out", (m, e, c, k, d), shape.dtype), ("flags", (m, e), torch.int32)],
-                         device, storage)
+        m, e, c, k, d = (shape.microbatches, shape.num_workers, shape.capacity,
+                         shape.combine_rows, shape.hidden)
+        super().__init__([("out", (m, e, c, k, d), shape.combine_dtype),
+                          ("flags", (m, e), torch.int32)], device, storage)
         if storage is None:
             self.flags.zero_()
 
@@ -302,21 +330,27 @@ class _Handle:
 
 
 def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
-         owners: torch.Tensor, worker: int, only_worker: bool) -> torch.Tensor | None:
+         owners: torch.Tensor, worker: int, only_worker: bool,
+         topk_weights: torch.Tensor | None = None) -> torch.Tensor | None:
     """Write the rows of micro-batch ``microbatch`` that expert worker ``worker`` needs into
     the replica's slot of its inbox (``ExpertInbox.slot``), in token order, with their expert ids (-1 where another worker serves
     that rank) and their count; kernels only, no host synchronisation.
 
-    x: `[T, D]`; topk_ids, owners: `[T, k]` int64. Returns pos `[T]`, each token's row in
-    the slot (-1 where none), or None for ``only_worker`` (row t is token t).
+    x: `[T, D]`; topk_ids, owners: `[T, k]` int64; topk_weights: `[T, k]` float32, written
+    too where given (``only_worker``: the worker pre-reduces). Returns pos `[T]`, each
+    token's row in the slot (-1 where none), or None for ``only_worker`` (row t is token t).
     """
     num_tokens = x.shape[0]
     slot_rows, slot_ids = inbox.rows[microbatch], inbox.ids[microbatch]
     if only_worker:  # every token goes to the one worker: a plain copy
         slot_rows[:num_tokens].copy_(x)
         slot_ids[:num_tokens].copy_(topk_ids)
+        if topk_weights is not None:
+            inbox.weights[microbatch, :num_tokens].copy_(topk_weights)
         inbox.counts[microbatch].fill_(num_tokens)
         return None
+    if topk_weights is not None:
+        raise ValueError("pre-reduced combines need one expert worker (module NOTE)")
     capacity = slot_rows.shape[0] - 1
     mine = owners == worker  # [T, k]
     need = mine.any(dim=1)  # [T]
@@ -330,12 +364,13 @@ def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Ten
 
 def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor,
            positions: torch.Tensor | None) -> torch.Tensor:
-    """The expert outputs of micro-batch ``microbatch`` in (token, rank) order: `[T, k, D]`.
+    """The expert outputs of micro-batch ``microbatch`` in (token, rank) order: `[T, k, D]`
+    (pre-reduced: `[T, 1, D]` float32, each token's combined row).
 
     owners: `[T, k]` expert worker of each (token, rank); positions: `[E, T]` each token's
     row in each worker's slot (None with one worker: row t is token t, a view is returned).
     """
-    out = inbox.out[microbatch]  # [E, C, k, D]
+    out = inbox.out[microbatch]  # [E, C, k', D]
     num_tokens, k = owners.shape
     if positions is None:
         return out[0, :num_tokens]  # read before dispatch (l + 1, i) reuses the slot
@@ -361,11 +396,14 @@ class RelaySlots:
 
     @staticmethod
     def layouts(shape: PlaneShape) -> tuple[rl.MailboxLayout, rl.MailboxLayout]:
-        """(dispatch, combine) mailbox layouts: rows + expert ids, and k outputs a row."""
+        """(dispatch, combine) mailbox layouts: rows + expert ids + routing weights, and
+        k' outputs a row (ReplicaInbox.out)."""
         c, d, k = shape.capacity, shape.hidden, shape.top_k
         dispatch = rl.MailboxLayout(c, (rl.Section((d,), shape.dtype),
-                                        rl.Section((k,), torch.int32)))
-        combine = rl.MailboxLayout(c, (rl.Section((k, d), shape.dtype),))
+                                        rl.Section((k,), torch.int32),
+                                        rl.Section((k,), torch.float32)))
+        combine = rl.MailboxLayout(c, (rl.Section((shape.combine_rows, d),
+                                                  shape.combine_dtype),))
         return dispatch, combine
 
 
@@ -463,6 +501,12 @@ class DeviceExperts:
         self._owner = owner.to(self.device)
         self.timeout_s = timeout_s
         self.stats = PlaneStats()
+        # The worker returns one combined row per token (module NOTE): the model loop
+        # passes topk_weights to dispatch and adds the combine's rows with unit weight.
+        self.reduces_on_workers = shape.reduce_on_workers
+        # Decode graphs return without waiting for the step (finish_step(block=False)) and
+        # the step's token reader calls check_steps: the engine may schedule asynchronously.
+        self.overlaps_steps = True
         self._releaser: sf.Releaser | None = None
         self._watchdog: _Watchdog | None = None
         # profile: captured graphs record CUDA events around each combine wait, so the
@@ -494,17 +538,23 @@ class DeviceExperts:
         self.stats.host_messages += len(self.links)
 
     def dispatch(self, layer: int, microbatch: int, x: torch.Tensor,
-                 topk_ids: torch.Tensor) -> _Handle:
-        """x `[T, D]`, topk_ids `[T, k]` int64 → the handle :meth:`combine` takes."""
+                 topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None) -> _Handle:
+        """x `[T, D]`, topk_ids `[T, k]` int64 → the handle :meth:`combine` takes.
+        topk_weights `[T, k]` float32: required where :attr:`reduces_on_workers` (the
+        worker combines), ignored otherwise."""
         num_tokens = x.shape[0]
         if num_tokens > self.shape.capacity:
             raise ValueError(f"micro-batch of {num_tokens} tokens exceeds the data plane's "
                              f"{self.shape.capacity}-row slots")
+        if self.reduces_on_workers and topk_weights is None:
+            raise ValueError("this data plane combines on the expert worker: pass topk_weights")
+        weights = topk_weights if self.reduces_on_workers else None
         owners = self._owner[topk_ids]  # [T, k]
         capturing = _capturing()
         positions = []
         for e, link in enumerate(self.links):
-            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, len(self.links) == 1)
+            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, len(self.links) == 1,
+                       weights)
             if pos is not None:
                 positions.append(pos)
             self._signal(link, e, layer, microbatch, num_tokens, capturing)
@@ -512,7 +562,8 @@ class DeviceExperts:
         return _Handle(layer, microbatch, num_tokens, owners, stacked)
 
     def combine(self, handle: _Handle) -> torch.Tensor:
-        """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order."""
+        """Wait (on the stream) for every expert worker's rows; `[T, k, D]`, rank order
+        (:attr:`reduces_on_workers`: `[T, 1, D]` float32, each token's combined row)."""
         i = handle.microbatch
         capturing = _capturing()
         timed = _timed_wait(self.profile and capturing, self._captured_waits)
@@ -534,7 +585,8 @@ class DeviceExperts:
         if self.relay is not None:  # host-proxied: the rows in use go out from host memory
             rl.put(self.relay.outgoing, self.relay.index(e, microbatch),
                    slot.counts[microbatch: microbatch + 1],
-                   [slot.rows[microbatch], slot.ids[microbatch]], num_tokens)
+                   [slot.rows[microbatch], slot.ids[microbatch], slot.weights[microbatch]],
+                   num_tokens)
         elif link.done is not None and not capturing:
             event = torch.cuda.Event()  # same process: an event, never a flag (module NOTE)
             event.record()
@@ -548,24 +600,38 @@ class DeviceExperts:
 
     # -- bounded waits ----------------------------------------------------------------
 
-    def finish_step(self) -> None:
-        """Block until the current stream's work so far (the step) completes; if that takes
-        longer than ``timeout_s``, a watchdog thread drains the stream by raising every
-        combine flag to ABORT, and this raises :class:`CommTimeoutError`."""
+    def finish_step(self, block: bool = True) -> None:
+        """The step launched so far on the current stream is complete, or will be, within
+        ``timeout_s``: a watchdog thread (:class:`_Watchdog`) drains the stream by raising
+        every combine flag to ABORT if it is not, and the step's outputs are then garbage.
+
+        ``block``: wait for the step here (eager steps). Otherwise return at once (decode
+        graphs with async scheduling: the host goes on to the next step) and let the
+        reader of the step's tokens call :meth:`check_steps` after its wait, which the
+        watchdog bounds too. Raises :class:`CommTimeoutError` for an abandoned step."""
         event = torch.cuda.Event()
         event.record()
         if self._watchdog is None:
             self._watchdog = _Watchdog(self._drain)
         self._watchdog.arm(event, time.monotonic() + self.timeout_s)
-        event.synchronize()  # releases the GIL; the watchdog ends it if a flag never comes
-        if self._watchdog.disarm():
-            self.inbox.flags.zero_()
-            if self.relay is not None:
-                for i in range(self.shape.microbatches):
-                    for e in range(self.shape.num_workers):
-                        self.relay.incoming.set_flag(self.relay.index(e, i), sf.CLEAR)
-            raise CommTimeoutError(f"the expert workers did not complete a step within "
-                                   f"{self.timeout_s:.0f}s; the step was abandoned")
+        if block:
+            event.synchronize()  # releases the GIL; the watchdog ends it if a flag never comes
+        self.check_steps()
+
+    def check_steps(self) -> None:
+        """Raise :class:`CommTimeoutError` if the watchdog abandoned a step (call after
+        waiting for a step's results: they are garbage then); resets the flags so that
+        the next step starts clean."""
+        if self._watchdog is None or not self._watchdog.take_fired():
+            return
+        torch.cuda.current_stream().synchronize()  # drained: the flags are ours again
+        self.inbox.flags.zero_()
+        if self.relay is not None:
+            for i in range(self.shape.microbatches):
+                for e in range(self.shape.num_workers):
+                    self.relay.incoming.set_flag(self.relay.index(e, i), sf.CLEAR)
+        raise CommTimeoutError(f"the expert workers did not complete a step within "
+                               f"{self.timeout_s:.0f}s; the step was abandoned")
 
     def _drain(self, event: torch.cuda.Event) -> None:
         slots = [(i, e) for i in range(self.shape.microbatches)
@@ -585,41 +651,52 @@ class DeviceExperts:
 
 
 class _Watchdog:
-    """Calls ``drain(event)`` when an armed wait passes its deadline (one thread)."""
+    """Drains a stream whose step passed its deadline (one thread, no polling).
+
+    Steps are armed in launch order (one stream: they complete in that order). The thread
+    sleeps until the oldest armed step's deadline; a step found complete by then is
+    dropped (:meth:`arm` also drops completed ones), one still running makes it call
+    ``drain(newest armed event)`` (everything launched so far is abandoned) and mark the
+    watchdog fired, which :meth:`take_fired` reports once.
+    """
 
     def __init__(self, drain) -> None:
         self._drain = drain
         self._cond = threading.Condition()
-        self._armed: tuple[torch.cuda.Event, float] | None = None
+        self._armed: collections.deque[tuple[torch.cuda.Event, float]] = collections.deque()
         self._fired = False
         threading.Thread(target=self._loop, name="megaserve-plane-watchdog", daemon=True).start()
 
     def arm(self, event: torch.cuda.Event, deadline: float) -> None:
         with self._cond:
-            self._armed, self._fired = (event, deadline), False
+            while self._armed and self._armed[0][0].query():
+                self._armed.popleft()
+            self._armed.append((event, deadline))
             self._cond.notify()
 
-    def disarm(self) -> bool:
-        """Disarm; True if the deadline had passed (the stream was drained)."""
+    def take_fired(self) -> bool:
+        """True once after a drain (the steps armed before it were abandoned)."""
         with self._cond:
-            self._armed = None
-            return self._fired
+            fired, self._fired = self._fired, False
+            return fired
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while self._armed is None:
+                while not self._armed:
                     self._cond.wait()
-                event, deadline = self._armed
+                event, deadline = self._armed[0]
                 left = deadline - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
+                if event.query():
+                    self._armed.popleft()
+                    continue
+                newest = self._armed[-1][0]
+                self._armed.clear()
                 self._fired = True
-            self._drain(event)
-            with self._cond:  # wait for the waiter to see it
-                while self._armed is not None and self._armed[0] is event:
-                    self._cond.wait(0.01)
+            self._drain(newest)
 
 
 class ExpertServer:
@@ -685,7 +762,8 @@ class ExpertServer:
                 if self.relay is not None:
                     rl.take(self.relay.incoming, self.relay.index(r, i),
                             self.inbox.counts[r, i: i + 1],
-                            [self.inbox.rows[r, i], self.inbox.ids[r, i]], c)
+                            [self.inbox.rows[r, i], self.inbox.ids[r, i],
+                             self.inbox.weights[r, i]], c)
                 else:
                     sf.wait_and_clear(self.inbox.flags[r, i: i + 1])
             timed.end()
@@ -695,12 +773,17 @@ class ExpertServer:
         valid = self._rows[None, :c] < counts[:, None]  # [P, c] rows this tick really holds
         ids = torch.where(valid[..., None], self.inbox.ids[select, i, :c], -1)  # [P, c, k]
         local = self._lookup[ids.long()].reshape(-1)  # [P*c*k]; sentinel → never computed
-        rows = self.inbox.rows[select, i, :c].reshape(p * c, d).repeat_interleave(k, dim=0)
+        rows = self.inbox.rows[select, i, :c].reshape(p * c, d)  # routed row r: x row r // k
         out = kernels.expert_ffn(rows, local, self.part.w_gate_up[layer],
-                                 self.part.w_down[layer]).view(p, c, k, d)  # [P, c, k, D]
+                                 self.part.w_down[layer],
+                                 rows_per_token=k).view(p, c, k, d)  # [P, c, k, D]
         for j, r in enumerate(replicas):
             replica = self.replicas[r]
-            replica.out[i, self.index, :c].copy_(out[j])
+            if self.shape.reduce_on_workers:  # the attention side's combine (module NOTE)
+                combined = kernels.combine(out[j], self.inbox.weights[r, i, :c])  # [c, D]
+                replica.out[i, self.index, :c, 0].copy_(combined)
+            else:
+                replica.out[i, self.index, :c].copy_(out[j])
             if use_flags and self.relay is not None:
                 rl.put(self.relay.outgoing, self.relay.index(r, i),
                        self.inbox.counts[r, i: i + 1], [replica.out[i, self.index]], c)

@@ -66,6 +66,47 @@ def test_pack_tick_gather_is_bitwise_local_experts(placement) -> None:
         assert torch.equal(got, want), f"{workers} workers, {num_tokens} tokens"
 
 
+def test_a_pre_reduced_combine_is_bitwise_the_attention_sides() -> None:
+    """One expert worker with reduce_on_workers returns one float32 row per token (the
+    routing-weighted sum of its k outputs in rank order); added with unit weight on the
+    attention side it gives bitwise what the k rows give there (kernels.combine and
+    combine_residual, with and without the next layer's norm), at every token count."""
+    from megaserve import kernels
+
+    full, w_gate_up, w_down = _parts(6)
+    shape = PlaneShape(num_workers=1, microbatches=2, capacity=16, hidden=D, top_k=K,
+                       num_experts=E, dtype=torch.bfloat16, reduce_on_workers=True)
+    replica = ReplicaInbox(shape, "cpu")
+    assert replica.out.shape == (2, 1, 16, 1, D) and replica.out.dtype == torch.float32
+    replica.out.fill_(float("nan"))
+    inbox = ExpertInbox(shape, "cpu")
+    inbox.rows.fill_(float("nan"))
+    part = ExpertPart(list(range(E)), E, {3: w_gate_up.bfloat16()}, {3: w_down.bfloat16()})
+    server = ExpertServer(part, 0, shape, inbox, [replica], [3], "cpu")
+    local = LocalExperts(ExpertPart(list(range(E)), E, {3: w_gate_up.bfloat16()},
+                                    {3: w_down.bfloat16()}))
+    norm = torch.rand(D) + 0.5
+    g = torch.Generator().manual_seed(7)
+    for num_tokens in (1, 5, 16):
+        x = torch.randn(num_tokens, D, generator=g).bfloat16()
+        h = torch.randn(num_tokens, D, generator=g).bfloat16()
+        topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]
+        weights = torch.rand(num_tokens, K, generator=g).softmax(dim=1)
+        owners = torch.zeros_like(topk_ids)
+        assert pack(inbox.slot(0), 1, x, topk_ids, owners, 0, True, weights) is None
+        server._tick(3, 1, shape.capacity, use_flags=False)
+        got = gather(replica, 1, owners, None)  # [T, 1, D] float32
+        unit = torch.ones(num_tokens, 1)
+        want = local.dispatch(3, 1, x, topk_ids)  # [T, k, D]
+        assert got.shape == (num_tokens, 1, D) and got.dtype == torch.float32
+        assert torch.equal(kernels.combine(got, unit), kernels.combine(want, weights))
+        assert torch.equal(kernels.combine_residual(got, unit, h),
+                           kernels.combine_residual(want, weights, h))
+        for a, b in zip(kernels.combine_residual(got, unit, h, norm, 1e-6),
+                        kernels.combine_residual(want, weights, h, norm, 1e-6)):
+            assert torch.equal(a, b), num_tokens
+
+
 def test_replicas_share_one_grouped_tick_bitwise() -> None:
     """Two replicas' rows of one tick go through one grouped GEMM on each expert worker
     (different token counts, a replica that sits the step out); every replica gets exactly
@@ -110,7 +151,7 @@ def test_buffers_are_aligned_disjoint_views_of_one_allocation() -> None:
     assert inbox.counts.shape == (2, 2) and inbox.flags.shape == (2, 2)
     slot = inbox.slot(1)
     assert slot.rows.data_ptr() == inbox.rows[1].data_ptr() and slot.flags.shape == (2,)
-    views = [inbox.rows, inbox.ids, inbox.counts, inbox.flags]
+    views = [inbox.rows, inbox.ids, inbox.weights, inbox.counts, inbox.flags]
     base = inbox.storage.data_ptr()
     spans = sorted((v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size())
                    for v in views)
@@ -129,6 +170,9 @@ def test_plane_shape_is_validated() -> None:
     with pytest.raises(ValueError, match="capacity"):
         PlaneShape(num_workers=1, microbatches=1, capacity=0, hidden=8, top_k=2,
                    num_experts=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one expert worker"):  # order of the fp32 sums
+        PlaneShape(num_workers=2, microbatches=1, capacity=4, hidden=8, top_k=2,
+                   num_experts=4, dtype=torch.float32, reduce_on_workers=True)
 
 
 def test_captured_sizes_split_evenly_into_microbatches() -> None:
@@ -187,23 +231,28 @@ def test_step_barrier_starts_the_expert_step_once_every_participant_has_reported
     assert sent() == [[], []] and barrier.graph_steps == 1
 
 
-def test_relayed_links_carry_dispatch_and_combine_bitwise() -> None:
+@pytest.mark.parametrize("placement", [[[0, 5, 6], [1, 2, 3, 4, 7]], [list(range(E))]])
+def test_relayed_links_carry_dispatch_and_combine_bitwise(placement) -> None:
     """The data plane over host-proxied links (tcp between hosts; here two tcp endpoints of
     this process): the replica's DeviceExperts packs into local copies of the workers'
     slots and puts them in mailboxes; each expert worker's ExpertServer takes them on its
     Tick, computes and puts the combine back; combine takes it. Bitwise LocalExperts, with
-    two micro-batches in flight."""
+    two micro-batches in flight; one worker pre-reduces (its combined rows, added with
+    unit weight, are bitwise the attention side's combine of the k rows)."""
     import threading
 
+    from megaserve import kernels
+
     full, w_gate_up, w_down = _parts(4)
-    placement = [[0, 5, 6], [1, 2, 3, 4, 7]]
     workers, m = len(placement), 2
+    reduce = workers == 1
     shape = PlaneShape(num_workers=workers, microbatches=m, capacity=16, hidden=D, top_k=K,
-                       num_experts=E, dtype=torch.float32)
+                       num_experts=E, dtype=torch.float32, reduce_on_workers=reduce)
     dispatch, combine = RelaySlots.layouts(shape)
     endpoints = [create_endpoint("tcp", rank, 1 + workers) for rank in range(1 + workers)]
     addresses = [ep.address for ep in endpoints]
-    connect = [threading.Thread(target=ep.connect, args=(addresses, [0] if r else [1, 2]))
+    connect = [threading.Thread(target=ep.connect,
+                                args=(addresses, [0] if r else list(range(1, 1 + workers))))
                for r, ep in enumerate(endpoints)]
     for t in connect:
         t.start()
@@ -246,10 +295,15 @@ def test_relayed_links_carry_dispatch_and_combine_bitwise() -> None:
             for i in range(m):  # both micro-batches dispatched before either is combined
                 x = torch.randn(num_tokens, D, generator=g)
                 topk_ids = torch.rand(num_tokens, E, generator=g).argsort(dim=1)[:, :K]
-                batches.append((x, topk_ids, client.dispatch(3, i, x, topk_ids)))
-            for i, (x, topk_ids, handle) in enumerate(batches):
-                got = client.combine(handle)
-                assert torch.equal(got, local.dispatch(3, i, x, topk_ids)), (step, i)
+                weights = torch.rand(num_tokens, K, generator=g).softmax(dim=1)
+                batches.append((x, topk_ids, weights,
+                                client.dispatch(3, i, x, topk_ids, weights)))
+            for i, (x, topk_ids, weights, handle) in enumerate(batches):
+                got, want = client.combine(handle), local.dispatch(3, i, x, topk_ids)
+                if reduce:
+                    got = kernels.combine(got, torch.ones(num_tokens, 1))
+                    want = kernels.combine(want, weights)
+                assert torch.equal(got, want), (step, i)
         assert client.stats.eager_ticks == 4 * m * workers
         assert relays[0].frames_sent == relays[0].frames_received == 4 * m * workers
         assert all(r.error is None for r in relays)

@@ -80,11 +80,12 @@ def test_decode_steps_have_no_host_sync_and_constant_host_messages() -> None:
         graphs.run = _sync_checked(run)
         finish_step = engine.experts.finish_step
 
-        def end_of_step():  # the one host wait of a step: its end (tokens next)
+        def end_of_step(block=True):  # eager steps wait here; decode steps do not
+            assert not block, "a decode step waited for its end"
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("default")
             try:
-                return finish_step()
+                return finish_step(block=block)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
 
@@ -147,7 +148,7 @@ def test_a_lost_expert_worker_is_a_typed_error_not_a_hang() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs several GPUs (expert workers on the other GPUs)")
 @pytest.mark.parametrize("transport", ["cuda_ipc", "nccl"])
-@pytest.mark.parametrize("workers,m", [(1, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("workers,m", [(1, 1), (1, 2), (1, 3), (3, 2)])
 def test_device_plane_across_gpus_is_bitwise_colocated(colocated, workers, m, transport) -> None:
     from megaserve.runtime.device_engine import expert_device
 
@@ -155,3 +156,49 @@ def test_device_plane_across_gpus_is_bitwise_colocated(colocated, workers, m, tr
     assert kind == "DevicePlaneEngine" and experts.stats.graph_steps > 0
     assert expert_device("cuda", torch.device("cuda:0"), 0) != "cuda:0"
     assert seqs == colocated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs several GPUs (expert workers on the other GPUs)")
+@pytest.mark.parametrize("transport", ["cuda_ipc"])  # nccl relays through host threads
+def test_steady_decode_across_gpus_never_synchronises(colocated, transport) -> None:
+    """Attention on GPU 0, one expert process on GPU 1: steady decode steps of the
+    attention role run whole (schedule, launch, read) under
+    ``set_sync_debug_mode("error")``, the expert process serves under it from start to
+    end, and the outputs stay bitwise the co-located engine's."""
+    from megaserve.engine.config import EngineConfig
+    from megaserve.runtime.device_engine import DevicePlaneEngine
+
+    engine = DevicePlaneEngine(EngineConfig(model="builtin:tiny-moe", device="cuda",
+                                            dtype="bfloat16", transport=transport,
+                                            kv_cache_memory_bytes=1 << 28, max_num_seqs=8),
+                               sync_debug="error")
+    try:
+        assert engine.engine.async_scheduling and engine.experts.reduces_on_workers
+        params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        outputs = {}
+
+        def collect(outs):
+            for out in outs:
+                if out.finished:
+                    outputs[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+
+        for _ in range(4):  # prefill, then decode steps until the graphs are captured
+            collect(engine.step())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            steady = 0
+            while engine.has_unfinished_requests() and steady < 12:
+                collect(engine.step())
+                steady += 1
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert steady >= 10
+        while engine.has_unfinished_requests():
+            collect(engine.step())
+    finally:
+        engine.shutdown()
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == colocated[:len(PROMPTS)]
