@@ -8,6 +8,7 @@ import pytest
 from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine
+from megaserve.runtime.factory import uses_device_plane
 from megaserve.runtime.layout import worker_devices
 from tests.processes import alive, comm
 
@@ -123,6 +124,12 @@ def test_bad_layout_flags_raise_value_error(options, match):
 
 
 def test_invisible_gpu_and_nccl_on_shared_gpus_are_refused_before_any_worker_starts():
+    # These layouts run on the host data plane: asking for the device plane is an error.
+    with pytest.raises(ValueError, match="data_plane='device': data_parallel_size runs"):
+        uses_device_plane(EngineConfig(device="cuda", data_parallel_size=2,
+                                       enable_expert_parallel=True, data_plane="device"))
+    assert not uses_device_plane(EngineConfig(device="cuda", data_parallel_size=2,
+                                              enable_expert_parallel=True, transport="cuda_ipc"))
     with pytest.raises(ValueError, match=r"GPU\(s\) \[3\] are not visible"):
         worker_devices(EngineConfig(device="cuda", expert_gpus=(3,)), num_gpus=2)
     # NCCL cannot connect replica i with expert worker i on one GPU.
