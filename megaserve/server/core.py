@@ -62,6 +62,15 @@ class ServerState(enum.Enum):
     STOPPED = "STOPPED"
 
 
+@dataclass(frozen=True)
+class Health:
+    """The server's health as every front end reports it."""
+
+    state: str  # a ServerState value, or "RECOVERING"
+    serving: bool  # HTTP 200 / gRPC SERVING
+    reason: str = ""
+
+
 @dataclass
 class Delta:
     """What one engine step added to a request (new tokens only), plus the end state.
@@ -110,9 +119,32 @@ class ServingCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = asyncio.Event()  # set once by mark_failed
-        self.metrics = ServerMetrics(
-            model_name, lambda: self.engine.stats() if self.engine else None,
-            lambda: len(self._in_flight))
+        self.metrics = ServerMetrics(model_name, self.engine_stats, lambda: len(self._in_flight))
+
+    # -- state ---------------------------------------------------------------------------
+    def engine_stats(self):
+        """The engine's ``EngineStats`` (None while loading). Once the engine has failed,
+        nothing runs, waits or holds a KV block any more: those read 0 (the engine's last
+        report would freeze them at the moment it died); the totals stay."""
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        if self.state is ServerState.FAILED and stats is not None:
+            stats = replace(stats, num_running=0, num_waiting=0,
+                            num_free_kv_blocks=stats.num_kv_blocks)
+        return stats
+
+    def health(self) -> Health:
+        """What ``/health``, gRPC health and ``GetServerInfo`` all report: the server's
+        state, or RECOVERING while a lost worker is being replaced (the disaggregated
+        runtime; requests are accepted and wait for it)."""
+        state = self.state
+        worker_health = getattr(getattr(self.engine, "engine", None), "health", None)
+        if state is ServerState.SERVING and worker_health is not None:
+            now = worker_health()
+            if not now.serving:
+                return Health("RECOVERING", False, now.reason)
+        return Health(state.value, state is ServerState.SERVING)
 
     # -- admission ---------------------------------------------------------------------
     @property

@@ -102,11 +102,11 @@ class GenerationService:
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
         core = self.core
         info = pb.GetServerInfoResponse(
-            version=__version__, state=core.state.value, num_in_flight=core.num_in_flight,
+            version=__version__, state=core.health().state, num_in_flight=core.num_in_flight,
             max_num_seqs=core.max_num_seqs, max_waiting=core.max_waiting,
             uptime_s=_uptime(core))
-        if core.engine is not None:
-            s = core.engine.stats()
+        s = core.engine_stats()
+        if s is not None:
             info.num_running, info.num_waiting = s.num_running, s.num_waiting
             info.num_kv_blocks, info.num_free_kv_blocks = s.num_kv_blocks, s.num_free_kv_blocks
         return info

@@ -73,15 +73,11 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _health(request: web.Request) -> web.Response:
-    core = request.app[_CORE]
-    state = core.state
-    worker_health = getattr(getattr(core.engine, "engine", None), "health", None)
-    if state is ServerState.SERVING and worker_health is not None and not worker_health().serving:
-        # A lost worker is being replaced: requests are accepted and wait for it.
-        return web.json_response({"status": "RECOVERING", "reason": worker_health().reason},
-                                 status=503)
-    status = 200 if state is ServerState.SERVING else 503
-    return web.json_response({"status": state.value}, status=status)
+    health = request.app[_CORE].health()
+    body = {"status": health.state}
+    if health.reason:
+        body["reason"] = health.reason
+    return web.json_response(body, status=200 if health.serving else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -100,3 +100,47 @@ def test_engine_failure_reaches_clients_without_internals(model_cache):
         assert_clean(message)
         assert "secret" not in message and "see the server log" in message
     assert code is not None
+
+
+def test_gauges_read_idle_after_an_engine_failure(model_cache):
+    """The engine dies mid-request: running, waiting and KV usage read 0 (the engine's
+    last report froze them at the in-flight request); health and GetServerInfo agree."""
+    from megaserve.runtime.async_engine import AsyncLLMEngine, EngineDeadError
+    from megaserve.server.grpc_service import GenerationService
+    from megaserve.server.metrics import parse_text
+
+    from .conftest import LABEL
+
+    async def scenario():
+        engine = AsyncLLMEngine(model="builtin:tiny-moe", dtype="float32", device="cpu",
+                                max_num_seqs=4, max_model_len=256, seed=0)
+        real_step, steps = engine.engine.step, []
+
+        def step_then_fault():  # two real steps (the request runs, holds blocks), then a fault
+            steps.append(1)
+            if len(steps) > 2:
+                raise RuntimeError("simulated device fault")
+            return real_step()
+
+        engine.engine.step = step_then_fault
+        core = ServingCore("builtin:tiny-moe", max_num_seqs=4, max_waiting=4)
+        core.engine, core.state = engine, ServerState.SERVING
+        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        with core.admit("r1") as rid:
+            ids = await core.prepare("hello there", params)
+            with pytest.raises(EngineDeadError):
+                async for _ in core.stream(rid, ids, params):
+                    pass
+        assert engine.stats().num_running == 1  # the engine's last report
+        m = parse_text(core.metrics.render().decode())
+        assert m[f"vllm:num_requests_running{LABEL}"] == 0
+        assert m[f"vllm:num_requests_waiting{LABEL}"] == 0
+        assert m[f"megaserve:num_requests_in_flight{LABEL}"] == 0
+        assert m[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+        assert m[f"megaserve:num_free_kv_blocks{LABEL}"] == m[f"megaserve:num_kv_blocks{LABEL}"] > 0
+        info = await GenerationService(core, "float32", "cpu").GetServerInfo(None, None)
+        assert info.state == core.health().state == "FAILED" and not core.health().serving
+        assert (info.num_running, info.num_free_kv_blocks) == (0, info.num_kv_blocks)
+        await engine.shutdown()
+
+    asyncio.run(scenario())
