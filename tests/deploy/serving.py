@@ -69,11 +69,13 @@ class Stream(threading.Thread):
 
 
 class HealthPoller(threading.Thread):
-    """Polls grpc.health.v1 (overall) every 20 ms; ``history`` is [(monotonic, status)]."""
+    """Polls grpc.health.v1 every 20 ms (``service``: "" for the server overall, or a name
+    such as the liveness probe's); ``history`` is [(monotonic, status)]."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, service: str = "") -> None:
         super().__init__(daemon=True)
         self.address = address
+        self.service = service
         self.history: list[tuple[float, str]] = []
         self._halt = threading.Event()
 
@@ -82,7 +84,8 @@ class HealthPoller(threading.Thread):
             stub = health_pb2_grpc.HealthStub(channel)
             while not self._halt.is_set():
                 try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    status = stub.Check(health_pb2.HealthCheckRequest(service=self.service),
+                                          timeout=5)
                     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
                 except grpc.RpcError as e:
                     name = f"RPC_{e.code().name}"

@@ -1,6 +1,7 @@
 """``megaserve serve`` (local launcher, worker processes over tcp) survives a SIGKILLed expert
 worker: streams in flight complete bitwise, health dips and comes back; an idle death is
-reported without a request."""
+reported without a request. The liveness name of the Kubernetes probe stays SERVING all along
+(a recovery must not get the pod restarted)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from megaserve.sampling_params import SamplingParams
+from megaserve.service import LIVENESS_NAME
 from tests.processes import alive, comm, descendants
 from tests.server.conftest import ServerProcess, http_get
 
@@ -45,10 +47,12 @@ def test_server_survives_killed_expert_worker(model_cache, tmp_path):
                            "--max-model-len", "512", "--attention-replicas", "2",
                            "--expert-workers", "2", "--transport", "tcp")
     poller = HealthPoller(server.grpc_address)
+    liveness = HealthPoller(server.grpc_address, LIVENESS_NAME)
     workers: list[int] = []
     try:
         server.wait_ready(120)
         poller.start()
+        liveness.start()
         wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 60, "SERVING")
 
         # 1. Mid-stream: every stream has tokens, none is complete, then E0 dies.
@@ -70,8 +74,11 @@ def test_server_survives_killed_expert_worker(model_cache, tmp_path):
         again.run()
         assert again.error is None and list(again.complete.output_ids) == expected[1].token_ids
         workers = descendants(server.proc.pid)
+        live = {status for _, status in liveness.history}
+        assert live == {"SERVING"}, liveness.history  # through both recoveries
     finally:
         code = server.stop()  # first: nothing may leave the server running
         poller.stop()
+        liveness.stop()
     assert code == 0, server.log()
     wait_for(lambda: not any(alive(p) for p in workers), 60, "workers to exit")
