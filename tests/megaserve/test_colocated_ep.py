@@ -137,3 +137,19 @@ def test_invisible_gpu_and_nccl_on_shared_gpus_are_refused_before_any_worker_sta
                                          "worker 0 would both run on cuda:0"):
         DisaggregatedEngine(EngineConfig(device="cuda", data_parallel_size=2,
                                          enable_expert_parallel=True, transport="nccl"))
+
+
+def test_speculative_decoding_through_colocated_ep_equals_one_engine():
+    # Verification is an ordinary multi-token step through the experts of every worker:
+    # greedy outputs equal the one-process engine's without speculation.
+    prompts = [{"prompt_token_ids": ([3, 14, 15, 92, 65] * 12)[: 10 + 9 * i] + [i]}
+               for i in range(4)]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    with LLM(dtype="float32") as llm:
+        reference = _signature(llm.generate(prompts, params))
+    with LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        got = _signature(llm.generate(prompts, params))
+        stats = llm.engine.stats()
+    assert got == reference
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
