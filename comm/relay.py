@@ -207,14 +207,21 @@ def put(box: Mailboxes, i: int, count: torch.Tensor, sections: list[torch.Tensor
 
 
 def take(box: Mailboxes, i: int, count: torch.Tensor, sections: list[torch.Tensor],
-         rows: int, timeout_s: float = 60.0) -> None:
+         rows: int, timeout_s: float = 60.0, host_wait: bool = False) -> None:
     """The receiver's half, on the current stream: wait for mailbox ``i``'s flag, CLEAR
     it, copy the count and the first ``rows`` rows of each section out (rows past the
     count hold stale bytes: the count masks them). On the GPU the wait is the stream's
-    (queued; a watchdog must release it, see megaserve.runtime.device_plane); on the CPU
-    the calling thread polls, up to ``timeout_s`` (CommTimeoutError)."""
+    (queued; a watchdog must release it, see megaserve.runtime.device_plane) unless
+    ``host_wait``; on the CPU, or with ``host_wait``, the calling thread polls, up to
+    ``timeout_s`` (CommTimeoutError), and the copies are queued after the frame is in.
+
+    NOTE: ``host_wait`` is for steps that are not captured (eager). A stream blocked on a
+    flag that a host thread raises deadlocks as soon as this process loads a kernel module
+    (a first launch, a Triton compile: the load waits for every stream of the context)
+    while that thread needs the driver itself, as the nccl relay's threads do (sends,
+    receives, copies); eager steps launch such kernels, replayed graphs do not."""
     gpu = _on_gpu(count)
-    if gpu:
+    if gpu and not host_wait:
         sf.wait_and_clear(box.flag(i))
     else:
         deadline = time.monotonic() + timeout_s
@@ -331,6 +338,29 @@ class Relay:
                 raise CommTimeoutError(f"{self.frames_sent} of {frames} frames sent "
                                        f"within {timeout_s:.0f}s")
             time.sleep(self.poll_s)
+
+    @staticmethod
+    def warm_up(endpoint: Any, peers: list[int], timeout_s: float = 180.0) -> None:
+        """Exchange one small frame with each of ``peers`` (every peer must call this too)
+        before a Relay over ``endpoint`` starts: the nccl provider then creates its
+        communicators and loads its kernels here, before any stream waits on a flag that
+        the relay's threads raise (see :func:`take`'s NOTE). CommTimeoutError after
+        ``timeout_s``."""
+        token = torch.zeros(16, dtype=torch.uint8)
+        if getattr(endpoint, "provider", None) == "nccl" and endpoint.device.type == "cuda":
+            token = token.to(endpoint.device)
+        for peer in peers:
+            endpoint.send(peer, token, layer=0, microbatch=0)
+        deadline = time.monotonic() + timeout_s
+        pending = set(peers)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommTimeoutError(f"relay warm-up: nothing from ranks {sorted(pending)} "
+                                       f"within {timeout_s:.0f}s")
+            completion = endpoint.poll(timeout=left)
+            pending.discard(completion.src)
+            endpoint.release(completion)
 
     def close(self) -> None:
         """Stop both threads (idempotent); the endpoint is the caller's to close."""

@@ -123,6 +123,7 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
                                **_endpoint_options(spec.transport, spec.device))
     endpoint.connect(exchange(spec.rendezvous, 1 + spec.index, world, endpoint.address),
                      send_to=[0])
+    Relay.warm_up(endpoint, [0], timeout_s=STARTUP_TIMEOUT_S)
     dispatch, combine = RelaySlots.layouts(shape)
     where = _mailbox_device(spec.transport, spec.device)
     slots = RelaySlots(Mailboxes(combine, shape.num_replicas * m, where),
@@ -358,6 +359,7 @@ class DevicePlaneEngine:
             endpoint.connect(exchange(self._rendezvous.address, 0, 1 + workers, endpoint.address,
                                       timeout_s=STARTUP_TIMEOUT_S),
                              send_to=range(1, 1 + workers))
+            Relay.warm_up(endpoint, list(range(1, 1 + workers)), timeout_s=STARTUP_TIMEOUT_S)
         except BaseException:
             endpoint.close()
             raise

@@ -506,7 +506,9 @@ class DeviceExperts:
         self.reduces_on_workers = shape.reduce_on_workers
         # Decode graphs return without waiting for the step (finish_step(block=False)) and
         # the step's token reader calls check_steps: the engine may schedule asynchronously.
-        self.overlaps_steps = True
+        # Not over relays whose threads call the driver (nccl: device mailboxes): the host
+        # must not launch new kernels while a stream waits for those threads (relay.take).
+        self.overlaps_steps = relay is None or relay.incoming.device.type == "cpu"
         self._releaser: sf.Releaser | None = None
         self._watchdog: _Watchdog | None = None
         # profile: captured graphs record CUDA events around each combine wait, so the
@@ -568,9 +570,10 @@ class DeviceExperts:
         capturing = _capturing()
         timed = _timed_wait(self.profile and capturing, self._captured_waits)
         for e, link in enumerate(self.links):
-            if self.relay is not None:
+            if self.relay is not None:  # eager: the host waits (relay.take's NOTE)
                 rl.take(self.relay.incoming, self.relay.index(e, i), self._count,
-                        [self.inbox.out[i, e]], handle.num_tokens)
+                        [self.inbox.out[i, e]], handle.num_tokens, self.timeout_s,
+                        host_wait=not capturing)
             elif link.done is not None and not capturing:
                 event = link.done.take((self.replica, handle.layer, i), self.timeout_s)
                 torch.cuda.current_stream().wait_event(event)
@@ -614,7 +617,7 @@ class DeviceExperts:
         if self._watchdog is None:
             self._watchdog = _Watchdog(self._drain)
         self._watchdog.arm(event, time.monotonic() + self.timeout_s)
-        if block:
+        if block or not self.overlaps_steps:
             event.synchronize()  # releases the GIL; the watchdog ends it if a flag never comes
         self.check_steps()
 
@@ -759,11 +762,11 @@ class ExpertServer:
             timed = _timed_wait(self.profile and _capturing(),
                                 self._captured_waits)
             for r in replicas:
-                if self.relay is not None:
+                if self.relay is not None:  # eager: the host waits (relay.take's NOTE)
                     rl.take(self.relay.incoming, self.relay.index(r, i),
                             self.inbox.counts[r, i: i + 1],
                             [self.inbox.rows[r, i], self.inbox.ids[r, i],
-                             self.inbox.weights[r, i]], c)
+                             self.inbox.weights[r, i]], c, host_wait=not _capturing())
                 else:
                     sf.wait_and_clear(self.inbox.flags[r, i: i + 1])
             timed.end()

@@ -54,6 +54,7 @@ def expert_worker(index: int, expert_ids: list[int], workers: int, ticks: list[t
         incoming, outgoing = Mailboxes(dispatch, M), Mailboxes(combine, M)
         endpoint = create_endpoint(provider, 1 + index, 1 + workers)
         endpoint.connect(exchange(rdv, 1 + index, 1 + workers, endpoint.address), send_to=[0])
+        Relay.warm_up(endpoint, [0], timeout_s=60)  # what the device plane does first
         routes = [Route(local=i, dst=0, remote=index * M + i) for i in range(M)]
         relay = Relay(endpoint, outgoing, routes, incoming)
         for layer, i in ticks:

@@ -37,6 +37,7 @@ def _start(placement, ticks, provider="tcp"):
     endpoint = create_endpoint(provider, 0, 1 + workers)
     endpoint.connect(exchange(server.address, 0, 1 + workers, endpoint.address),
                      send_to=range(1, 1 + workers))
+    Relay.warm_up(endpoint, list(range(1, 1 + workers)), timeout_s=60)
     dispatch, combine = layouts()
     outgoing, incoming = Mailboxes(dispatch, workers * M), Mailboxes(combine, workers * M)
     routes = [Route(local=e * M + i, dst=1 + e, remote=i)
