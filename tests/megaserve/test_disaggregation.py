@@ -84,9 +84,14 @@ def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
     assert not any(alive(p) for p in pids), "worker processes outlived shutdown"
 
 
-def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process():
-    llm = LLM(dtype="float32", attention_replicas=2, expert_workers=2, transport="tcp")
-    pids = _worker_pids(llm.engine, "attention") + _worker_pids(llm.engine, "expert")
+IDLE_LAYOUTS = [dict(attention_replicas=2, expert_workers=2),
+                dict(data_parallel_size=2, enable_expert_parallel=True)]
+
+
+@pytest.mark.parametrize("layout", IDLE_LAYOUTS, ids=["disaggregated", "colocated"])
+def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process(layout):
+    llm = LLM(dtype="float32", transport="tcp", **layout)
+    pids = [w.pid for w in llm.engine._workers]
 
     def cpu_seconds(pid):
         with open(f"/proc/{pid}/stat") as f:
@@ -98,7 +103,7 @@ def test_idle_workers_do_not_spin_and_shutdown_leaves_no_process():
     time.sleep(2.0)
     used = sum(cpu_seconds(p) for p in pids) - before
     llm.shutdown()
-    assert used < 0.5, f"4 idle workers used {used:.2f} CPU-seconds in 2 s"
+    assert used < 0.5, f"{len(pids)} idle workers used {used:.2f} CPU-seconds in 2 s"
     assert not any(alive(p) for p in pids)
 
 
@@ -160,22 +165,24 @@ FRONT_END = """
 import sys, time
 from megaserve import LLM
 if __name__ == "__main__":
-    llm = LLM(dtype="float32", attention_replicas=2, expert_workers=2, transport="tcp")
+    llm = LLM(dtype="float32", transport="tcp", **LAYOUT)
     print(" ".join(str(w.pid) for w in llm.engine._workers), flush=True)
     time.sleep(600)
 """
 
 
-def test_workers_exit_when_the_front_end_is_killed(tmp_path):
+@pytest.mark.parametrize("layout, workers", [(IDLE_LAYOUTS[0], 4), (IDLE_LAYOUTS[1], 2)],
+                         ids=["disaggregated", "colocated"])
+def test_workers_exit_when_the_front_end_is_killed(tmp_path, layout, workers):
     import subprocess
     import sys
 
     script = tmp_path / "front_end.py"
-    script.write_text(FRONT_END)
+    script.write_text(f"LAYOUT = {layout!r}\n" + FRONT_END)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 4 and all(alive(p) for p in pids)
+        assert len(pids) == workers and all(alive(p) for p in pids)
         proc.kill()
         proc.wait(10)
         deadline = time.monotonic() + 15
