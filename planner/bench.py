@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="deepseek-v3")
     p.add_argument("--tpot-ms", type=float, default=150.0)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit (s)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="ILP time limit in seconds (default: grows with the problem, 2 to 60 s)")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -95,4 +96,6 @@ def main(argv: list[str]) -> int:
         else:
             gap = "" if s.gap != s.gap else f", gap {s.gap:.2%}"
             print(f"{name:<44} {t:>8.3f} {s.throughput:>12,.0f} {sum(s.gpus_used.values()):>10}  {s.status}{gap}")
+    print(f"ILP time limit {args.time_limit or ilp.default_time_limit(atoms):g} s"
+          + (f"; full: {sel.note}" if sel.note else ""))
     return 0

@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    "('hopper': measured on H200, default), or 'none' (datasheet defaults)")
     p.add_argument("--layouts", default="disaggregated,colocated",
                    help="candidate layouts, comma-separated (default: both)")
-    p.add_argument("--time-limit", type=float, default=1.0, help="ILP time limit in seconds (default 1)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="ILP time limit in seconds (default: grows with atoms x GPU types, 2 to 60 s; "
+                   "CBC stops earlier once optimal). The plan is never worse than the greedy baseline")
     p.add_argument("--top", type=int, default=10, help="rows of the deployment-unit table (default 10)")
     p.add_argument("-o", "--output", default=None, help="write the plan YAML here")
     p.add_argument("--json", action="store_true", help="print the plan and the table as JSON")

@@ -7,7 +7,7 @@ Schema (docs/planner.md has the full description)::
     objective: throughput           # or cost
     workload: {input_len, output_len, tpot_ms, ttft_ms, expert_skew}
     summary: {throughput_tok_s, cost_per_hour, tokens_per_cost, tokens_per_joule, gpus: {TYPE: n},
-              ilp_status, ilp_gap}
+              ilp_status, ilp_gap, solver}   # solver: CBC, ratio, or greedy (+ note)
     units:                          # deployment units; each is `copies` identical deployments
       - copies: 2
         layout: disaggregated       # or colocated: attention and experts on the same GPUs
@@ -82,6 +82,8 @@ def plan_dict(model_arg: str, model: ModelSpec, work: Workload, objective: str, 
             "gpus": {k: v for k, v in sel.gpus_used.items() if v},
             "ilp_status": sel.status,
             "ilp_gap": None if sel.gap != sel.gap else round(sel.gap, 6),
+            "solver": sel.solver,
+            **({"note": sel.note} if sel.note else {}),
         },
         "units": [unit_dict(model, atoms, i, c) for i, c in zip(sel.atom_ids, sel.copies)],
     }

@@ -91,5 +91,6 @@ def summary(model: ModelSpec, work: perf.Workload, cluster: Cluster, atoms: Atom
         f"cost {sel.cost:,.2f} /h, {sel.throughput * 3600 / max(sel.cost, 1e-12):,.0f} tokens per unit cost, "
         f"{sel.throughput / max(sel.power, 1e-12):,.2f} tokens per joule (board power {sel.power:,.0f} W)",
         f"  GPUs used: {inv}; solver {sel.solver}, {sel.status}, gap {gap}",
+        *([f"  note: {sel.note}"] if sel.note else []),
         f"  binding constraint: {binding(atoms, sel, cluster)}",
     ])

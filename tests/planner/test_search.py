@@ -112,3 +112,40 @@ def test_ilp_beats_or_matches_greedy():
     atoms = search.find_atoms(SMALL, perf.Workload(tpot_ms=60), cluster(20, 13))
     counts = np.array([20, 13])
     assert ilp.solve(atoms, counts, time_limit_s=5).throughput >= ilp.greedy(atoms, counts).throughput - 1e-6
+
+
+@pytest.fixture(scope="module")
+def large_problem():
+    """`megaserve bench planner`'s problem: deepseek-v3 over 1,000 GPUs of 4 types."""
+    inventory = {"H20": 250, "L40S": 250, "H800": 250, "A100-80G": 250}
+    big = parse_cluster({"inventory": {k: {"count": v, "gpus_per_node": 8} for k, v in inventory.items()}})
+    atoms = search.find_atoms(load_model("deepseek-v3"), perf.Workload(tpot_ms=150), big)
+    return atoms, np.array([e.count for e in big.available()])
+
+
+def test_a_time_limited_ilp_never_returns_less_than_greedy(large_problem):
+    atoms, counts = large_problem
+    greedy = ilp.greedy(atoms, counts)
+    # 1 ms: CBC stops before it has an incumbent as good as greedy (none, or its first
+    # heuristic's): the planner takes the baseline and says so.
+    sel = ilp.solve(atoms, counts, time_limit_s=0.001)
+    assert sel.solver == "greedy" and sel.throughput == greedy.throughput
+    assert "greedy baseline taken" in sel.note and "0.001 s" in sel.note
+    assert sel.atom_ids == greedy.atom_ids and sel.copies == greedy.copies
+    for limit in (0.01, 0.2, None):  # whichever solver wins, never below the baseline
+        sel = ilp.solve(atoms, counts, time_limit_s=limit)
+        assert sel.throughput >= greedy.throughput
+        assert (sel.solver == "greedy") == bool(sel.note)
+        assert all(u <= c for u, c in zip(sel.gpus_used.values(), counts))
+
+
+def test_the_default_ilp_limit_grows_with_the_problem_and_proves_the_large_one(large_problem):
+    atoms, counts = large_problem
+    small = search.find_atoms(SMALL, perf.Workload(tpot_ms=60), cluster(20, 13))
+    low, high = ilp.ILP_TIME_LIMIT_BOUNDS_S
+    assert low <= ilp.default_time_limit(small) < ilp.default_time_limit(atoms) <= high
+    assert ilp.default_time_limit(atoms) >= 10  # the 1 s of old left a 7% gap here
+    sel = ilp.solve(atoms, counts)  # CBC proves it in ~1 s idle; the limit is room for load
+    assert sel.solver == "CBC" and sel.status == "optimal"
+    with pytest.raises(ValueError, match="time_limit_s"):
+        ilp.solve(atoms, counts, time_limit_s=0)
