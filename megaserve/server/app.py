@@ -45,8 +45,9 @@ class ServeConfig:
     http_port: int = 8000
     max_waiting: int = 256
     grace_period: float = 30.0
-    # vLLM's --api-key: HTTP /v1/* and gRPC Generation calls need it; None: no auth.
-    api_key: str | None = field(default=None, repr=False)
+    # vLLM's --api-key: HTTP /v1/* and gRPC Generation calls need one of these keys, each
+    # a caller identity (megaserve.server.auth); None: no auth.
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     # Seconds a connection may stay without a complete request head (idle keep-alive
     # included) before it is closed: uvicorn's --timeout-keep-alive, which vLLM uses.
     timeout_keep_alive: float = 5.0
@@ -68,8 +69,13 @@ class ServeConfig:
         if not 0 < self.timeout_keep_alive < float("inf"):
             raise ValueError("timeout_keep_alive must be > 0 seconds, got "
                              f"{self.timeout_keep_alive!r}")
-        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
-            raise ValueError("api_key must be a non-empty string without surrounding spaces")
+        if isinstance(self.api_key, list):
+            object.__setattr__(self, "api_key", tuple(self.api_key))
+        if self.api_key is not None:
+            keys = (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+            if not keys or any(not isinstance(k, str) or not k or k != k.strip()
+                               or " " in k for k in keys):
+                raise ValueError("api_key must be non-empty strings without spaces")
 
     @property
     def model(self) -> str:

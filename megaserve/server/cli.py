@@ -39,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds from SIGTERM to exit: in-flight requests get all of it "
                         "but min(1 s, a quarter) to finish, then the rest are aborted "
                         "(default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("MEGASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on HTTP /v1/* and gRPC "
-                        "'authorization' metadata on megaserve.v1.Generation; /health, "
-                        "/metrics and gRPC health stay open (default: $MEGASERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer <key>' with one of these keys on "
+                        "HTTP /v1/* and as gRPC 'authorization' metadata on "
+                        "megaserve.v1.Generation; /health, /metrics and gRPC health stay "
+                        "open. Each key is a caller identity: request ids are scoped by it "
+                        "(default: $MEGASERVE_API_KEY)")
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an HTTP connection may go without a complete request "
                         "head, idle keep-alive included, before it is closed "
@@ -100,7 +102,8 @@ def main(argv: list[str]) -> int:
         EngineConfig(**engine)  # refuse bad engine flags now, not after binding ports
         config = ServeConfig(engine=engine, host=args.host, grpc_port=args.grpc_port,
                              http_port=args.http_port, max_waiting=args.max_waiting,
-                             grace_period=args.grace_period, api_key=args.api_key,
+                             grace_period=args.grace_period,
+                             api_key=args.api_key or os.environ.get("MEGASERVE_API_KEY"),
                              timeout_keep_alive=args.timeout_keep_alive)
         check_runtime(engine)  # model (and with --launcher local: device, workers, transport)
     except ValueError as e:

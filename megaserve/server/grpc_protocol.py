@@ -115,6 +115,20 @@ def deserialize_generate(data: bytes) -> pb.GenerateRequest | BadMessage:
             "request", f"could not be parsed as megaserve.v1.GenerateRequest ({e})"))
 
 
+def safe_deserializer(message_class):
+    """``message_class.FromString`` that returns a BadMessage instead of raising for bytes
+    that are not a ``message_class`` (grpc would answer UNKNOWN with a traceback)."""
+    name = message_class.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return BadMessage(RequestError.invalid(
+                "request", f"{len(data)} bytes that are not a valid {name}"))
+    return deserialize
+
+
 def parse_generate(req: pb.GenerateRequest) -> ParsedGenerate:
     """Maps a GenerateRequest to engine inputs. Raises RequestError naming the field."""
     which = req.WhichOneof("input")

@@ -15,22 +15,23 @@ open, like vLLM's ``/health``. ``Abort`` acts only on requests the same connecti
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from megaserve import __version__
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import RequestError
+from megaserve.server.auth import identity, matching_key, normalize_keys
 from megaserve.server.grpc_protocol import (
-    SERVICE_NAME, BadMessage, deserialize_generate, logprobs_to_proto, parse_generate)
+    SERVICE_NAME, BadMessage, deserialize_generate, logprobs_to_proto, parse_generate,
+    safe_deserializer)
 from megaserve.service import LIVENESS_NAME
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class GenerationService:
         self.core = core
         self._dtype = dtype
         self.device = device
+        self.api_keys: tuple[str, ...] = ()  # set by build_grpc_server
 
     @property
     def dtype(self) -> str:
@@ -62,7 +64,7 @@ class GenerationService:
                 raise request.error
             parsed = parse_generate(request)
             request_id = parsed.request_id or uuid.uuid4().hex
-            with core.admit(request_id, _owner(context)) as engine_id:
+            with core.admit(request_id, self._owner(context)) as engine_id:
                 prompt_ids = await core.prepare(parsed.prompt, parsed.params, _input_field(request))
                 async with contextlib.aclosing(
                         core.stream(engine_id, prompt_ids, parsed.params)) as deltas:
@@ -83,13 +85,17 @@ class GenerationService:
                 yield pb.GenerateResponse(error=pb.Error(message=message, code="INTERNAL"))
             await context.abort(grpc.StatusCode.INTERNAL, message)
 
-    async def Abort(self, request: pb.AbortRequest,
+    async def Abort(self, request: pb.AbortRequest | BadMessage,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
         return pb.AbortResponse(
-            found=await self.core.abort(request.request_id, _owner(context)))
+            found=await self.core.abort(request.request_id, self._owner(context)))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
         engine = self.core.engine
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is loading the model")
@@ -100,6 +106,8 @@ class GenerationService:
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetServerInfoResponse:
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
         core = self.core
         info = pb.GetServerInfoResponse(
             version=__version__, state=core.health().state, num_in_flight=core.num_in_flight,
@@ -112,17 +120,28 @@ class GenerationService:
         return info
 
 
-def _owner(context: grpc.aio.ServicerContext) -> str:
-    """Whose a request is: the connection (peer address and port) that started it. Its
-    request ids are its own, and only it can abort them."""
-    return f"grpc:{context.peer()}"
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose a request is (``megaserve.server.auth``): the API key the call presents
+        where the server has keys, else the connection (peer address and port) that
+        started it. Request ids are scoped by owner: only the owner can abort them."""
+        if self.api_keys:
+            key = matching_key(_authorization(context.invocation_metadata()), self.api_keys)
+            if key is not None:
+                return identity(key)
+        return f"grpc:{context.peer()}"
+
+
+def _authorization(metadata) -> str:
+    """The ``authorization`` metadata value of a call ("" without one)."""
+    given = dict(metadata or ()).get("authorization", "")
+    return given.decode("latin-1") if isinstance(given, bytes) else given
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for Generation calls without ``authorization: Bearer <key>``."""
 
-    def __init__(self, api_key: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+    def __init__(self, api_keys: tuple[str, ...]) -> None:
+        self._api_keys = api_keys
 
         async def refuse(request, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -137,10 +156,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             details: grpc.HandlerCallDetails):
         if not details.method.startswith(f"/{SERVICE_NAME}/"):
             return await continuation(details)  # health, reflection
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(given, str):
-            given = given.encode()
-        if hmac.compare_digest(given, self._expected):
+        if matching_key(_authorization(details.invocation_metadata), self._api_keys):
             return await continuation(details)
         return self._refuse_stream if details.method.endswith("/Generate") \
             else self._refuse_unary
@@ -173,18 +189,46 @@ def _handlers(service: GenerationService) -> grpc.GenericRpcHandler:
             service.Generate, request_deserializer=deserialize_generate,
             response_serializer=pb.GenerateResponse.SerializeToString),
         "Abort": grpc.unary_unary_rpc_method_handler(
-            service.Abort, request_deserializer=pb.AbortRequest.FromString,
+            service.Abort, request_deserializer=safe_deserializer(pb.AbortRequest),
             response_serializer=pb.AbortResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            service.GetModelInfo,
+            request_deserializer=safe_deserializer(pb.GetModelInfoRequest),
             response_serializer=pb.GetModelInfoResponse.SerializeToString),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            service.GetServerInfo, request_deserializer=pb.GetServerInfoRequest.FromString,
+            service.GetServerInfo,
+            request_deserializer=safe_deserializer(pb.GetServerInfoRequest),
             response_serializer=pb.GetServerInfoResponse.SerializeToString),
     })
 
 
-def build_grpc_server(service: GenerationService, address: str, api_key: str | None = None,
+def _health_handlers(servicer: health.aio.HealthServicer) -> grpc.GenericRpcHandler:
+    """``grpc.health.v1.Health`` as ``add_HealthServicer_to_server`` registers it, but
+    bytes that are not a HealthCheckRequest get INVALID_ARGUMENT (not UNKNOWN)."""
+    parse = safe_deserializer(health_pb2.HealthCheckRequest)
+
+    async def check(request, context):
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        return await servicer.Check(request, context)
+
+    async def watch(request, context):
+        if isinstance(request, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        async for response in servicer.Watch(request, context):
+            yield response
+
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    return grpc.method_handlers_generic_handler(health.SERVICE_NAME, {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=parse, response_serializer=serialize),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            watch, request_deserializer=parse, response_serializer=serialize),
+    })
+
+
+def build_grpc_server(service: GenerationService, address: str,
+                      api_key: str | tuple[str, ...] | None = None,
                       ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """Creates (does not start) the grpc.aio server bound to ``address`` ("host:port").
 
@@ -193,7 +237,9 @@ def build_grpc_server(service: GenerationService, address: str, api_key: str | N
     Health starts NOT_SERVING for both the overall and the service name; the caller flips
     it with ``set_health``. Raises RuntimeError if the port cannot be bound.
     """
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else [],
+    keys = normalize_keys(api_key)
+    service.api_keys = keys
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                              options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -201,7 +247,7 @@ def build_grpc_server(service: GenerationService, address: str, api_key: str | N
     ])
     server.add_generic_rpc_handlers((_handlers(service),))
     health_servicer = _HealthServicer(service.core)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers((_health_handlers(health_servicer),))
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if server.add_insecure_port(address) == 0:

@@ -15,13 +15,13 @@ reading a body within bounds.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from megaserve.server import openai_protocol as oai
+from megaserve.server.auth import matching_key
 from megaserve.server.errors import ErrorCode, RequestError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 # A body must arrive within this many seconds of its headers (a slow client cannot hold
 # a connection and a handler forever).
 BODY_READ_TIMEOUT = 60.0
-API_KEY = web.AppKey("api_key", str)
+API_KEY = web.AppKey("api_keys", tuple)  # the server's API keys; empty: no authentication
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
@@ -115,8 +115,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 async def authenticate(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[API_KEY]
     if key and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if matching_key(request.headers.get("Authorization", ""), key) is None:
             return error_json(401, "authorization: missing or wrong API key (send the "
                                "header 'Authorization: Bearer <key>')", "authentication_error",
                                "authorization")

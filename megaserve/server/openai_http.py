@@ -26,6 +26,7 @@ from aiohttp import web
 from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import openai_protocol as oai
+from megaserve.server.auth import normalize_keys
 from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.http_errors import (
@@ -46,15 +47,17 @@ class _Choice:
     params: SamplingParams
 
 
-def build_app(core: ServingCore, api_key: str | None = None) -> web.Application:
+def build_app(core: ServingCore, api_key: str | tuple[str, ...] | None = None
+              ) -> web.Application:
     """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413).
 
-    With ``api_key``, requests to ``/v1/*`` need ``Authorization: Bearer <api_key>``.
+    With ``api_key`` (one key or several), requests to ``/v1/*`` need
+    ``Authorization: Bearer <key>`` with one of them.
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES,
                           middlewares=[json_errors, authenticate])
     app[_CORE] = core
-    app[API_KEY] = api_key or ""
+    app[API_KEY] = normalize_keys(api_key)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)

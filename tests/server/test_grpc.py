@@ -276,3 +276,22 @@ def test_loadtest_tool_runs_and_matches_its_offline_baseline(server, capsys):
                      "--max-tokens", "4", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "server, gRPC streams" in out and "bitwise equal to the baseline: True" in out
+
+
+@pytest.mark.parametrize("method", ["/megaserve.v1.Generation/Abort",
+                                    "/megaserve.v1.Generation/GetModelInfo",
+                                    "/megaserve.v1.Generation/GetServerInfo",
+                                    "/grpc.health.v1.Health/Check"])
+def test_garbage_bytes_are_invalid_argument_on_every_unary_rpc(server, method):
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        call = channel.unary_unary(method)
+        for payload in (b"\xff" * 7, b"\x0a\xff\xff\xff\xff\x0f"):
+            with pytest.raises(grpc.RpcError) as e:
+                call(payload, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert e.value.details().startswith("request: ")
+            assert "Traceback" not in e.value.details()
+    with grpc.insecure_channel(server.grpc_address) as channel:  # and it still answers
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING

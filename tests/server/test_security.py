@@ -19,16 +19,15 @@ from .conftest import ServerProcess, assert_idle, http_get
 from .test_hostile import HealthWatch, assert_clean, assert_openai_error
 
 KEY = "s3cret-key"
+OTHER_KEY = "other-tenant-key"
 
 
 @pytest.fixture(scope="module")
 def keyed_server(model_cache, tmp_path_factory, monkeypatch_module):
-    """A server whose key comes from MEGASERVE_API_KEY (the flag's default), with the
-    default ``--dtype auto``."""
-    monkeypatch_module.setenv("MEGASERVE_API_KEY", KEY)
+    """A server with two API keys (two caller identities), with the default
+    ``--dtype auto``."""
     srv = ServerProcess(tmp_path_factory.mktemp("keyed") / "server.log", model_cache,
-                        "--max-model-len", "512")
-    monkeypatch_module.delenv("MEGASERVE_API_KEY")
+                        "--max-model-len", "512", "--api-key", KEY, OTHER_KEY)
     try:
         srv.wait_ready()
         yield srv
@@ -168,3 +167,41 @@ def test_generate_client_sends_the_api_key(keyed_server, capsys, monkeypatch):
     monkeypatch.setenv("MEGASERVE_API_KEY", KEY)
     assert generate_main(args) == 0
     assert "completion_tokens=2" in capsys.readouterr().err
+
+
+def test_bearer_scheme_is_case_insensitive(keyed_server):
+    body = {"prompt": "hi", "max_tokens": 1}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        status, reply = post(keyed_server, "/v1/completions", body,
+                             {"Authorization": f"{scheme} {OTHER_KEY}"})
+        assert status == 200, reply
+    with grpc.insecure_channel(keyed_server.grpc_address) as channel:
+        info = generation_stub(channel)["GetModelInfo"](
+            pb.GetModelInfoRequest(), timeout=10, metadata=(("authorization", f"bearer {KEY}"),))
+        assert info.model_name == "builtin:tiny-moe"
+
+
+def test_request_ids_are_scoped_by_api_key_not_by_connection(keyed_server):
+    """Two tenants behind one gateway (one multiplexed connection): the same request id
+    neither collides nor lets one abort the other's; the same tenant can abort its own
+    request from another connection."""
+    mine, theirs = auth_metadata(KEY), auth_metadata(OTHER_KEY)
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(keyed_server.grpc_address) as gateway, \
+            grpc.insecure_channel(keyed_server.grpc_address, options=own_connection) as other:
+        stub = generation_stub(gateway)
+        call = stub["Generate"](build_request("mine", stream=True, request_id="job-1",
+                                              max_tokens=400, ignore_eos=True),
+                                timeout=60, metadata=mine)
+        assert next(call).WhichOneof("response") == "chunk"
+        # The other tenant, on the same connection: its own "job-1", and no abort of ours.
+        (done,) = [r.complete for r in stub["Generate"](
+            build_request("theirs", request_id="job-1", max_tokens=2), timeout=30,
+            metadata=theirs)]
+        assert done.request_id == "job-1" and len(done.output_ids) == 2
+        assert not stub["Abort"](pb.AbortRequest(request_id="job-1"), timeout=5,
+                                 metadata=theirs).found
+        # The owner, from a connection of its own.
+        assert generation_stub(other)["Abort"](pb.AbortRequest(request_id="job-1"),
+                                               timeout=5, metadata=mine).found
+        assert list(call)[-1].complete.finish_reason == "abort"
