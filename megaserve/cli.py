@@ -16,18 +16,19 @@ COMMANDS = {
     "serve": ("megaserve.server.cli:main", "serve gRPC and OpenAI-compatible HTTP"),
     "plan": ("megaserve.planner.cli:main", "plan a deployment over heterogeneous GPUs"),
     "deploy": ("megaserve.deploy.cli:main", "write deployment manifests for a plan (k8s: KubeRay)"),
-    "bench": (None, "benchmarks: " + ", ".join(["throughput", "decode", "kernels", "comm", "planner", "cpu", "device-plane", "host"])),
+    "bench": (None, "benchmarks ('megaserve bench --help' lists them)"),
 }
 
+# name → (target, what it measures); `megaserve bench --help` prints them without importing.
 BENCHMARKS = {
-    "throughput": "megaserve.bench.throughput:main",
-    "decode": "megaserve.bench.decode:main",
-    "kernels": "megaserve.kernels.bench:main",
-    "comm": "megaserve.comm.bench:main",
-    "planner": "megaserve.planner.bench:main",
-    "cpu": "megaserve.bench.cpu:main",
-    "device-plane": "megaserve.bench.device_plane:main",
-    "host": "megaserve.bench.host:main",
+    "throughput": ("megaserve.bench.throughput:main", "offline generation throughput of the engine"),
+    "decode": ("megaserve.bench.decode:main", "decode and prefill against the memory and compute rooflines"),
+    "kernels": ("megaserve.kernels.bench:main", "batch-invariant kernels vs cuBLAS / SDPA, same run"),
+    "comm": ("megaserve.comm.bench:main", "M->N exchange latency and throughput, transports vs NCCL"),
+    "planner": ("megaserve.planner.bench:main", "plan a 1,000-GPU heterogeneous inventory, against baselines"),
+    "cpu": ("megaserve.bench.cpu:main", "the CPU path on a tiny random Mixtral"),
+    "device-plane": ("megaserve.bench.device_plane:main", "the device data plane against the co-located engine"),
+    "host": ("megaserve.bench.host:main", "host (Python) time per decode step, by phase"),
 }
 
 EXIT_USAGE = 2
@@ -37,6 +38,13 @@ def _usage() -> str:
     lines = [f"megaserve {__version__}", "", "usage: megaserve <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'megaserve <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def _bench_usage() -> str:
+    lines = ["usage: megaserve bench <benchmark> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<13} {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    lines += ["", "Run 'megaserve bench <benchmark> --help' for a benchmark's options."]
     return "\n".join(lines)
 
 
@@ -89,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaserve: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return EXIT_USAGE
     if command == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
         if not rest or rest[0] not in BENCHMARKS:
-            given = repr(rest[0]) if rest else "none"
-            print(
-                f"megaserve bench: unknown benchmark {given}; choose one of {sorted(BENCHMARKS)}",
-                file=sys.stderr,
-            )
-            return 0 if rest and rest[0] in ("-h", "--help") else EXIT_USAGE
-        return _run(BENCHMARKS[rest[0]], rest[1:])
+            given = f"unknown benchmark {rest[0]!r}" if rest else "no benchmark given"
+            print(f"megaserve bench: {given}\n\n{_bench_usage()}", file=sys.stderr)
+            return EXIT_USAGE
+        return _run(BENCHMARKS[rest[0]][0], rest[1:])
     if command == "plan":
         try:
             rest = _plan_argv(rest)
