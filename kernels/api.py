@@ -12,6 +12,8 @@ from types import ModuleType
 
 import torch
 
+from .fp8 import BlockFp8
+
 # Keys per attention split. Fixed, so a query's reduction order depends only on its own
 # position: a decode token and the same token inside a (chunked) prefill agree bitwise.
 KV_SPLIT_SIZE = 64
@@ -60,9 +62,13 @@ def set_cpu_threads(num_threads: int) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with fp32 accumulation, row-invariant.
 
-    x: `[M, K]` float; weight: `[N, K]` same dtype (nn.Linear layout); bias: `[N]` or None.
-    Returns `[M, N]` in x.dtype.
+    x: `[M, K]` float; weight: `[N, K]` same dtype (nn.Linear layout), or a
+    :class:`kernels.fp8.BlockFp8` (:func:`fp8_linear`, then the bias added in x.dtype);
+    bias: `[N]` or None. Returns `[M, N]` in x.dtype.
     """
+    if isinstance(weight, BlockFp8):
+        out = fp8_linear(x, weight.weight, weight.scale_inv)
+        return out if bias is None else out + bias
     return _backend(x).linear(x, weight, bias)
 
 
@@ -92,8 +98,11 @@ def linear_rms_norm(
     """A projection, the residual add and the next RMSNorm: ``rms_norm(linear(x, weight),
     norm_weight, eps, residual)``, bitwise. x: `[T, K]`, weight: `[D, K]`, residual:
     `[T, D]`; returns ``(norm(h) * norm_weight, h)``. A backend may leave the linear's
-    split-K parts for the norm's kernel to fold (Triton: decode rows).
+    split-K parts for the norm's kernel to fold (Triton: decode rows). A
+    :class:`kernels.fp8.BlockFp8` weight: :func:`fp8_linear`, then :func:`rms_norm`.
     """
+    if isinstance(weight, BlockFp8):
+        return rms_norm(fp8_linear(x, weight.weight, weight.scale_inv), norm_weight, eps, residual)
     return _backend(x).linear_rms_norm(x, weight, norm_weight, eps, residual)
 
 
@@ -256,7 +265,11 @@ def expert_ffn(
     share its x row: no expanded copy); w_gate_up: `[E, 2I, D]` (gate rows then up rows);
     w_down: `[E, D, I]`. Returns `[R, D]` in x.dtype: ``down_e(silu(gate_e x) * up_e x)``
     for each routed row, the same bits as the call with x's rows repeated.
+    :class:`kernels.fp8.BlockFp8` weights (both): :func:`fp8_expert_ffn`.
     """
+    if isinstance(w_gate_up, BlockFp8):
+        return fp8_expert_ffn(x, expert_ids, w_gate_up.weight, w_gate_up.scale_inv, w_down.weight,
+                              w_down.scale_inv, rows_per_token=rows_per_token)
     return _backend(x).expert_ffn(x, expert_ids, w_gate_up, w_down,
                                   rows_per_token=rows_per_token)
 

@@ -25,6 +25,8 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
     """Model and placement flags shared by generate, serve and bench."""
     parser.add_argument("--model", default="builtin:tiny-moe", help="HF directory or builtin:NAME")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: block-FP8 linear weights (128 x 128 scales) quantized at load")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda or cuda:N")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -110,6 +112,7 @@ def runtime_options(args: argparse.Namespace) -> dict:
     """
     options = dict(
         model=args.model, dtype=args.dtype, device=args.device,
+        quantization=getattr(args, "quantization", None),
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,

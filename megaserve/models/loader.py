@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megaserve.kernels.fp8 import BlockFp8
 from megaserve.models.attention_part import AttentionPart, LayerWeights
 from megaserve.models.checkpoint import CheckpointReader
 from megaserve.models.config import ModelConfig
@@ -19,6 +20,8 @@ from megaserve.models.mla import MLAWeights, split_kv_b
 from megaserve.models.quantization import (QUANTIZATION_METHODS, QuantConfig, dequantize,
                                            is_fp8, quantize, scale_shape)
 from megaserve.models.random_weights import RandomWeights, open_checkpoint
+
+Linear = torch.Tensor | BlockFp8  # a linear weight: float, or block-FP8 kept for the FP8 GEMMs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,12 +48,20 @@ _QUANTIZED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".
                        ".w3.weight")
 
 
+def keeps_fp8(device: torch.device, block: tuple[int, int]) -> bool:
+    """Whether FP8 linear weights stay FP8 on ``device``: CUDA (the FP8 GEMMs) with the
+    128 x 128 blocks they take; elsewhere they are dequantized at load."""
+    return device.type == "cuda" and tuple(block) == (128, 128)
+
+
 class _Weights:
     """Typed access to checkpoint tensors: converted, placed and shape-checked.
 
     Block-FP8 tensors (the checkpoint's ``quantization_config``) are dequantized with their
     ``weight_scale_inv`` into the compute dtype; with ``quantize`` set, the linear weights
     of a higher-precision checkpoint are rounded through the same block-FP8 format first.
+    On CUDA, with 128 x 128 blocks, :meth:`linear` keeps them in FP8 instead
+    (:class:`BlockFp8`, for the batch-invariant FP8 GEMMs).
     """
 
     def __init__(self, reader: CheckpointReader | RandomWeights, dtype: torch.dtype,
@@ -58,6 +69,24 @@ class _Weights:
                  quantize: QuantConfig | None = None):
         self.reader, self.dtype, self.device = reader, dtype, device
         self.checkpoint_quant, self.quantize = checkpoint_quant, quantize
+        quant = quantize or checkpoint_quant
+        self.keep_fp8 = quant is not None and keeps_fp8(device, quant.weight_block_size)
+
+    def linear(self, name: str, shape: tuple[int, int]) -> Linear:
+        """A linear weight: :class:`BlockFp8` where this load keeps FP8 (CUDA) and the
+        tensor is (or is to be) quantized, else :meth:`get`'s float tensor."""
+        if not self.keep_fp8:
+            return self.get(name, shape)
+        t = self.reader.get(name)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"model: tensor {name!r} has shape {tuple(t.shape)}, config implies {shape}")
+        if is_fp8(t):
+            scale = self._scale_of(name, t)
+            return BlockFp8(t.to(self.device).contiguous(), scale.to(self.device, torch.float32).contiguous())
+        if self.quantize is not None and name.endswith(_QUANTIZED_SUFFIXES):
+            q, scale = quantize(t.to(self.device), self.quantize.weight_block_size)
+            return BlockFp8(q, scale)
+        return self.get(name, shape)
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` of ``shape`` in the compute dtype (or ``dtype``) on the device."""
@@ -75,8 +104,14 @@ class _Weights:
         return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """An FP8 tensor with its block scales, in the compute dtype; ValueError naming
-        the field or tensor where the checkpoint does not describe it fully."""
+        """An FP8 tensor with its block scales, in the compute dtype."""
+        scale = self._scale_of(name, t)
+        block = self.checkpoint_quant.weight_block_size
+        return dequantize(t.to(self.device), scale.to(self.device), block, self.dtype)
+
+    def _scale_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The ``weight_scale_inv`` of FP8 tensor ``name``; ValueError naming the field or
+        tensor where the checkpoint does not describe it fully."""
         quant = self.checkpoint_quant
         if quant is None:
             raise ValueError(f"model: tensor {name!r} is {t.dtype} but config.json has no "
@@ -97,11 +132,26 @@ class _Weights:
             raise ValueError(f"model: tensor {scale_name!r} has shape {tuple(scale.shape)}; "
                              f"{list(t.shape)} in quantization_config.weight_block_size "
                              f"{list(block)} needs {list(expected)}")
-        return dequantize(t.to(self.device), scale.to(self.device), block, self.dtype)
+        return scale
 
     def optional(self, name: str, shape: tuple[int, ...],
                  dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return self.get(name, shape, dtype) if self.reader.has(name) else None
+
+
+def _cat(parts: list[Linear], dtype: torch.dtype) -> Linear:
+    """Linear weights stacked along N: FP8 kept where the blocks line up, else float."""
+    if all(isinstance(p, BlockFp8) for p in parts) and all(
+            p.shape[0] % 128 == 0 for p in parts[:-1]):
+        return BlockFp8.cat(parts)
+    return torch.cat([p.dequantize(dtype) if isinstance(p, BlockFp8) else p for p in parts])
+
+
+def _stack(parts: list[Linear], dtype: torch.dtype) -> Linear:
+    """Expert weights stacked `[E, N, K]`: FP8 where every part is, else float."""
+    if all(isinstance(p, BlockFp8) for p in parts):
+        return BlockFp8.stack(parts)
+    return torch.stack([p.dequantize(dtype) if isinstance(p, BlockFp8) else p for p in parts])
 
 
 def load_model(
@@ -170,15 +220,15 @@ def _load_mla(config: ModelConfig, w: _Weights, a: str) -> MLAWeights:
     """One layer's MLA projections (prefix ``a`` = ``model.layers.{i}.self_attn.``)."""
     d, mla, heads = config.hidden_size, config.mla, config.num_heads
     q_width = heads * mla.qk_head_dim
-    kv_a = w.get(a + "kv_a_proj_with_mqa.weight", (mla.cache_dim, d))
+    kv_a = w.linear(a + "kv_a_proj_with_mqa.weight", (mla.cache_dim, d))
     if mla.q_lora_rank:
-        q_a = w.get(a + "q_a_proj.weight", (mla.q_lora_rank, d))
-        a_proj = torch.cat([q_a, kv_a])
+        q_a = w.linear(a + "q_a_proj.weight", (mla.q_lora_rank, d))
+        a_proj = _cat([q_a, kv_a], w.dtype)
         q_a_norm = w.get(a + "q_a_layernorm.weight", (mla.q_lora_rank,))
-        q_b = w.get(a + "q_b_proj.weight", (q_width, mla.q_lora_rank))
+        q_b = w.linear(a + "q_b_proj.weight", (q_width, mla.q_lora_rank))
     else:
         a_proj, q_a_norm = kv_a, None
-        q_b = w.get(a + "q_proj.weight", (q_width, d))
+        q_b = w.linear(a + "q_proj.weight", (q_width, d))
     kv_b = w.get(a + "kv_b_proj.weight",
                  (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
     w_uk, w_uv = split_kv_b(kv_b, config)
@@ -186,7 +236,7 @@ def _load_mla(config: ModelConfig, w: _Weights, a: str) -> MLAWeights:
         a_proj=a_proj, q_a_norm=q_a_norm, q_b_proj=q_b,
         kv_a_norm=w.get(a + "kv_a_layernorm.weight", (mla.kv_lora_rank,)),
         w_uk=w_uk, w_uv=w_uv,
-        o_proj=w.get(a + "o_proj.weight", (d, heads * mla.v_head_dim)),
+        o_proj=w.linear(a + "o_proj.weight", (d, heads * mla.v_head_dim)),
     )
 
 
@@ -200,11 +250,11 @@ def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
     else:
         mla = None
         sizes = {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}
-        qkv = torch.cat([w.get(f"{a}{n}_proj.weight", (s, d)) for n, s in sizes.items()])
+        qkv = _cat([w.linear(f"{a}{n}_proj.weight", (s, d)) for n, s in sizes.items()], w.dtype)
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat([w.get(f"{a}{n}_proj.bias", (s,)) for n, s in sizes.items()])
-        o_proj = w.get(a + "o_proj.weight", (d, config.q_size))
+        o_proj = w.linear(a + "o_proj.weight", (d, config.q_size))
     layer = LayerWeights(
         input_norm=w.get(p + "input_layernorm.weight", (d,)),
         qkv=qkv,
@@ -219,10 +269,10 @@ def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
     )
     if not config.moe_layers[i]:
         inter = config.dense_intermediate_size
-        layer.dense_gate_up = torch.cat(
-            [w.get(f"{p}mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")]
+        layer.dense_gate_up = _cat(
+            [w.linear(f"{p}mlp.{n}_proj.weight", (inter, d)) for n in ("gate", "up")], w.dtype
         )
-        layer.dense_down = w.get(p + "mlp.down_proj.weight", (d, inter))
+        layer.dense_down = w.linear(p + "mlp.down_proj.weight", (d, inter))
         return layer
     m = _moe_prefix(config, i)
     if config.scoring == "sigmoid":
@@ -235,10 +285,10 @@ def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
     if config.shared_expert_intermediate_size:
         s = config.shared_expert_intermediate_size
         shared = "shared_expert." if config.shared_expert_gated else "shared_experts."
-        layer.shared_gate_up = torch.cat(
-            [w.get(f"{m}{shared}{n}_proj.weight", (s, d)) for n in ("gate", "up")]
+        layer.shared_gate_up = _cat(
+            [w.linear(f"{m}{shared}{n}_proj.weight", (s, d)) for n in ("gate", "up")], w.dtype
         )
-        layer.shared_down = w.get(f"{m}{shared}down_proj.weight", (d, s))
+        layer.shared_down = w.linear(f"{m}{shared}down_proj.weight", (d, s))
         if config.shared_expert_gated:
             layer.shared_gate = w.get(m + "shared_expert_gate.weight", (1, d))
     return layer
@@ -247,20 +297,24 @@ def _load_layer(config: ModelConfig, w: _Weights, i: int) -> LayerWeights:
 def _load_experts(config: ModelConfig, w: _Weights, expert_ids: list[int]) -> ExpertPart:
     d, inter = config.hidden_size, config.moe_intermediate_size
     names = ("w1", "w3", "w2") if config.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    gate_up: dict[int, torch.Tensor] = {}
-    down: dict[int, torch.Tensor] = {}
+    gate_up: dict[int, Linear] = {}
+    down: dict[int, Linear] = {}
     for i, is_moe in enumerate(config.moe_layers):
         if not is_moe:
             continue
         base = _moe_prefix(config, i) + "experts."
-        gate_up[i] = torch.stack([
-            torch.cat([
-                w.get(f"{base}{e}.{names[0]}.weight", (inter, d)),
-                w.get(f"{base}{e}.{names[1]}.weight", (inter, d)),
-            ])
+        gate_up[i] = _stack([
+            _cat([
+                w.linear(f"{base}{e}.{names[0]}.weight", (inter, d)),
+                w.linear(f"{base}{e}.{names[1]}.weight", (inter, d)),
+            ], w.dtype)
             for e in expert_ids
-        ])  # [E_local, 2I, D]
-        down[i] = torch.stack(
-            [w.get(f"{base}{e}.{names[2]}.weight", (d, inter)) for e in expert_ids]
+        ], w.dtype)  # [E_local, 2I, D]
+        down[i] = _stack(
+            [w.linear(f"{base}{e}.{names[2]}.weight", (d, inter)) for e in expert_ids], w.dtype
         )  # [E_local, D, I]
+        if isinstance(gate_up[i], BlockFp8) != isinstance(down[i], BlockFp8):
+            # The FP8 expert GEMMs take both projections in FP8 or neither.
+            gate_up[i], down[i] = (t.dequantize(w.dtype) if isinstance(t, BlockFp8) else t
+                                   for t in (gate_up[i], down[i]))
     return ExpertPart(expert_ids, config.num_experts, gate_up, down)

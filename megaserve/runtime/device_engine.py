@@ -80,6 +80,7 @@ class ExpertWorkerSpec:
     # torch.cuda.set_sync_debug_mode of the serving loop ("error": tests prove that the
     # expert role never synchronises with the host while it serves)
     sync_debug: str = "default"
+    quantization: str | None = None  # EngineConfig.quantization: the replica's weights
 
 
 
@@ -94,9 +95,10 @@ def expert_device(requested: str, replica: torch.device, index: int) -> str:
     return f"cuda:{others[index % len(others)]}"
 
 
-def _load_experts(model: str, dtype: str, device: str, expert_ids) -> object:
+def _load_experts(model: str, dtype: str, device: str, expert_ids,
+                  quantization: str | None = None) -> object:
     return load_model(resolve_model(model), dtype, device, attention=False,
-                      expert_ids=list(expert_ids)).experts
+                      expert_ids=list(expert_ids), quantization=quantization).experts
 
 
 def _endpoint_options(transport: str, device) -> dict:
@@ -178,7 +180,7 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
     try:
         device = torch.device(spec.device)
         torch.cuda.set_device(device)
-        part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids)
+        part = _load_experts(spec.model, spec.dtype, spec.device, spec.expert_ids, spec.quantization)
         inbox = ExpertInbox(spec.shape, device)
         if spec.transport == "cuda_ipc":
             replicas = [ReplicaInbox(spec.shape, storage=open_tensor(handle, user=device))
@@ -315,7 +317,7 @@ class DevicePlaneEngine:
     def _start_threads(self, config: EngineConfig, path: str) -> list[ExpertLink]:
         links = []
         for index, expert_ids in enumerate(self.placement.workers):
-            part = _load_experts(path, config.dtype, config.device, expert_ids)
+            part = _load_experts(path, config.dtype, config.device, expert_ids, config.quantization)
             inbox = ExpertInbox(self.shape, self.device)
             server = ExpertServer(part, index, self.shape, inbox, self.replica_inboxes,
                                   self.moe_layers, self.device, profile=self.profile)
@@ -391,7 +393,7 @@ class DevicePlaneEngine:
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
                                     handles, os.getpid(), config.transport,
                                     self._rendezvous.address if relayed else None, channel,
-                                    self.sync_debug)
+                                    self.sync_debug, quantization=config.quantization)
             messages = ctx.Queue()
             process = ctx.Process(target=run_expert_process, args=(spec, messages, self._replies),
                                   name=f"megaserve-expert-{index}", daemon=True)

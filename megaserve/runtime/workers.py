@@ -240,6 +240,7 @@ def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
     model = load_model(
         resolve_model(spec.engine.model), spec.engine.dtype, spec.device,
         attention=False, expert_ids=list(spec.placement.workers[spec.index]),
+        quantization=spec.engine.quantization,
     )
     worker = ExpertWorker(model.experts, endpoint, torch.device(spec.device),
                           aggregation_wait_s=spec.engine.expert_aggregation_wait_ms / 1000)

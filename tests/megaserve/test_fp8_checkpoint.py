@@ -180,3 +180,42 @@ def test_quantize_at_load_equals_the_fp8_checkpoint(qwen3, tmp_path):
     assert got.token_ids == ref.token_ids
     assert got.logprobs == ref.logprobs
     assert plain.logprobs != got.logprobs  # the rounding through e4m3 did happen
+
+
+def test_fp8_weights_kept_for_the_fp8_gemms_compute_the_same(tmp_path, monkeypatch):
+    """Where weights stay FP8 (CUDA: BlockFp8 through kernels.fp8_linear / fp8_expert_ffn),
+    the model is wired to the FP8 GEMMs; on CPU those dequantize exactly as the loader
+    does, so forcing the FP8-kept load here must give the same bits."""
+    from megaserve.kernels.fp8 import BlockFp8
+    from megaserve.models import loader
+
+    src = tmp_path / "wide"
+    make_checkpoint(src, "qwen3_moe", hidden_size=128, intermediate_size=128, moe_intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                    num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    prompt = {"prompt_token_ids": _prompts(100)[1]}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    with LLM(model=str(src), dtype="float32", quantization="fp8") as llm:
+        ref = llm.generate(prompt, params)[0].outputs[0]
+    monkeypatch.setattr(loader, "keeps_fp8", lambda device, block: True)
+    model = loader.load_model(src, "float32", quantization="fp8")
+    layer = model.attention.layers[0]
+    kept = [layer.qkv, layer.o_proj, model.experts.w_gate_up[0], model.experts.w_down[0]]
+    assert all(isinstance(w, BlockFp8) for w in kept)
+    with LLM(model=str(src), dtype="float32", quantization="fp8") as llm:
+        got = llm.generate(prompt, params)[0].outputs[0]
+    assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+
+
+def test_quantize_at_load_reaches_every_expert_worker(qwen3):
+    """A disaggregated layout quantizes its expert workers' weights too: bitwise the
+    single engine's outputs."""
+    src = qwen3[0]
+    prompt = {"prompt_token_ids": _prompts(100)[2]}
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(model=str(src), dtype="float32", quantization="fp8") as llm:
+        ref = llm.generate(prompt, params)[0].outputs[0]
+    with LLM(model=str(src), dtype="float32", quantization="fp8", attention_replicas=2,
+             expert_workers=2, transport="inproc") as llm:
+        got = llm.generate(prompt, params)[0].outputs[0]
+    assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
