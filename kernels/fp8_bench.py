@@ -111,11 +111,36 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
         print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
 
 
+def summarize_decode(bf16_json: str, fp8_json: str) -> None:
+    """The fp8-vs-bf16 table of two ``megaserve bench decode --json-out`` files of one
+    model: tok/s of each and the FP8 step against the roofline of the bytes FP8 moves
+    (attention and expert weights one byte each; KV, LM head and router stay 16-bit)."""
+    import json
+
+    bf16, fp8 = (json.loads(open(f).read()) for f in (bf16_json, fp8_json))
+    bandwidth = fp8["copy_bandwidth_gbs"] * 1e9
+    print(f"\n{fp8['model']} decode on {fp8['device']}: fp8 vs bf16 (copy {bandwidth / 1e12:.2f} TB/s)")
+    print(f"{'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'fp8 roof ms':>12}"
+          f" {'fp8 step ms':>12} {'fp8 % roof':>11}")
+    for a, b in zip(bf16["decode"], fp8["decode"]):
+        by = b["bytes"]
+        fp8_bytes = ((by["attention_weights"] + by["expert_weights"]) / 2 + by["kv_read"]
+                     + by["kv_write"] + by["lm_head"])
+        roof_ms = fp8_bytes / bandwidth * 1e3
+        print(f"{b['batch']:5d} {a['tok_s']:11.0f} {b['tok_s']:10.0f} {b['tok_s'] / a['tok_s']:9.2f}"
+              f" {roof_ms:12.3f} {b['step_ms_median']:12.3f} {100 * roof_ms / b['step_ms_median']:10.0f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gemm-sizes", type=int, nargs="+", default=[64, 256, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--decode-json", nargs=2, metavar=("BF16", "FP8"),
+                        help="only summarise two `megaserve bench decode --json-out` files")
     args = parser.parse_args()
+    if args.decode_json:
+        summarize_decode(*args.decode_json)
+        return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     bench_gemms(args.gemm_sizes)
