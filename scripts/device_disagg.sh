@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Disaggregation on one 4-GPU host (nvidia-h200-x4): correctness and benchmarks of the
-# cuda_ipc and nccl transports (issue 4). From the repository root:
-#   bash scripts/device_disagg.sh        (logs under $OUT, default ./out-disagg)
-# Four files come back: summary.txt (environment, one line per step), tests.log,
-# bench_comm.log, throughput.log. Every step has its own timeout, capped so the whole
-# script ends within BUDGET_S; a failed or timed-out step is recorded and the next runs.
+# Disaggregation across the GPUs of one host (nvidia-h200-x2), issue 34's device plane.
+# From the repository root:  bash scripts/device_disagg.sh PHASE   (results under $OUT)
+#   profile: nccl diagnosis, bench device-plane at batch 256 (traces) and 1024
+#   tests:   the device plane's GPU tests (bitwise across GPUs, cuda_ipc and nccl)
+#   bench:   the benchmark table of docs/results/disaggregation.md
+# Every step has its own timeout, capped so the whole script ends within BUDGET_S; a failed
+# or timed-out step is recorded in summary.txt and the next one runs.
 set -u
+cd "$(dirname "$0")/.."
+source scripts/device_setup.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-./out-disagg}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-530}
+BUDGET_S=${BUDGET_S:-560}
 START=$(date +%s)
 SUMMARY="$OUT/summary.txt"
+PHASE=${1:-profile}
+MODEL=${MODEL:-random:qwen3-30b-a3b:48}
 
 step() {  # step NAME LOG TIMEOUT_S CMD...: run CMD, appending to $OUT/LOG, within min(TIMEOUT_S, time left)
   local name=$1 log="$OUT/$2" limit=$3; shift 3
@@ -28,27 +32,32 @@ step() {  # step NAME LOG TIMEOUT_S CMD...: run CMD, appending to $OUT/LOG, with
 
 { nvidia-smi --query-gpu=index,name,memory.used --format=csv; nvidia-smi topo -m
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
-  echo; } > "$SUMMARY" 2>&1
+  echo; } >> "$SUMMARY" 2>&1
 
-# 1. comm between two GPU processes (cuda_ipc, nccl), then the runtime over nccl: bitwise
-#    equal to one GPU, including attention on GPU 0 and experts on GPUs 1-3 (1-3-2, 1-3-4).
-step comm_gpu_tests tests.log 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/comm/test_gpu.py
-step disagg_nccl tests.log 170 python3 -m pytest -q -m gpu --timeout 120 -p no:cacheprovider \
-  tests/megaserve/test_disaggregation_gpu.py -k nccl
-# 2. M->N exchange on 4 GPUs (1x1, 1x3, 2x2, 3x1): cuda_ipc and nccl (ours) vs raw NCCL
-#    isend/irecv, in the same processes.
-step bench_comm bench_comm.log 120 python3 -m megaserve.cli bench comm --sizes 2K,64K,1M,8M \
-  --iters 30 --warmup 5
-# 3. decode throughput: attention on GPU 0, experts on GPUs 1-3, vs co-located (one GPU runs
-#    attention and all experts, i.e. the per-GPU rate of co-located replicas), same model.
-TP="python3 -m megaserve.cli bench throughput --model random:qwen3-30b-a3b:2 --dtype bfloat16
-    --device cuda --attention-replicas 1 --expert-workers 3 --num-prompts 128 --input-len 128
-    --output-len 64"
-step tput_cuda_ipc_m2 throughput.log 110 $TP --microbatches 2 --transport cuda_ipc --baseline-layout 1,1,1
-step tput_nccl_m2 throughput.log 80 $TP --microbatches 2 --transport nccl
-step tput_cuda_ipc_m4 throughput.log 70 $TP --microbatches 4 --transport cuda_ipc
-step tput_nccl_m4 throughput.log 70 $TP --microbatches 4 --transport nccl
-# 4. the other transports' GPU layouts (validated before on 2 GPUs), as time allows.
-step disagg_cuda_ipc_tcp tests.log 150 python3 -m pytest -q -m gpu --timeout 100 -p no:cacheprovider \
-  tests/megaserve/test_disaggregation_gpu.py -k "cuda_ipc or (tcp and 1-3-2)"
+BENCH="python3 -m megaserve.cli bench device-plane --model $MODEL --input-len 64 --output-len 256"
+case $PHASE in
+profile)
+  step nccl_diag nccl.log 100 python3 scripts/nccl_plane_diag.py 1
+  TR=/tmp/traces; mkdir -p $TR/b256
+  MEGASERVE_EXPERT_TRACE=$TR/b256 step bench_b256 bench.log 260 $BENCH --num-prompts 256 \
+    --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2 --trace-dir $TR/b256
+  step bench_b1024 bench.log 220 $BENCH --num-prompts 1024 --max-num-seqs 1024 \
+    --layouts cuda_ipc:1
+  tar czf "$OUT/traces.tgz" -C $TR . ;;
+check)  # tests and benchmarks of a change, one call
+  step nccl_diag nccl.log 60 python3 scripts/nccl_plane_diag.py 1
+  step tests_gpu tests.log 220 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 \
+    tests/megaserve/test_device_plane_gpu.py -k "across or never_synchronises or no_host_sync or lost or inproc-1-1-1"
+  TR=/tmp/traces; mkdir -p $TR/b256
+  MEGASERVE_EXPERT_TRACE=$TR/b256 step bench_b256 bench.log 150 $BENCH --num-prompts 256 \
+    --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2 --trace-dir $TR/b256
+  step bench_b1024 bench.log 150 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1
+  tar czf "$OUT/traces.tgz" -C $TR . ;;
+tests)
+  step tests_gpu tests.log 500 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
+    tests/megaserve/test_device_plane_gpu.py tests/comm/test_gpu.py ;;
+bench)
+  step bench_b256 bench.log 250 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2,cuda_ipc:3
+  step bench_b1024 bench.log 250 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1 ;;
+esac
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"

@@ -69,8 +69,12 @@ def _steady(engine, prompts, params, batch: int, trace_path: str | None) -> dict
     torch.cuda.synchronize()
     out = {"ms_step": (time.perf_counter() - start) / steps * 1e3}
     if trace_path is not None:
+        import os
+
         from torch.profiler import ProfilerActivity, profile
 
+        start_mark = os.path.join(os.path.dirname(trace_path), "start")
+        open(start_mark, "w").close()  # expert processes trace their next steps too
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 engine.step()
@@ -80,6 +84,8 @@ def _steady(engine, prompts, params, batch: int, trace_path: str | None) -> dict
         out["gpu_ms_step"] = gpu_us / 3 / 1e3
         with open(trace_path, "w") as f:
             f.write(events.table(sort_by="self_device_time_total", row_limit=40))
+        prof.export_chrome_trace(trace_path[:-len(".txt")] + ".json")
+        os.remove(start_mark)
     experts = getattr(engine, "experts", None)
     if experts is not None and getattr(engine, "profile", False):
         b = max(experts.waits_by_batch, default=None)
@@ -393,6 +399,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--transports", default="inproc,cuda_ipc")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="every layout overlaps the host with the device (vLLM's "
+                             "--async-scheduling; the device plane's decode steps too)")
     parser.add_argument("--trace-dir", default=None,
                         help="write a torch.profiler kernel table of 3 steady steps per layout here")
     parser.add_argument("--profile", action="store_true",
@@ -419,7 +428,8 @@ def main(argv: list[str]) -> int:
 
         model = str(resolve_random_model(model))
     base = dict(model=model, dtype=args.dtype, device="cuda",
-                max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                async_scheduling=args.async_scheduling)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     layouts = [("co-located", None, 1, 1)]
     specs = ([p.split(":") for p in args.layouts.split(",")] if args.layouts else
@@ -467,6 +477,12 @@ def main(argv: list[str]) -> int:
         rows.append(row)
         print("measured", row, flush=True)
         engine.shutdown()
+        if args.trace_dir:  # expert processes' timelines (device_engine.TRACE_ENV)
+            import glob
+            import os
+
+            for path in glob.glob(f"{args.trace_dir}/expert*.json"):
+                os.replace(path, f"{trace[:-len('.txt')]}_{os.path.basename(path)}")
         del engine
         gc.collect()
         torch.cuda.empty_cache()

@@ -325,12 +325,12 @@ class _Handle:
     layer: int
     microbatch: int
     num_tokens: int
-    owners: torch.Tensor  # [T, k] expert worker of each (token, rank)
+    owners: torch.Tensor | None  # [T, k] expert worker of each (token, rank); E = 1: None
     positions: torch.Tensor | None  # [E, T] row of token t in worker e's slot (E > 1)
 
 
 def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
-         owners: torch.Tensor, worker: int, only_worker: bool,
+         owners: torch.Tensor | None, worker: int, only_worker: bool,
          topk_weights: torch.Tensor | None = None) -> torch.Tensor | None:
     """Write the rows of micro-batch ``microbatch`` that expert worker ``worker`` needs into
     the replica's slot of its inbox (``ExpertInbox.slot``), in token order, with their expert ids (-1 where another worker serves
@@ -362,18 +362,20 @@ def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Ten
     return pos
 
 
-def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor,
-           positions: torch.Tensor | None) -> torch.Tensor:
+def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor | None,
+           positions: torch.Tensor | None, num_tokens: int | None = None) -> torch.Tensor:
     """The expert outputs of micro-batch ``microbatch`` in (token, rank) order: `[T, k, D]`
     (pre-reduced: `[T, 1, D]` float32, each token's combined row).
 
-    owners: `[T, k]` expert worker of each (token, rank); positions: `[E, T]` each token's
-    row in each worker's slot (None with one worker: row t is token t, a view is returned).
+    owners: `[T, k]` expert worker of each (token, rank) (None with one worker, given
+    ``num_tokens``); positions: `[E, T]` each token's row in each worker's slot (None with
+    one worker: row t is token t, a view is returned).
     """
     out = inbox.out[microbatch]  # [E, C, k', D]
-    num_tokens, k = owners.shape
     if positions is None:
-        return out[0, :num_tokens]  # read before dispatch (l + 1, i) reuses the slot
+        rows = owners.shape[0] if owners is not None else num_tokens
+        return out[0, :rows]  # read before dispatch (l + 1, i) reuses the slot
+    num_tokens, k = owners.shape
     capacity, hidden = out.shape[1], out.shape[3]
     pos = positions.gather(0, owners.T).T  # [T, k] row in the owner's slot
     ranks = torch.arange(k, device=owners.device)
@@ -551,12 +553,12 @@ class DeviceExperts:
         if self.reduces_on_workers and topk_weights is None:
             raise ValueError("this data plane combines on the expert worker: pass topk_weights")
         weights = topk_weights if self.reduces_on_workers else None
-        owners = self._owner[topk_ids]  # [T, k]
+        only = len(self.links) == 1  # every row goes to the one worker: no routing table
+        owners = None if only else self._owner[topk_ids]  # [T, k]
         capturing = _capturing()
         positions = []
         for e, link in enumerate(self.links):
-            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, len(self.links) == 1,
-                       weights)
+            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, only, weights)
             if pos is not None:
                 positions.append(pos)
             self._signal(link, e, layer, microbatch, num_tokens, capturing)
@@ -580,7 +582,7 @@ class DeviceExperts:
             else:
                 sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
         timed.end()
-        return gather(self.inbox, i, handle.owners, handle.positions)
+        return gather(self.inbox, i, handle.owners, handle.positions, handle.num_tokens)
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:

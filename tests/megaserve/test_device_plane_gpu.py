@@ -162,7 +162,8 @@ def test_device_plane_across_gpus_is_bitwise_colocated(colocated, workers, m, tr
                     reason="needs several GPUs (expert workers on the other GPUs)")
 @pytest.mark.parametrize("transport", ["cuda_ipc"])  # nccl relays through host threads
 def test_steady_decode_across_gpus_never_synchronises(colocated, transport) -> None:
-    """Attention on GPU 0, one expert process on GPU 1: steady decode steps of the
+    """Attention on GPU 0, one expert process on GPU 1, async scheduling (the host
+    prepares step n + 1 while the GPUs run step n): steady decode steps of the
     attention role run whole (schedule, launch, read) under
     ``set_sync_debug_mode("error")``, the expert process serves under it from start to
     end, and the outputs stay bitwise the co-located engine's."""
@@ -171,7 +172,8 @@ def test_steady_decode_across_gpus_never_synchronises(colocated, transport) -> N
 
     engine = DevicePlaneEngine(EngineConfig(model="builtin:tiny-moe", device="cuda",
                                             dtype="bfloat16", transport=transport,
-                                            kv_cache_memory_bytes=1 << 28, max_num_seqs=8),
+                                            kv_cache_memory_bytes=1 << 28, max_num_seqs=8,
+                                            async_scheduling=True),
                                sync_debug="error")
     try:
         assert engine.engine.async_scheduling and engine.experts.reduces_on_workers
