@@ -286,8 +286,11 @@ class PeerWorker:
                                      env={**os.environ, **env})
 
     def run(self) -> dict:
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write("run\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it has exited: its output says why
+            pass
         for line in self.proc.stdout:
             if line.startswith(RESULT_MARK):
                 return json.loads(line[len(RESULT_MARK):])
@@ -297,8 +300,11 @@ class PeerWorker:
                          "result; its last output:\n" + "\n".join(self.tail))
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        try:
             self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
