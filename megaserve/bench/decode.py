@@ -47,6 +47,22 @@ logger = logging.getLogger(__name__)
 
 ELT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
+# Sizes not given on the command line, by device kind: on a GPU they reach the rooflines
+# (an 8192^3 matmul, a 4,096-token prefill); on a CPU they finish in seconds (the GPU sizes
+# ran for minutes there without a line of output).
+SIZE_DEFAULTS = {
+    "cuda": {"batches": "1,64,256", "prefill_len": 4096, "copy_mib": 1024, "matmul_n": 8192},
+    "cpu": {"batches": "1,8,32", "prefill_len": 128, "copy_mib": 256, "matmul_n": 512},
+}
+
+
+def _fill_size_defaults(args: argparse.Namespace, device: str) -> None:
+    """Set every size flag left at None to ``device``'s default (SIZE_DEFAULTS)."""
+    defaults = SIZE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
 
 def measure_copy_bandwidth(device: str, nbytes: int, iters: int = 10) -> float:
     """Bytes/s of ``dst.copy_(src)`` counting bytes read and written (best of ``iters``)."""
@@ -258,19 +274,23 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_runtime_flags(parser)
-    parser.add_argument("--batches", default="1,64,256", help="decode batch sizes (default 1,64,256)")
+    parser.add_argument("--batches", default=None,
+                        help="decode batch sizes (default: 1,64,256 on a GPU, 1,8,32 on a CPU)")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens of the decode runs")
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per batch size")
     parser.add_argument("--profile-steps", type=int, default=4, help="profiled decode steps (0: no profile)")
-    parser.add_argument("--prefill-len", type=int, default=4096, help="prompt length of the prefill run (0: none)")
+    parser.add_argument("--prefill-len", type=int, default=None,
+                        help="prompt length of the prefill run (0: none; default: 4096 on a GPU, 128 on a CPU)")
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--random-weights", default="device", choices=["device", "file"],
                         help="random:<preset> weights drawn on the device (default) or a safetensors file")
     parser.add_argument("--reserve-gib", type=float, default=12.0,
                         help="memory kept free of weights by random:<preset>:auto (KV, activations, graphs)")
-    parser.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the bandwidth copy")
-    parser.add_argument("--matmul-n", type=int, default=8192, help="n of the n^3 bf16 matmul baseline")
+    parser.add_argument("--copy-mib", type=int, default=None,
+                        help="buffer size of the bandwidth copy (default: 1024 on a GPU, 256 on a CPU)")
+    parser.add_argument("--matmul-n", type=int, default=None,
+                        help="n of the n^3 bf16 matmul baseline (default: 8192 on a GPU, 512 on a CPU)")
     parser.add_argument("--matmul-seconds", type=float, default=1.0,
                         help="how long the held matmul rate runs (0: not measured)")
     parser.add_argument("--json-out", default=None, metavar="FILE", help="write all results as JSON")
@@ -278,7 +298,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         options = runtime_options(args)
-        batches = [int(x) for x in args.batches.split(",")]
         if args.dtype not in ELT_BYTES:
             raise ValueError("--dtype: give the dtype explicitly (bfloat16, float16 or float32)")
     except ValueError as e:
@@ -289,6 +308,13 @@ def main(argv: list[str]) -> int:
     device = options["device"]
     if device == "auto":
         device = options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    _fill_size_defaults(args, device)
+    try:
+        batches = [int(x) for x in args.batches.split(",")]
+    except ValueError:
+        print(f"megaserve bench: --batches {args.batches!r}: expected integers such as 1,64,256",
+              file=sys.stderr)
+        return 2
     name = device_name(device)
     copy_bw = measure_copy_bandwidth(device, args.copy_mib << 20)
     matmul = measure_matmul_flops(device, args.matmul_n)

@@ -46,20 +46,6 @@ def test_planner_never_imports_torch_and_help_is_fast():
     assert cpu_s < 3, cpu_s
 
 
-def test_bench_help_lists_the_benchmarks_and_exits_0():
-    from megaserve.cli import BENCHMARKS
-
-    out = subprocess.run([sys.executable, "-m", "megaserve.cli", "bench", "--help"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    listed = re.findall(r"^  (\S+) +\S", out.stdout, re.M)
-    assert listed == list(BENCHMARKS) and "planner" in listed and "decode" in listed
-    wrong = subprocess.run([sys.executable, "-m", "megaserve.cli", "bench", "nope"],
-                           capture_output=True, text=True, timeout=60)
-    assert wrong.returncode == 2 and "unknown benchmark 'nope'" in wrong.stderr
-    assert "planner" in wrong.stderr
-
-
 def test_plan_writes_a_plan_file_with_placement(tmp_path):
     plan_path = tmp_path / "plan.yaml"
     out = run("--model", "mixtral-8x7b", "--cluster", "examples/cluster.yaml", "--tpot-ms", "100", "--top", "5",
