@@ -44,6 +44,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Adjustments of the distribution sampled from (megaserve.engine.logits_processing),
+    # vLLM's: penalties on tokens already generated (presence, frequency: additive; 2.0
+    # at most in magnitude) and on prompt + generated tokens (repetition: > 1 penalises),
+    # a bias per token id, EOS and stop_token_ids banned until min_tokens, and token
+    # sequences never to complete (bad_words as the front end tokenized them).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -75,6 +87,46 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rep = self.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, (int, float)) or not 0 < rep <= 1e6:
+            raise ValueError(f"repetition_penalty must be in (0, 1e6], got {rep!r}")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias", token, minimum=0)
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                        or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word:
+                raise ValueError(f"bad_words must hold non-empty strings, got {word!r}")
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(w) for w in self.bad_words_token_ids or ()))
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise ValueError("bad_words_token_ids must hold non-empty token sequences")
+            for t in word:
+                _check_int("bad_words_token_ids", t, minimum=0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling goes through megaserve.engine.logits_processing."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

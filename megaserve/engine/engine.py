@@ -125,6 +125,7 @@ class LLMEngine:
             cpu_decode_graphs=self.async_scheduling,
         )
         self.eos_token_ids = resolve_eos_token_ids(self.tokenizer, model.config)
+        self.runner.eos_token_ids = self.eos_token_ids
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

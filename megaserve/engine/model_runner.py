@@ -23,7 +23,7 @@ import torch
 
 from megaserve import kernels
 from megaserve.comm import CommError
-from megaserve.engine import spec_decode, spec_graphs
+from megaserve.engine import logits_processing, spec_decode, spec_graphs
 from megaserve.engine.cuda_graphs import (DecodeGraphs, DecodeStep, HostTokens, SampledTokens,
                                           TokenCopy, capture_sizes)
 from megaserve.engine.micro_batch import micro_batch_arrays, micro_batch_from_tensors
@@ -196,6 +196,8 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.max_num_seqs = max_num_seqs
         self.cpu_decode_graphs = cpu_decode_graphs
+        # The model's EOS ids (min_tokens bans them); set by the engine.
+        self.eos_token_ids: tuple[int, ...] = ()
         # Built on the first eager-capable decode step; tests may set one (capture=False).
         self.decode_graphs: DecodeGraphs | None = None
         # Speculative verification steps (k + 1 rows per sequence) replay graphs of their
@@ -260,6 +262,8 @@ class ModelRunner:
             return EagerStep(scheduled, row_owner, picks, logprobs, None)
         cols = next(staged) if not (greedy and every_row) else None  # [3, n] int64
         picked = logprobs if every_row else logprobs[cols[0]]  # [n, V]
+        if any(scheduled[i].seq.params.adjusts_logits for _, i, _ in picks):
+            picked = self._adjusted(scheduled, picks, picked, sampled)  # [n, V], a copy
         if greedy:  # kernels.sample's rule for greedy rows: argmax, first maximum
             tokens = picked.argmax(dim=-1)
         else:
@@ -322,7 +326,8 @@ class ModelRunner:
         if not scheduled or not self.cuda_graphs or self._graphs_failed:
             return False
         for s in scheduled:
-            if not s.samples or s.num_new_tokens != 1 or s.num_draft_tokens:
+            if not s.samples or s.num_new_tokens != 1 or s.num_draft_tokens \
+                    or s.seq.params.adjusts_logits:  # adjusted in eager steps only
                 return False
         if self.decode_graphs is None and not self._build_decode_graphs():
             return False
@@ -437,6 +442,22 @@ class ModelRunner:
         for row, sampled_row in sources:
             source_rows[row] = sampled_row
         return inputs, source_rows
+
+    def _adjusted(self, scheduled: list[ScheduledSeq], picks: list[tuple[int, int, int]],
+                  picked: torch.Tensor, sampled: SampledTokens) -> torch.Tensor:
+        """``logits_processing.adjust`` of the picked rows `[n, V]`. Each row sees the
+        tokens generated before the one it samples: the host's, the one the step before
+        sampled (async scheduling: read from the device) and the drafts before it."""
+        requests = []
+        for _, i, p in picks:
+            item, seq = scheduled[i], scheduled[i].seq
+            generated = list(seq.output_token_ids)
+            if seq.num_pending_tokens:
+                generated.append(int(sampled.tokens[sampled.rows[seq]]))
+            generated += list(item.draft_token_ids or ())
+            requests.append((seq.params, seq.prompt_token_ids,
+                             generated[:p + 1 - seq.num_prompt_tokens]))
+        return logits_processing.adjust(picked, requests, self.eos_token_ids)
 
     def _sample_rows(self, scheduled: list[ScheduledSeq], picks: list[tuple[int, int, int]],
                      logprobs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,10 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
             raise RequestError.invalid("messages", f"chat template failed: {e}") from None
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
+    _check_logit_bias(sampling.get("logit_bias"), engine.vocab_size)
+    if sampling.get("bad_words"):
+        sampling["bad_words_token_ids"] = _bad_words_token_ids(engine.tokenizer,
+                                                               sampling["bad_words"])
     try:
         params = SamplingParams(
             max_tokens=1 if req.max_tokens is None else req.max_tokens, **sampling)
@@ -161,6 +165,27 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     if req.max_tokens is None:  # chat default: fill the context
         params = dataclasses.replace(params, max_tokens=engine.max_model_len - len(prompt_ids))
     return _Choice(index, request_id, prompt_ids, params)
+
+
+def _check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
+    for token in bias or ():
+        if token >= vocab_size:
+            raise RequestError.invalid("logit_bias", f"token id {token} is outside the "
+                                       f"vocabulary [0, {vocab_size})")
+
+
+def _bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids, as it would appear at the start of a text and after a
+    space (vLLM's two forms), without special tokens."""
+    if tokenizer is None:
+        raise RequestError.invalid("bad_words", "this model has no tokenizer")
+    found: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                found[ids] = None
+    return tuple(found)
 
 
 async def _pump(core: ServingCore, choice: _Choice, queue: asyncio.Queue) -> None:

@@ -109,9 +109,10 @@ class _CommonRequest(_Strict):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # vLLM extensions
     top_k: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -119,12 +120,17 @@ class _CommonRequest(_Strict):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS,
                                                    fail_fast=True)] | None = None
     return_token_ids: bool = False
+    repetition_penalty: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(max_length=MAX_STOP, fail_fast=True)] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:
-        _must_be_off("presence_penalty", self.presence_penalty, (None, 0))
-        _must_be_off("frequency_penalty", self.frequency_penalty, (None, 0))
-        _must_be_off("logit_bias", self.logit_bias, (None, {}))
+        for token in self.logit_bias or ():
+            if not token.isdigit() or len(token) > 18:
+                raise ValueError(f"logit_bias: keys must be token ids (decimal strings), "
+                                 f"got {token[:20]!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: is only allowed with stream=true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -49,7 +49,8 @@ class OpenAIRequest:
         return (1 if self.chat else len(self.prompts)) * self.n
 
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 # What a union-typed field accepts, said once instead of one error per union member.
 _UNION_HELP = {
     "prompt": "must be a non-empty string, a list of token ids, or a non-empty list of either",
@@ -147,6 +148,10 @@ def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> Ope
         sampling["stop_token_ids"] = tuple(m.stop_token_ids)
     if m.stop is not None:
         sampling["stop"] = (m.stop,) if isinstance(m.stop, str) else tuple(m.stop)
+    if m.logit_bias:
+        sampling["logit_bias"] = {int(k): v for k, v in m.logit_bias.items()}
+    if m.bad_words:
+        sampling["bad_words"] = tuple(m.bad_words)
     if chat:
         top = (m.top_logprobs or 0) if m.logprobs else None
         max_tokens = m.max_completion_tokens if m.max_completion_tokens is not None \

@@ -83,8 +83,10 @@ def test_http_body_checks():
         parse_body(b'[1]', chat=False)
     with pytest.raises(RequestError, match="^frobnicate: unknown field"):
         parse_request({"prompt": "a", "frobnicate": 1}, chat=False)
-    with pytest.raises(RequestError, match="^presence_penalty: is not supported"):
-        parse_request({"prompt": "a", "presence_penalty": 0.5}, chat=False)
+    with pytest.raises(RequestError, match="^presence_penalty: input should be less than"):
+        parse_request({"prompt": "a", "presence_penalty": 2.5}, chat=False)
+    with pytest.raises(RequestError, match="^logit_bias: keys must be token ids"):
+        parse_request({"prompt": "a", "logit_bias": {"x": 1}}, chat=False)
     with pytest.raises(RequestError, match="^stream_options: "):
         parse_request({"prompt": "a", "stream_options": {"include_usage": True}}, chat=False)
     req = parse_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
