@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 import time
 from typing import Any, Protocol
@@ -126,7 +127,12 @@ def set_process_title(title: str) -> None:
 
 
 def run_local_worker(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
-    """Entry point of a local worker process: names it, then :func:`run_worker`."""
+    """Entry point of a local worker process: names it, then :func:`run_worker`.
+
+    SIGINT is ignored: Ctrl-C in a terminal signals the whole foreground process group,
+    workers included, and the front-end owns shutdown (it drains, then sends Stop); a
+    worker that died of KeyboardInterrupt would be a lost worker to recover mid-drain."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_process_title(process_title(spec))
     run_worker(spec, inbox, outbox)
 
