@@ -252,6 +252,6 @@ def test_the_megaserve_command_writes_manifests(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(ONE_TYPE)
     proc = subprocess.run([sys.executable, "-m", "megaserve.cli", "deploy", "k8s", "--plan", str(plan)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert [d["kind"] for d in yaml.safe_load_all(proc.stdout)] == ["ConfigMap", "RayCluster", "Service"]

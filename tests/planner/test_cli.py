@@ -19,7 +19,7 @@ CLI = [sys.executable, "-m", "megaserve.cli", "plan"]
 
 
 def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -35,7 +35,7 @@ def test_planner_never_imports_torch_and_help_is_fast():
         " megaserve.planner.measurements;"
         "sys.exit('torch' in sys.modules)"
     )
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0
     # CPU seconds, not wall time: a loaded machine delays the process, it does not make it
     # do more work. Measured ~0.3 s (docs/planner.md); torch alone would take seconds.
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -116,7 +116,7 @@ def test_calibrate_recovers_efficiencies_and_changes_the_plan(tmp_path):
     bench = write(tmp_path, "bench.json", json.dumps({"gpu": "H20", "measurements": meas}))
     prof = tmp_path / "profile.yaml"
     out = subprocess.run([*CLI, "calibrate", "--from", bench, "-o", str(prof)], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+                         cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     eff = yaml.safe_load(prof.read_text())["gpus"]["H20"]
     assert eff["flops_eff"] == pytest.approx(0.6) and eff["hbm_eff"] == pytest.approx(0.9)
@@ -128,7 +128,7 @@ def test_calibrate_recovers_efficiencies_and_changes_the_plan(tmp_path):
     assert json.loads(base.stdout)["plan"]["summary"] != json.loads(tuned.stdout)["plan"]["summary"]
     bad = write(tmp_path, "bad.json", json.dumps({"gpu": "H20", "measurements": [{"kind": "gemm"}]}))
     out = subprocess.run([*CLI, "calibrate", "--from", bad, "-o", str(prof)], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+                         cwd=REPO, timeout=300)
     assert out.returncode == 2 and "measurements[0]" in out.stderr
 
 
@@ -170,7 +170,7 @@ def test_calibrate_engine_runs_prints_before_and_after(tmp_path):
     files = sorted(str(p) for p in (REPO / "planner/profiles/measurements").glob("*.json"))
     prof = tmp_path / "p.yaml"
     out = subprocess.run([*CLI, "calibrate", *files, "--transfer", "H800=H200", "-o", str(prof)],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "max error: before" in out.stdout and "batch 256, 64 in / 256 out" in out.stdout
     data = yaml.safe_load(prof.read_text())
