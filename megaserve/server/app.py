@@ -48,6 +48,12 @@ class ServeConfig:
     # vLLM's --api-key: HTTP /v1/* and gRPC Generation calls need one of these keys, each
     # a caller identity (megaserve.server.auth); None: no auth.
     api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
+    # Names the API serves the model under (vLLM's --served-model-name); empty: the model.
+    served_model_names: tuple[str, ...] = ()
+    # CORS origins allowed to call the HTTP API ("*": any); empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
+    # vLLM's --enable-request-id-headers: X-Request-Id on every HTTP response.
+    enable_request_id_headers: bool = False
     # Seconds a connection may stay without a complete request head (idle keep-alive
     # included) before it is closed: uvicorn's --timeout-keep-alive, which vLLM uses.
     timeout_keep_alive: float = 5.0
@@ -69,6 +75,11 @@ class ServeConfig:
         if not 0 < self.timeout_keep_alive < float("inf"):
             raise ValueError("timeout_keep_alive must be > 0 seconds, got "
                              f"{self.timeout_keep_alive!r}")
+        for name in ("served_model_names", "allowed_origins"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, tuple(value or ()))
+            if any(not isinstance(v, str) or not v.strip() for v in getattr(self, name)):
+                raise ValueError(f"{name} must be non-empty strings, got {value!r}")
         if isinstance(self.api_key, list):
             object.__setattr__(self, "api_key", tuple(self.api_key))
         if self.api_key is not None:
@@ -107,14 +118,17 @@ async def serve(config: ServeConfig,
     from megaserve.server.http_errors import use_json_errors
     from megaserve.server.openai_http import build_app
 
-    core = ServingCore(config.model, config.max_num_seqs, config.max_waiting)
+    core = ServingCore(config.model, config.max_num_seqs, config.max_waiting,
+                       config.served_model_names)
     dtype = {"name": str(config.engine.get("dtype", "auto"))}  # resolved once loaded
     grpc_server, health = build_grpc_server(
         GenerationService(core, lambda: dtype["name"], str(config.engine.get("device", "cpu"))),
         f"{_grpc_host(config.host)}:{config.grpc_port}", api_key=config.api_key)
     await set_health(health, serving=False)
     await grpc_server.start()
-    runner = web.AppRunner(build_app(core, config.api_key), handler_cancellation=True,
+    app = build_app(core, config.api_key, allowed_origins=config.allowed_origins,
+                    request_id_headers=config.enable_request_id_headers)
+    runner = web.AppRunner(app, handler_cancellation=True,
                            access_log=None, keepalive_timeout=config.timeout_keep_alive)
     await runner.setup()
     use_json_errors(runner)

@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "megaserve.v1.Generation; /health, /metrics and gRPC health stay "
                         "open. Each key is a caller identity: request ids are scoped by it "
                         "(default: $MEGASERVE_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) the API serves the model under; the first labels the "
+                        "metrics (default: --model)")
+    p.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="CORS: origins whose browsers may call the HTTP API ('*': any; "
+                        "default: none, no CORS headers)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="add X-Request-Id to every HTTP response: the request's own, "
+                        "else one the server makes up")
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an HTTP connection may go without a complete request "
                         "head, idle keep-alive included, before it is closed "
@@ -104,7 +113,10 @@ def main(argv: list[str]) -> int:
                              http_port=args.http_port, max_waiting=args.max_waiting,
                              grace_period=args.grace_period,
                              api_key=args.api_key or os.environ.get("MEGASERVE_API_KEY"),
-                             timeout_keep_alive=args.timeout_keep_alive)
+                             timeout_keep_alive=args.timeout_keep_alive,
+                             served_model_names=tuple(args.served_model_name or ()),
+                             allowed_origins=tuple(args.allowed_origins or ()),
+                             enable_request_id_headers=args.enable_request_id_headers)
         check_runtime(engine)  # model (and with --launcher local: device, workers, transport)
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)

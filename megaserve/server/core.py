@@ -104,8 +104,14 @@ class _Progress:
 class ServingCore:
     """Owns the engine (once loaded), the in-flight table and the metrics."""
 
-    def __init__(self, model_name: str, max_num_seqs: int, max_waiting: int) -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str, max_num_seqs: int, max_waiting: int,
+                 served_model_names: tuple[str, ...] = ()) -> None:
+        """``model_name``: the model as given (path or built-in name); the API serves it
+        under ``served_model_names`` (default: ``model_name``), the first of which labels
+        the metrics and answers requests that name no model."""
+        self.model_path = model_name
+        self.served_model_names = tuple(served_model_names) or (model_name,)
+        self.model_name = self.served_model_names[0]
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.engine = None  # AsyncLLMEngine once load() is done
@@ -119,7 +125,7 @@ class ServingCore:
         self._idle = asyncio.Event()
         self._idle.set()
         self.failed = asyncio.Event()  # set once by mark_failed
-        self.metrics = ServerMetrics(model_name, self.engine_stats, lambda: len(self._in_flight))
+        self.metrics = ServerMetrics(self.model_name, self.engine_stats, lambda: len(self._in_flight))
 
     # -- state ---------------------------------------------------------------------------
     def engine_stats(self):
@@ -145,6 +151,23 @@ class ServingCore:
             if not now.serving:
                 return Health("RECOVERING", False, now.reason)
         return Health(state.value, state is ServerState.SERVING)
+
+    def check_model(self, name: str | None) -> str:
+        """The served name a request asked for (None: the first); NOT_FOUND otherwise."""
+        if name is None:
+            return self.model_name
+        if name not in self.served_model_names:
+            raise RequestError(ErrorCode.NOT_FOUND, f"model: {name!r} is not served here; "
+                               f"available: {list(self.served_model_names)}", param="model")
+        return name
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, long texts in the tokenizer pool (off the event loop)."""
+        encode = self.engine.tokenizer.encode
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, encode, text, add_special_tokens)
+        return encode(text, add_special_tokens)
 
     # -- admission ---------------------------------------------------------------------
     @property

@@ -31,7 +31,7 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 # a connection and a handler forever).
 BODY_READ_TIMEOUT = 60.0
 API_KEY = web.AppKey("api_keys", tuple)  # the server's API keys; empty: no authentication
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/version")
 
 
 class _JsonErrorHandler(RequestHandler):

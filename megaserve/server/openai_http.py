@@ -25,6 +25,7 @@ from aiohttp import web
 
 from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
+from megaserve.server import openai_extras as extras
 from megaserve.server import openai_protocol as oai
 from megaserve.server.auth import normalize_keys
 from megaserve.server.core import Delta, ServerState, ServingCore
@@ -45,19 +46,27 @@ class _Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_text: str = ""  # with echo: the prompt's text, sent before the completion
 
 
-def build_app(core: ServingCore, api_key: str | tuple[str, ...] | None = None
-              ) -> web.Application:
+def build_app(core: ServingCore, api_key: str | tuple[str, ...] | None = None, *,
+              allowed_origins: tuple[str, ...] = (),
+              request_id_headers: bool = False) -> web.Application:
     """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413).
 
-    With ``api_key`` (one key or several), requests to ``/v1/*`` need
-    ``Authorization: Bearer <key>`` with one of them.
+    With ``api_key`` (one key or several), requests to every path but ``OPEN_PATHS``
+    need ``Authorization: Bearer <key>`` with one of them. ``allowed_origins``: CORS
+    origins (``"*"``: any); ``request_id_headers``: ``X-Request-Id`` on every response
+    (``megaserve.server.openai_extras``).
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[json_errors, authenticate])
+                          middlewares=[extras.cors_and_request_id, json_errors, authenticate])
     app[_CORE] = core
+    app[extras.CORE] = core
+    app[extras.ALLOWED_ORIGINS] = tuple(allowed_origins)
+    app[extras.REQUEST_ID_HEADERS] = request_id_headers
     app[API_KEY] = normalize_keys(api_key)
+    extras.add_routes(app)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
@@ -94,11 +103,8 @@ async def _openapi(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     core = request.app[_CORE]
-    card: dict[str, Any] = {"id": core.model_name, "object": "model",
-                            "created": int(time.time()), "owned_by": "megaserve"}
-    if core.engine is not None:
-        card["max_model_len"] = core.engine.max_model_len
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": [
+        extras.model_card(core, name) for name in core.served_model_names]})
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -110,9 +116,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return close_after(request, error_response(e))
     try:
         req = oai.parse_body(raw, chat)
-        if req.model is not None and req.model != core.model_name:
-            raise RequestError(ErrorCode.NOT_FOUND, f"model: {req.model!r} is not served "
-                               f"here; available: [{core.model_name!r}]", param="model")
+        req = dataclasses.replace(req, model=core.check_model(req.model))
+        if req.ignored:
+            logger.info("%s: ignored the OpenAI field(s) %s (megaserve has no use for them)",
+                        request.path, ", ".join(req.ignored))
         core.check_fits(req.num_choices, "messages" if chat else "prompt",
                         f"{len(req.prompts)} prompt(s) x n={req.n}" if not chat
                         else f"n={req.n}")
@@ -164,7 +171,16 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     prompt_ids = await core.prepare(prompt, params, field)
     if req.max_tokens is None:  # chat default: fill the context
         params = dataclasses.replace(params, max_tokens=engine.max_model_len - len(prompt_ids))
-    return _Choice(index, request_id, prompt_ids, params)
+    echo = ""
+    if req.echo:
+        echo = prompt if isinstance(prompt, str) else _decode(engine, prompt_ids)
+    return _Choice(index, request_id, prompt_ids, params, echo)
+
+
+def _decode(engine, token_ids: list[int]) -> str:
+    if engine.tokenizer is None:
+        raise RequestError.invalid("echo", "this model has no tokenizer to show the prompt")
+    return engine.tokenizer.decode(token_ids)
 
 
 def _check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
@@ -262,21 +278,23 @@ async def _unary(core, req, base_id, choices) -> web.Response:
                     finals[index] = delta
     except RequestError as e:
         return error_response(e)
-    bodies = [_choice_body(core, req, c, finals[c.index].output_ids, finals[c.index].output_text,
+    bodies = [_choice_body(core, req, c, finals[c.index].output_ids,
+                           c.prompt_text + finals[c.index].output_text,
                            finals[c.index].output_logprobs, finals[c.index].finish_reason, 0)
               for c in choices]
     return web.json_response({
         "id": base_id, "object": "chat.completion" if req.chat else "text_completion",
-        "created": int(time.time()), "model": core.model_name, "choices": bodies,
+        "created": int(time.time()), "model": req.model, "choices": bodies,
         "usage": _usage(choices, finals, req.n)})
 
 
 async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
+    extras.prepare_headers(request, resp)
     await resp.prepare(request)
     head = {"id": base_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
-            "created": int(time.time()), "model": core.model_name}
+            "created": int(time.time()), "model": req.model}
     by_index = {c.index: c for c in choices}
     offsets = dict.fromkeys(by_index, 0)
     finals: dict[int, Delta] = {}
@@ -291,6 +309,10 @@ async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
         for c in choices:
             await resp.write(chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
+    for c in choices:
+        if c.prompt_text:  # echo
+            await resp.write(chunk({"index": c.index, "text": c.prompt_text, "logprobs": None,
+                                    "finish_reason": None}))
     try:
         async with contextlib.aclosing(_run_choices(core, choices)) as results:
             async for index, d in results:

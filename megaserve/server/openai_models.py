@@ -27,6 +27,7 @@ MAX_PROMPTS = 4096  # prompts in one completion request (the server's own limit 
 MAX_MESSAGES = 4096
 
 _INT64_MAX = 2**63 - 1
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
 TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 PositiveInt = Annotated[int, Field(ge=1, le=_INT64_MAX)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -108,7 +109,13 @@ class _CommonRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
+    # OpenAI fields clients send by default that megaserve accepts and ignores (vLLM's
+    # behaviour; the server logs a line naming them): IGNORED_FIELDS.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
@@ -151,8 +158,10 @@ class CompletionRequest(_CommonRequest):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        _must_be_off("echo", self.echo, (None, False))
         _must_be_off("suffix", self.suffix, (None, ""))
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: with logprobs is not supported by megaserve (the prompt's "
+                             "logprobs are not returned); drop one of them")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of: is not supported by megaserve (must equal n)")
         return self
@@ -172,6 +181,36 @@ class ChatCompletionRequest(_CommonRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
         return self
+
+
+class TokenizeCompletion(_Strict):
+    """``POST /tokenize`` of a text (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_Strict):
+    """``POST /tokenize`` of chat messages, rendered with the chat template."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES,
+                                                 fail_fast=True)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class Detokenize(_Strict):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS, fail_fast=True)]
 
 
 # -- responses (documented in the OpenAPI document; tests check real responses against them)
@@ -293,12 +332,28 @@ class ModelCard(_Response):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str | None = None  # the model served (path or built-in name)
     max_model_len: int | None = None
 
 
 class ModelList(_Response):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ErrorDetail(BaseModel):
@@ -326,7 +381,9 @@ def openapi_document(version: str) -> dict[str, Any]:
     _, schemas = models_json_schema(
         [(m, "validation") for m in (
             CompletionRequest, ChatCompletionRequest, CompletionResponse,
-            ChatCompletionResponse, ChatCompletionChunk, ModelList, ErrorResponse)],
+            ChatCompletionResponse, ChatCompletionChunk, ModelList, ModelCard, ErrorResponse,
+            TokenizeCompletion, TokenizeChat, Detokenize, TokenizeResponse,
+            DetokenizeResponse, VersionResponse)],
         ref_template="#/components/schemas/{model}")
     errors = {code: {"description": text, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -367,7 +424,22 @@ def openapi_document(version: str) -> dict[str, Any]:
                                     "CompletionResponse", "text completion"),
             "/v1/chat/completions": post("ChatCompletionRequest", "ChatCompletionResponse",
                                          "ChatCompletionChunk", "chat completion"),
-            "/v1/models": get("the served model", schema=ref("ModelList")),
+            "/v1/models": get("the served model names", schema=ref("ModelList")),
+            "/v1/models/{model_id}": get("one served name (404 if not served)",
+                                         schema=ref("ModelCard")),
+            "/tokenize": {"post": {
+                "summary": "token ids of a text or of chat messages (vLLM's shape)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": {"oneOf": [ref("TokenizeCompletion"), ref("TokenizeChat")]}}}},
+                "responses": {"200": {"description": "the tokens", "content": {
+                    "application/json": {"schema": ref("TokenizeResponse")}}}, **errors}}},
+            "/detokenize": {"post": {
+                "summary": "the text of token ids (vLLM's shape)",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": ref("Detokenize")}}},
+                "responses": {"200": {"description": "the text", "content": {
+                    "application/json": {"schema": ref("DetokenizeResponse")}}}, **errors}}},
+            "/version": get("the server's version", open_=True, schema=ref("VersionResponse")),
             "/health": get("200 when serving, else 503", open_=True),
             "/metrics": get("Prometheus metrics", "text/plain", open_=True),
             "/openapi.json": get("this document", open_=True),

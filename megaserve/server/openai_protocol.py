@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from megaserve.outputs import Logprobs
 from megaserve.server.errors import ErrorCode, RequestError
-from megaserve.server.openai_models import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from megaserve.server.openai_models import (
+    IGNORED_FIELDS, MAX_STOP, ChatCompletionRequest, CompletionRequest)
 from megaserve.server.token_bytes import TokenBytes
 
 
@@ -42,6 +43,8 @@ class OpenAIRequest:
     top_logprobs: int | None  # None: no logprobs
     return_token_ids: bool
     model: str | None
+    echo: bool = False  # completions: the prompt's text before each choice's
+    ignored: tuple[str, ...] = ()  # OpenAI fields given that megaserve ignores
 
     @property
     def num_choices(self) -> int:
@@ -73,6 +76,17 @@ def parse_body(raw: bytes, chat: bool) -> OpenAIRequest:
     Cost is bounded before any decoding: at most MAX_JSON_VALUES values, nesting depth
     at most pydantic-core's limit, integers of at most 4300 digits.
     """
+    body = parse_json_object(raw)
+    if len(body) > _MAX_KEYS:
+        allowed = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+        unknown = next((k for k in body if k not in allowed), "body")
+        raise RequestError.invalid(unknown, "unknown field")
+    return parse_request(body, chat)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Bytes of an HTTP body → a JSON object, its cost bounded as ``parse_body`` says.
+    Raises RequestError naming ``body``."""
     if raw.count(b",") >= MAX_JSON_VALUES:
         raise RequestError(ErrorCode.TOO_LARGE, f"body: more than {MAX_JSON_VALUES} JSON "
                            "values; split the request", param="body")
@@ -82,11 +96,7 @@ def parse_body(raw: bytes, chat: bool) -> OpenAIRequest:
         raise RequestError.invalid("body", f"malformed JSON ({e})") from None
     if not isinstance(body, dict):
         raise RequestError.invalid("body", f"must be a JSON object, got {_json_type(body)}")
-    if len(body) > _MAX_KEYS:
-        allowed = (ChatCompletionRequest if chat else CompletionRequest).model_fields
-        unknown = next((k for k in body if k not in allowed), "body")
-        raise RequestError.invalid(unknown, "unknown field")
-    return parse_request(body, chat)
+    return body
 
 
 def _json_type(value: Any) -> str:
@@ -172,7 +182,9 @@ def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> Ope
         chat=chat, prompts=prompts, messages=messages, sampling=sampling,
         max_tokens=max_tokens, n=m.n, stream=m.stream,
         include_usage=bool(options and options.include_usage), top_logprobs=top,
-        return_token_ids=m.return_token_ids, model=m.model)
+        return_token_ids=m.return_token_ids, model=m.model,
+        echo=bool(getattr(m, "echo", False)),
+        ignored=tuple(f for f in IGNORED_FIELDS if getattr(m, f) is not None))
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
