@@ -20,6 +20,27 @@ def _sum_in_order(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+# CPU: torch's elementwise loops run a transcendental through a vectorised path for
+# whole pairs of vectors and a scalar path for the tail, and the two differ in the last
+# bit (sigmoid: 77 of 2,000 values here), so a value would depend on where its row sits
+# in the batch. Rows padded to this many columns put every value on the vector path;
+# calls stay under torch's parallel grain (32,768 elements) so no thread split makes a tail.
+_CPU_ROW_PAD = 32
+_CPU_GRAIN = 32768
+
+
+def _sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """float32 sigmoid of x `[T, E]` whose bits do not depend on T or the row's place."""
+    if x.is_cuda:
+        return x.sigmoid()
+    num_rows, width = x.shape
+    padded = -(-width // _CPU_ROW_PAD) * _CPU_ROW_PAD
+    xp = torch.nn.functional.pad(x, (0, padded - width))
+    rows = max(1, _CPU_GRAIN // padded)
+    out = torch.cat([xp[i:i + rows].sigmoid() for i in range(0, num_rows, rows)]) if num_rows else xp
+    return out[:, :width]
+
+
 def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row (values, indices), descending; ties: lower index first."""
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
@@ -54,7 +75,7 @@ def sigmoid_topk_route(
     if top_k > topk_groups * per_group:
         raise ValueError(f"sigmoid_topk_route: top_k {top_k} exceeds the {topk_groups * per_group} "
                          "experts of the kept groups")
-    scores = router_logits.float().sigmoid()  # [T, E]
+    scores = _sigmoid_rows(router_logits.float())  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups > 1:
         best2, _ = _top(choice.view(num_tokens, num_groups, per_group), 2)  # [T, G, 2]

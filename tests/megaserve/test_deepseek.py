@@ -185,3 +185,45 @@ def test_fp8_deepseek_checkpoint_matches_dequantized_transformers(tmp_path):
         if (top2.values[0] - top2.values[1]).item() < TIE_MARGIN:
             break
         assert token == top2.indices[0].item()
+
+
+def test_speculative_decoding_and_disaggregated_layouts_are_bitwise_equal(deepseek_path):
+    """Greedy with n-gram speculation (multi-token verification steps through MLA) and a
+    disaggregated layout (2 attention replicas, 2 expert workers): the single engine's bits."""
+    prompts = [[7, 8, 9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5] * 2, [11] * 20]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(model=str(deepseek_path), dtype="float32", enable_prefix_caching=False) as llm:
+        ref = [_signature(o) for o in llm.generate(inputs, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    with LLM(model=str(deepseek_path), dtype="float32", speculative_config=spec) as llm:
+        assert [_signature(o) for o in llm.generate(inputs, params)] == ref
+    with LLM(model=str(deepseek_path), dtype="float32", attention_replicas=2, expert_workers=2,
+             transport="inproc") as llm:
+        assert [_signature(o) for o in llm.generate(inputs, params)] == ref
+
+
+def test_sigmoid_group_routing_is_row_invariant_and_matches_reference():
+    from megaserve import kernels
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(301, 16, generator=g)
+    bias = torch.randn(16, generator=g) * 0.1
+    ids, weights = kernels.sigmoid_topk_route(logits, bias, 3, 4, 2, True, 2.5)
+    for start, n in ((0, 1), (3, 2), (10, 17), (100, 201)):
+        sub_ids, sub_w = kernels.sigmoid_topk_route(logits[start:start + n], bias, 3, 4, 2, True, 2.5)
+        assert torch.equal(sub_ids, ids[start:start + n]) and torch.equal(sub_w, weights[start:start + n])
+    # float64 reference of the rule (HF's DeepseekV3TopkRouter)
+    scores = logits.double().sigmoid()
+    choice = scores + bias.double()
+    group = choice.view(-1, 4, 4).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group).scatter_(1, group.topk(2, dim=-1).indices, 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(4, 1), float("-inf"))
+    ref_ids = choice.topk(3, dim=-1).indices
+    ref_w = scores.gather(1, ref_ids)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 2.5
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(weights.double(), ref_w, rtol=1e-6, atol=0)
+    # ties go to the lower expert id
+    tie_ids, _ = kernels.sigmoid_topk_route(torch.zeros(2, 16), None, 3, 4, 2, False, 1.0)
+    assert tie_ids.tolist() == [[0, 1, 2]] * 2
