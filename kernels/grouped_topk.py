@@ -29,7 +29,7 @@ _CPU_ROW_PAD = 32
 _CPU_GRAIN = 32768
 
 
-def _sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
     """float32 sigmoid of x `[T, E]` whose bits do not depend on T or the row's place."""
     if x.is_cuda:
         return x.sigmoid()
@@ -75,7 +75,7 @@ def sigmoid_topk_route(
     if top_k > topk_groups * per_group:
         raise ValueError(f"sigmoid_topk_route: top_k {top_k} exceeds the {topk_groups * per_group} "
                          "experts of the kept groups")
-    scores = _sigmoid_rows(router_logits.float())  # [T, E]
+    scores = sigmoid_rows(router_logits.float())  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups > 1:
         best2, _ = _top(choice.view(num_tokens, num_groups, per_group), 2)  # [T, G, 2]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megaserve import kernels
+from megaserve.kernels.grouped_topk import sigmoid_rows
 from megaserve.models.config import ModelConfig
 from megaserve.models.mla import MLAWeights, mla_attention, rope_tables, softmax_scale
 
@@ -189,7 +190,9 @@ class AttentionPart:
         out = kernels.combine(expert_out, topk_weights)  # [T, D] fp32
         shared = _swiglu(x, w.shared_gate_up, w.shared_down)
         if w.shared_gate is not None:
-            gate = torch.sigmoid(kernels.linear(x, w.shared_gate).float())  # [T, 1]
+            # sigmoid_rows: torch's CPU sigmoid of a [T, 1] tensor would round the last
+            # T % 16 rows on another code path (their bits would depend on T)
+            gate = sigmoid_rows(kernels.linear(x, w.shared_gate).float())  # [T, 1]
             out = out + gate * shared.float()
         else:
             out = out + shared.float()

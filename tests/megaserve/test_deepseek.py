@@ -227,3 +227,16 @@ def test_sigmoid_group_routing_is_row_invariant_and_matches_reference():
     # ties go to the lower expert id
     tie_ids, _ = kernels.sigmoid_topk_route(torch.zeros(2, 16), None, 3, 4, 2, False, 1.0)
     assert tie_ids.tolist() == [[0, 1, 2]] * 2
+
+
+@pytest.mark.parametrize("width", [1, 8, 256])
+def test_sigmoid_rows_bits_do_not_depend_on_the_batch(width):
+    """DeepSeek's router scores and Qwen2-MoE's shared-expert gate ([T, 1]): torch's CPU
+    sigmoid of the whole batch differs from the row alone in the last bit for tail rows."""
+    from megaserve.kernels.grouped_topk import sigmoid_rows
+
+    x = torch.randn(1000, width, generator=torch.Generator().manual_seed(width))
+    full = sigmoid_rows(x)
+    assert torch.allclose(full, x.sigmoid(), rtol=1e-6, atol=0)
+    for i in range(0, 1000, 7):
+        assert torch.equal(sigmoid_rows(x[i:i + 1]), full[i:i + 1]), f"row {i}"
