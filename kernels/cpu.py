@@ -4,9 +4,9 @@ The kernels (linear, expert FFN, attention, RMSNorm, routing, combine, log-softm
 (kernels/cpu_src/, built on first use by :mod:`megaserve.kernels.cpu_ext` and called
 through ctypes, which releases the GIL). Their arithmetic order is fixed in that source:
 
-* **GEMMs** accumulate every output element over k in ascending order (the vector lanes
-  are output columns), so a row's bits depend only on the row and the weights, never on M,
-  its place in a micro-kernel, or the thread count. Weights are packed once into
+* **GEMMs** accumulate every output element over k in ascending order with fused
+  multiply-adds (the vector lanes are output columns), so a row's bits depend only on the
+  row and the weights, never on M, its place in a micro-kernel, or the thread count. Weights are packed once into
   `[ceil(N / 64), K, 64]` panels (:func:`packed`), cached per weight tensor.
 * **Row sums** (RMSNorm, log-softmax, routing softmax, attention denominators) use 16
   partial sums folded by a fixed halving tree.
@@ -14,7 +14,10 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
   position (unowned cache slots are never read), so a token's result is the same in a
   decode step, in any prefill chunk and next to any other tokens.
 * **exp / log** are polynomials in the source (libm's pick FMA or non-FMA code by CPU);
-  no FMA contraction, no ``-ffast-math``: the ISA flags only change the vector width.
+  no FMA contraction, no ``-ffast-math``: the only fused multiply-adds are the explicit
+  ones of the dot products (GEMMs, attention), one rounding in every build (libm's
+  correctly rounded ``fmaf`` in the baseline build), and the ISA flags only change the
+  vector width.
 
 The rest (KV-cache writes, SwiGLU of dense MLPs, sampling) are torch ops, exact per
 element or run one row at a time; the fused API calls (rotary_and_cache, combine_residual)

@@ -12,8 +12,11 @@ drops an ``flock`` with its holder).
 
 Bits do not depend on the machine: the flags fix the arithmetic (``-ffp-contract=off``, no
 ``-ffast-math``, no ``-march=native``); the ISA flags (``avx512`` / ``avx2`` / ``baseline``,
-picked from torch's CPU capability or ``$MEGASERVE_CPU_ISA``) only widen the vectors (see
-the header of cpu_src/common.h). Raises :class:`CpuKernelBuildError` when no compiler is found
+picked from torch's CPU capability or ``$MEGASERVE_CPU_ISA``) only widen the vectors and
+make the sources' explicit fused multiply-adds one instruction (the baseline build calls
+libm's correctly rounded ``fmaf``: the same bits, much slower; see the header of
+cpu_src/common.h). torch reports AVX2 and AVX512 only on CPUs with FMA3, so the picked
+build always runs; ``$MEGASERVE_CPU_ISA`` must not name a build the CPU lacks. Raises :class:`CpuKernelBuildError` when no compiler is found
 or the build fails; there is no fallback.
 """
 
@@ -34,12 +37,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu_src")  # *.cpp compiled into one library, common.h
-# Arithmetic-fixing flags: never add -ffast-math, -march=native or FMA contraction here.
+# Arithmetic-fixing flags: never add -ffast-math, -march=native or FMA contraction here
+# (-mfma only makes the sources' explicit fused multiply-adds one instruction).
 BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=off",
               "-fno-fast-math", "-fno-math-errno")
 ISA_FLAGS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mno-fma"),
-    "avx2": ("-mavx2", "-mno-fma"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
+    "avx2": ("-mavx2", "-mfma"),
     "baseline": (),
 }
 

@@ -76,7 +76,7 @@ inline void attend_values_heads(const float* const* vrows, const float* scores, 
     for (int v = 0; v < NV; ++v) x[v] = loadv(vr + VW * v);
     for (int g = 0; g < G; ++g) {
       const float pj = p[g * padded + j];
-      for (int v = 0; v < NV; ++v) a[g][v] = a[g][v] + pj * x[v];
+      for (int v = 0; v < NV; ++v) a[g][v] = fmadd(pj, x[v], a[g][v]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -106,7 +106,7 @@ void attend_values_any(const float* const* vrows, const float* scores, int64_t p
   for (int64_t j = 0; j < len; ++j)
     for (int64_t g = 0; g < group; ++g)
       for (int64_t dd = 0; dd < dh; ++dd)
-        acc[g * dh + dd] = acc[g * dh + dd] + scores[g * padded + j] * vrows[j][dd];
+        acc[g * dh + dd] = fmadd1(scores[g * padded + j], vrows[j][dd], acc[g * dh + dd]);
 }
 
 // s_g[j] = (sum_d q_g[d] * kt[d][j], d ascending) * scale for j0 <= j < j0 + VW * B and
@@ -124,7 +124,7 @@ inline void score_blocks(const float* q, const float* kt, int64_t stride, int64_
     for (int b = 0; b < B; ++b) k[b] = loadv(kt + dd * stride + j0 + VW * b);
     for (int g = 0; g < G; ++g) {
       const float qd = q[g * dh + dd];
-      for (int b = 0; b < B; ++b) d[g][b] = d[g][b] + qd * k[b];
+      for (int b = 0; b < B; ++b) d[g][b] = fmadd(qd, k[b], d[g][b]);
     }
   }
   for (int g = 0; g < G; ++g)
@@ -177,9 +177,9 @@ void softmax_numerators(float* s, int64_t len, int64_t padded) {
 // block_tables: [S, max_blocks] int32; context_lens: [S] int32; query_start_loc: [S + 1].
 // Token t of sequence s sits at position context_lens[s] - (its row's distance from the
 // end of s's rows); it sees keys 0..position and nothing else (unowned slots never read).
-//   score_j = (sum_d q[d] * k_j[d], d ascending) * scale
+//   score_j = (sum_d q[d] * k_j[d], d ascending, fused multiply-adds) * scale
 //   p_j = exp(score_j - max_j score_j); denom = lane_sum(p)
-//   out[d] = (sum_j p_j * v_j[d], j ascending) / denom
+//   out[d] = (sum_j p_j * v_j[d], j ascending, fused multiply-adds) / denom
 template <typename C>
 void paged_attention(const float* q, const C* k_cache, const C* v_cache,
                      const int32_t* block_tables, int64_t max_blocks,

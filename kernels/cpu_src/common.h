@@ -3,13 +3,16 @@
 //
 // Batch invariance and machine independence come from the arithmetic order, fixed in these
 // sources and nowhere else:
-//   * compiled with -ffp-contract=off and without -ffast-math: every `a * b + c` is a
-//     rounded multiply then a rounded add, never a fused multiply-add, and the compiler may
-//     not reassociate. The vector width the ISA flags pick (SSE2, AVX2, AVX-512) only
-//     changes how many independent lanes run at once, never an element's sequence of
-//     operations, so every build gives the same bits.
+//   * compiled with -ffp-contract=off and without -ffast-math: the compiler never fuses a
+//     multiply and an add nor reassociates; `a * b + c` is a rounded multiply then a
+//     rounded add. The only fused multiply-adds are the explicit fmadd() calls of the dot
+//     products (GEMMs, attention scores and value sums): one rounding, as IEEE 754 defines
+//     it, in every build (the FMA instruction of AVX2 / AVX-512, libm's correctly rounded
+//     fmaf in the baseline build). The vector width the ISA flags pick (SSE2, AVX2,
+//     AVX-512) only changes how many independent lanes run at once, never an element's
+//     sequence of operations, so every build gives the same bits.
 //   * GEMMs (linear, experts) accumulate each output element over k sequentially,
-//     k = 0, 1, ..., K-1 (outer-product micro-kernels: the vector lanes are output
+//     acc = fma(a[k], w[k], acc) for k = 0, 1, ..., K-1 (outer-product micro-kernels: the vector lanes are output
 //     columns, never parts of one sum), so an element's bits depend only on its row, the
 //     weights and K: not on M, on the micro-kernel height a row lands in, or on threads.
 //   * Row sums (RMSNorm, log-softmax, routing, attention denominators) use SUM_LANES sums
@@ -27,6 +30,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +75,42 @@ inline vec loadv(const float* p) {
 }
 
 inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// a * b + c rounded once, every lane. The AVX2 and AVX-512 builds use the FMA instruction
+// (torch reports those capabilities only on CPUs with FMA3); the baseline build calls
+// libm's fmaf, correctly rounded with or without FMA hardware: the same bits.
+inline vec fmadd(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  vec out;
+  for (int l = 0; l < VW; ++l) out[l] = std::fma(a[l], b[l], c[l]);
+  return out;
+#endif
+}
+
+// One lane of fmadd (a tail or a scalar loop that must match the vector lanes' bits).
+inline float fmadd1(float a, float b, float c) { return std::fma(a, b, c); }
+
+// a in every lane (a broadcast, no arithmetic: -0.0 stays -0.0).
+inline vec splat(float a) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(a);
+#elif defined(__AVX2__)
+  return _mm256_set1_ps(a);
+#elif defined(__SSE2__)
+  return _mm_set1_ps(a);
+#else
+  vec v;
+  for (int l = 0; l < VW; ++l) v[l] = a;
+  return v;
+#endif
+}
+
+// fmadd for a broadcast scalar a.
+inline vec fmadd(float a, vec b, vec c) { return fmadd(splat(a), b, c); }
 
 // Runs fn(task) for task in [0, num_tasks) on up to `threads` threads (the caller
 // included), each task once; which thread runs a task never changes its bits.

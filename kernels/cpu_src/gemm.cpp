@@ -6,7 +6,8 @@ namespace ms {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// GEMM: c[m, n] = sum_k a[m, k] * w[n, k], k ascending, for one packed panel of NR columns.
+// GEMM: c[m, n] = sum_k a[m, k] * w[n, k], k ascending (acc = fma(a, w, acc)), for one
+// packed panel of NR columns.
 // Panel layout: [K][NR] (column n of the panel at offset n), zero-padded past N.
 //
 // A micro-kernel computes ROWS rows x CV vectors (CV * VW columns) of a panel, every
@@ -39,7 +40,7 @@ inline void micro_kernel(const float* a, int64_t lda, const float* panel, int64_
     for (int v = 0; v < CV; ++v) b[v] = loadv(panel + k * NR + v * VW);
     for (int m = 0; m < ROWS; ++m) {
       const float av = a[m * lda + k];
-      for (int v = 0; v < CV; ++v) acc[m][v] = acc[m][v] + av * b[v];
+      for (int v = 0; v < CV; ++v) acc[m][v] = fmadd(av, b[v], acc[m][v]);
     }
   }
   for (int m = 0; m < ROWS; ++m) {
