@@ -2,8 +2,10 @@
 64 requests x (64 prompt + 64 generated), greedy, float32) with every kernel of
 :mod:`megaserve.kernels.cpu` timed inside ``LLMEngine.step`` (exclusive: a kernel called by
 another counts once, in the outer one), the median over the batch's decode steps.
+``--num-seqs`` changes the batch (how each kernel scales with rows); the kernels' ISA build
+is the CPU's widest unless ``MEGASERVE_CPU_ISA`` (avx512, avx2, baseline) names another.
 
-    python scripts/cpu_decode_profile.py [--cpu-threads N]
+    python scripts/cpu_decode_profile.py [--cpu-threads N] [--num-seqs 64]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megaserve import LLM, SamplingParams
 from megaserve.bench import cpu as bench_cpu
 from megaserve.engine import engine as engine_module
 from megaserve.kernels import cpu as kernels_cpu
+from megaserve.kernels import cpu_ext
 
 KERNELS = ["linear", "rms_norm", "linear_rms_norm", "rotary_and_cache", "paged_attention",
            "route", "topk_route", "expert_ffn", "combine", "combine_residual", "log_softmax",
@@ -27,6 +30,7 @@ KERNELS = ["linear", "rms_norm", "linear_rms_norm", "rotary_and_cache", "paged_a
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--num-seqs", type=int, default=64)
     args = parser.parse_args()
     spent: collections.Counter = collections.Counter()
     depth = [0]
@@ -58,24 +62,24 @@ def main() -> None:
 
     engine_module.LLMEngine.step = timed_step
     options = dict(model=str(bench_cpu.tiny_mixtral_path()), dtype="float32", device="cpu",
-                   max_num_seqs=64, max_model_len=129)
+                   max_num_seqs=args.num_seqs, max_model_len=129)
     if args.cpu_threads:
         options["cpu_threads"] = args.cpu_threads
     with LLM(**options) as llm:
-        bench_cpu.run_workload(llm, 64, 64, 64, 0)  # warm-up
+        bench_cpu.run_workload(llm, args.num_seqs, 64, 64, 0)  # warm-up
         steps.clear()
         rng = random.Random(1)
         prompts = [{"prompt_token_ids": [rng.randrange(512) for _ in range(64)]}
-                   for _ in range(64)]
+                   for _ in range(args.num_seqs)]
         start = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         batch_s = time.perf_counter() - start
         threads = llm.engine.config.cpu_threads
-    # The first steps prefill (4,096 prompt tokens, 2,048 a step, then one mixed step);
-    # the last one finishes the requests.
-    decode = steps[3:-1]
+    # The first steps prefill (64 prompt tokens a sequence, 2,048 a step, then a mixed
+    # step); the last one finishes the requests.
+    decode = steps[-(64 - 1):-1]
     step_ms = statistics.median(s[0] for s in decode) * 1e3
-    print(f"threads {threads}: batch {batch_s:.3f} s, {len(steps)} steps; median decode step "
+    print(f"{cpu_ext.default_isa()} kernels, {args.num_seqs} sequences, threads {threads}: batch {batch_s:.3f} s, {len(steps)} steps; median decode step "
           f"{step_ms:.2f} ms over {len(decode)} steps")
     names = sorted({n for _, s in decode for n in s},
                    key=lambda n: -statistics.median(s.get(n, 0.0) for _, s in decode))
