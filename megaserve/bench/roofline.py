@@ -51,10 +51,25 @@ def expected_active_experts(num_experts: int, top_k: int, num_tokens: int) -> fl
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
+def _mla_params(cfg: ModelConfig) -> int:
+    """One MLA layer's projections and norms (q_a/q_b or q_proj, kv_a, kv_b, o_proj)."""
+    d, mla, h = cfg.hidden_size, cfg.mla, cfg.num_heads
+    q = (d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * h * mla.qk_head_dim
+         if mla.q_lora_rank else d * h * mla.qk_head_dim)
+    kv = d * mla.cache_dim + mla.kv_lora_rank + mla.kv_lora_rank * h * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + h * mla.v_head_dim * d + 2 * d
+
+
 def attention_params_per_layer(cfg: ModelConfig) -> int:
-    """Weights a layer's attention block reads per step: q/k/v/o, norms, router."""
+    """Weights the attention worker reads per layer and step: q/k/v/o (or MLA's), norms,
+    router; and, averaged over the layers, dense MLPs and shared experts."""
     d = cfg.hidden_size
-    params = (cfg.q_size + 2 * cfg.kv_size) * d + d * cfg.q_size + 2 * d
+    dense = sum(not m for m in cfg.moe_layers) * 3 * d * cfg.dense_intermediate_size
+    shared = sum(cfg.moe_layers) * 3 * d * cfg.shared_expert_intermediate_size
+    mlps = (dense + shared) // cfg.num_layers
+    if cfg.mla is not None:
+        return _mla_params(cfg) + mlps + cfg.num_experts * d
+    params = (cfg.q_size + 2 * cfg.kv_size) * d + d * cfg.q_size + 2 * d + mlps
     if cfg.qk_norm:
         params += 2 * cfg.head_dim
     if cfg.qkv_bias:
@@ -77,7 +92,9 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: float, elt_bytes: int) -
         raise ValueError(f"batch must be positive, got {batch}")
     num_moe = sum(cfg.moe_layers)
     active = expected_active_experts(cfg.num_experts, cfg.top_k, batch)
-    kv_per_token_layer = 2 * cfg.kv_size * elt_bytes
+    # MLA: one latent row per token (keys are values)
+    kv_per_token_layer = ((1 if cfg.cache_shares_kv else 2) * cfg.cache_kv_heads
+                          * cfg.cache_head_dim * elt_bytes)
     return DecodeBytes(
         attention_weights=cfg.num_layers * attention_params_per_layer(cfg) * elt_bytes,
         expert_weights=num_moe * active * expert_params(cfg) * elt_bytes,

@@ -60,3 +60,12 @@ def test_random_deepseek_checkpoint_runs(tmp_path):
     assert plain.logprobs != fp8.logprobs  # the weights went through e4m3
     # Rounding the weights through e4m3 moves the best first logprob a little, not a lot.
     assert abs(max(plain.logprobs[0].values()) - max(fp8.logprobs[0].values())) < 0.5
+
+
+def test_roofline_counts_mla_dense_and_shared_weights():
+    from megaserve.bench import roofline
+
+    cfg = ModelConfig.from_hf_dict(hf_config("deepseek-v3", 61))
+    assert abs(roofline.weight_bytes(cfg, 1) / 1e9 - 671.0) < 0.1  # every weight, one byte
+    one = roofline.decode_bytes(cfg, 1, 0.0, 2)
+    assert one.kv_write == 61 * 576 * 2  # one latent row per token and layer, bf16

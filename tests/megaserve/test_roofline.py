@@ -137,7 +137,7 @@ def test_random_weights_reject_unknown_names_and_architectures(tmp_path):
     reader = RandomWeights(path, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="missing"):
         reader.get("model.layers.9.self_attn.q_proj.weight")
-    (path / "config.json").write_text(json.dumps(cfg | {"architectures": ["DeepseekV3ForCausalLM"]}))
+    (path / "config.json").write_text(json.dumps(cfg | {"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not supported"):
         RandomWeights(path, torch.float32, torch.device("cpu"))
 
