@@ -1,7 +1,8 @@
 """docs/deploy.md's Ray walk-through, run as written: its bash block is parsed into commands
 and each runs as documented, as a fresh user would (an empty home: no Ray token yet) on a
 real single-node Ray cluster. The only changes keep the test off shared resources: free
-ports for Ray and the server, a private Ray temp directory, ``RAY_ADDRESS`` so that
+ports for Ray's services (GCS, client server, agents, metrics) and the server, a private Ray
+temp directory, ``RAY_ADDRESS`` so that
 ``--ray-address auto`` finds this cluster, and ``ray start --block`` (ended with SIGTERM)
 instead of ``ray stop``, which would stop every Ray cluster of this user on the machine."""
 
@@ -26,6 +27,10 @@ from .serving import built_model_cache, wait_for  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTED_PORT = "localhost:8000"
+# Ray's fixed default ports besides the GCS's (another cluster on the machine may hold them).
+RAY_PORT_FLAGS = ("ray-client-server-port", "dashboard-agent-listen-port",
+                  "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+                  "node-manager-port", "object-manager-port")
 
 
 def walkthrough_commands(text: str) -> list[str]:
@@ -124,8 +129,9 @@ def test_ray_walkthrough_runs_as_documented(tmp_path):
         name, _, value = export.removeprefix("export ").partition("=")
         env[name] = value.split("#")[0].strip()
 
+        ports = " ".join(f"--{flag} {_free_port()}" for flag in RAY_PORT_FLAGS)
         ray_proc = subprocess.Popen(
-            ["bash", "-c", f"exec {ray_start} --port {ray_port} --temp-dir {ray_tmp} "
+            ["bash", "-c", f"exec {ray_start} --port {ray_port} {ports} --temp-dir {ray_tmp} "
                            "--block --disable-usage-stats"],
             env=env, cwd=work, stdout=open(tmp_path / "ray.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
