@@ -65,9 +65,10 @@ def run_to_end(engine, outputs, healths, limit_s=240.0):
 
 
 # One process of each kind of worker, killed mid-stream: an expert worker and an attention
-# replica of a disaggregated layout, and a worker of co-located expert parallelism (replica
-# and expert worker at once).
-KILLED = [("expert", 0, LAYOUT), ("attention", 1, LAYOUT),
+# replica (lockstep: the front-end waits for that replica's step) of a disaggregated layout,
+# and a worker of co-located expert parallelism (replica and expert worker at once).
+KILLED = [("expert", 0, LAYOUT),
+          ("attention", 1, dict(LAYOUT, aggregation="lockstep", microbatches=2)),
           ("colocated", 1, dict(dtype="float32", data_parallel_size=2,
                                 enable_expert_parallel=True, transport="tcp"))]
 
