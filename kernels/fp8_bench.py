@@ -26,7 +26,7 @@ def _time_ms(fn, reps: int = 50) -> float:
 
 
 def _fp8(n: int, k: int, experts: int | None = None):
-    from megaserve.kernels.triton_impl.fp8_gemm import FP8
+    from .triton_impl.fp8_gemm import FP8
 
     shape = (experts, n, k) if experts else (n, k)
     w = (torch.randn(shape, device="cuda") * 0.02).to(FP8)
@@ -43,8 +43,8 @@ def copy_bandwidth() -> float:
 
 
 def bench_gemms(sizes: list[int]) -> list[float]:
-    from megaserve import kernels
-    from megaserve.kernels.triton_impl.fp8_gemm import FP8, quantize_rows
+    from . import api as kernels
+    from .triton_impl.fp8_gemm import FP8, quantize_rows
 
     shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
               "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
@@ -73,7 +73,7 @@ def bench_gemms(sizes: list[int]) -> list[float]:
 
 
 def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
-    from megaserve import kernels
+    from . import api as kernels
 
     d, inter, experts, top_k, qkv_n, o_k = 2048, 768, 128, 8, 5120, 4096
     wq, sq = _fp8(qkv_n, d)
