@@ -19,6 +19,29 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+StructuredOutputKind = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (megaserve.engine.structured_output).
+
+    ``kind``: "json" (``spec`` a JSON schema, as JSON text), "json_object" (any JSON
+    object; ``spec`` unused), "regex", "choice" (``spec`` a JSON list of the strings
+    allowed) or "grammar" (EBNF, xgrammar's / GBNF dialect).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in StructuredOutputKind:
+            raise ValueError(f"structured_output kind must be one of {StructuredOutputKind}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError("structured_output spec must be a string")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding parameters of one request, validated on construction.
@@ -56,6 +79,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: tuple[str, ...] = field(default_factory=tuple)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -105,6 +129,10 @@ class SamplingParams:
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                         or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.structured_output is not None and \
+                not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError("structured_output must be a StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), "
@@ -126,7 +154,7 @@ class SamplingParams:
         """Whether sampling goes through megaserve.engine.logits_processing."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
-                    or self.bad_words_token_ids)
+                    or self.bad_words_token_ids or self.structured_output is not None)
 
     @property
     def greedy(self) -> bool:

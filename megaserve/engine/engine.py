@@ -126,6 +126,11 @@ class LLMEngine:
         )
         self.eos_token_ids = resolve_eos_token_ids(self.tokenizer, model.config)
         self.runner.eos_token_ids = self.eos_token_ids
+        if self.tokenizer is not None:
+            from megaserve.engine.structured_output import GrammarMasks
+
+            self.runner.grammars = GrammarMasks(self.tokenizer, model.config.vocab_size,
+                                                self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()

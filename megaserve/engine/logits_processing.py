@@ -23,21 +23,25 @@ from collections.abc import Sequence as Seq
 import torch
 
 from megaserve import kernels
+from megaserve.engine.structured_output import GrammarMasks
 from megaserve.sampling_params import SamplingParams
 
 
-def adjust(rows: torch.Tensor, requests: Seq[tuple[SamplingParams, list[int], list[int]]],
-           eos_token_ids: Seq[int]) -> torch.Tensor:
+def adjust(rows: torch.Tensor,
+           requests: Seq[tuple[SamplingParams, list[int], list[int], object]],
+           eos_token_ids: Seq[int], grammars: GrammarMasks | None = None) -> torch.Tensor:
     """The adjusted, renormalised log-probabilities of the rows whose request asks for it.
 
     rows: `[n, V]` float32 log-probabilities (not modified); requests: per row, (its
-    params, its prompt token ids, the tokens it generated so far, in order).
+    params, its prompt token ids, the tokens it generated so far, in order, the request's
+    Sequence: it keys its grammar matcher). ``grammars``: the engine's grammar masks
+    (structured outputs; ValueError if a request has a grammar and there are none).
     ``eos_token_ids``: the model's EOS ids (banned with ``stop_token_ids`` until
     ``min_tokens`` tokens were generated, unless ``ignore_eos``). Returns a new tensor.
     """
     out = rows.clone()
     vocab = rows.shape[1]
-    for j, (params, prompt_ids, output_ids) in enumerate(requests):
+    for j, (params, prompt_ids, output_ids, key) in enumerate(requests):
         if not params.adjusts_logits:
             continue
         row = out[j]  # [V], a view
@@ -61,6 +65,10 @@ def adjust(rows: torch.Tensor, requests: Seq[tuple[SamplingParams, list[int], li
             prefix = list(word[:-1])
             if word[-1] < vocab and (not prefix or output_ids[-len(prefix):] == prefix):
                 row[word[-1]] = float("-inf")
+        if params.structured_output is not None:  # last: the grammar has the final word
+            if grammars is None:
+                raise ValueError("structured_output: this engine has no tokenizer")
+            grammars.apply(key, params.structured_output, output_ids, row)
         if torch.isneginf(row).all():  # everything banned: fall back to the model's row
             row.copy_(rows[j])
         out[j] = kernels.log_softmax(row.unsqueeze(0))[0]

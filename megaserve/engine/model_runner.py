@@ -198,6 +198,8 @@ class ModelRunner:
         self.cpu_decode_graphs = cpu_decode_graphs
         # The model's EOS ids (min_tokens bans them); set by the engine.
         self.eos_token_ids: tuple[int, ...] = ()
+        # Structured outputs' grammar masks (needs a tokenizer); set by the engine.
+        self.grammars = None
         # Built on the first eager-capable decode step; tests may set one (capture=False).
         self.decode_graphs: DecodeGraphs | None = None
         # Speculative verification steps (k + 1 rows per sequence) replay graphs of their
@@ -456,8 +458,8 @@ class ModelRunner:
                 generated.append(int(sampled.tokens[sampled.rows[seq]]))
             generated += list(item.draft_token_ids or ())
             requests.append((seq.params, seq.prompt_token_ids,
-                             generated[:p + 1 - seq.num_prompt_tokens]))
-        return logits_processing.adjust(picked, requests, self.eos_token_ids)
+                             generated[:p + 1 - seq.num_prompt_tokens], seq))
+        return logits_processing.adjust(picked, requests, self.eos_token_ids, self.grammars)
 
     def _sample_rows(self, scheduled: list[ScheduledSeq], picks: list[tuple[int, int, int]],
                      logprobs: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

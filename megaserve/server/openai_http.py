@@ -160,6 +160,10 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
     _check_logit_bias(sampling.get("logit_bias"), engine.vocab_size)
+    if req.structured_output is not None:
+        sampling["structured_output"] = _checked_grammar(
+            engine, req.structured_output,
+            "structured_outputs" if req.structured_outputs_given else "response_format")
     if sampling.get("bad_words"):
         sampling["bad_words_token_ids"] = _bad_words_token_ids(engine.tokenizer,
                                                                sampling["bad_words"])
@@ -181,6 +185,19 @@ def _decode(engine, token_ids: list[int]) -> str:
     if engine.tokenizer is None:
         raise RequestError.invalid("echo", "this model has no tokenizer to show the prompt")
     return engine.tokenizer.decode(token_ids)
+
+
+def _checked_grammar(engine, spec, field: str):
+    """``spec`` once xgrammar has parsed it (RequestError naming the field otherwise)."""
+    from megaserve.engine.structured_output import grammar_of
+
+    if engine.tokenizer is None:
+        raise RequestError.invalid(field, "this model has no tokenizer")
+    try:
+        grammar_of(spec)
+    except ValueError as e:
+        raise RequestError.invalid(field, str(e)) from None
+    return spec
 
 
 def _check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:

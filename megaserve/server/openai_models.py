@@ -92,6 +92,37 @@ Prompt = Annotated[
                                        "or a non-empty list of either")]
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=4096)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
+
+
 def _must_be_off(name: str, value: Any, off: tuple) -> None:
     if value not in off:
         raise ValueError(f"{name}: is not supported by megaserve (got {value!r})")
@@ -131,6 +162,8 @@ class _CommonRequest(_Strict):
     min_tokens: Annotated[int, Field(ge=0, le=_INT64_MAX)] | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1)]],
                          Field(max_length=MAX_STOP, fail_fast=True)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _CommonRequest:

@@ -16,6 +16,7 @@ import pydantic_core
 from pydantic import ValidationError
 
 from megaserve.outputs import Logprobs
+from megaserve.sampling_params import StructuredOutput
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.openai_models import (
     IGNORED_FIELDS, MAX_STOP, ChatCompletionRequest, CompletionRequest)
@@ -44,6 +45,8 @@ class OpenAIRequest:
     return_token_ids: bool
     model: str | None
     echo: bool = False  # completions: the prompt's text before each choice's
+    structured_output: StructuredOutput | None = None  # from response_format / structured_outputs
+    structured_outputs_given: bool = False  # the grammar came from structured_outputs
     ignored: tuple[str, ...] = ()  # OpenAI fields given that megaserve ignores
 
     @property
@@ -183,8 +186,40 @@ def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> Ope
         max_tokens=max_tokens, n=m.n, stream=m.stream,
         include_usage=bool(options and options.include_usage), top_logprobs=top,
         return_token_ids=m.return_token_ids, model=m.model,
-        echo=bool(getattr(m, "echo", False)),
+        echo=bool(getattr(m, "echo", False)), structured_output=_structured_output(m),
+        structured_outputs_given=m.structured_outputs is not None,
         ignored=tuple(f for f in IGNORED_FIELDS if getattr(m, f) is not None))
+
+
+def _structured_output(m) -> StructuredOutput | None:
+    """The grammar of ``response_format`` or vLLM's ``structured_outputs`` (one of them,
+    one constraint). Raises RequestError naming the field; the grammar itself is checked
+    by ``megaserve.engine.structured_output.grammar_of``."""
+    fmt, so = m.response_format, m.structured_outputs
+    spec = None
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            spec = StructuredOutput("json_object")
+        elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError.invalid("response_format", "json_schema: needs a 'schema'")
+        else:
+            spec = StructuredOutput("json", json.dumps(fmt.json_schema.schema_))
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex),
+                                     ("choice", so.choice), ("grammar", so.grammar),
+                                     ("json_object", so.json_object or None)) if v is not None]
+        if len(given) != 1 or spec is not None:
+            raise RequestError.invalid("structured_outputs", "give exactly one of json, regex, "
+                                       "choice, grammar, json_object (and no response_format)")
+        kind, value = given[0]
+        if kind == "json":
+            value = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            value = json.dumps(value)
+        elif kind == "json_object":
+            value = ""
+        spec = StructuredOutput(kind, value)
+    return spec
 
 
 def error_body(err: RequestError) -> dict[str, Any]:
