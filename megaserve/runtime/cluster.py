@@ -41,7 +41,7 @@ from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepO
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
                                         RestartPolicy, WorkerHealth, add_counters, restarted,
                                         worker_params)
-from megaserve.runtime.layout import (comm_world, nccl_gpu_clash, ready_messages,
+from megaserve.runtime.layout import (comm_world, ready_messages, transport_refusal,
                                       worker_specs)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
@@ -88,11 +88,9 @@ class DisaggregatedEngine(EngineClient):
             reason = rdma_unavailable()
             if reason is not None:
                 raise ValueError(f"transport 'rdma': {reason}; use tcp")
-        if config.transport == "nccl":
-            clash = nccl_gpu_clash(config)
-            if clash is not None:
-                raise ValueError(f"transport 'nccl': {clash}; use cuda_ipc, or give the "
-                                 "attention replicas and expert workers separate GPUs")
+        refusal = transport_refusal(config)
+        if refusal is not None:
+            raise ValueError(refusal)
         path = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(path)
         num_experts = self.model_config.num_experts

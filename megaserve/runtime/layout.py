@@ -75,6 +75,28 @@ def nccl_gpu_clash(config: EngineConfig, num_gpus: int | None = None) -> str | N
     return None
 
 
+def transport_refusal(config: EngineConfig, num_gpus: int | None = None) -> str | None:
+    """Why ``config.transport`` cannot connect this layout's workers, as the message of a
+    ``ValueError`` (with what to do instead), or None.
+
+    * ``nccl``: :func:`nccl_gpu_clash`.
+    * ``cuda_ipc`` with co-located expert parallelism: worker i's attention rank would map
+      the ring of its own expert rank, a buffer of the same process, and CUDA opens no IPC
+      handle in the process that exported it ("invalid device context"; torch's
+      ``rebuild_cuda_tensor`` does not find its own storage in its cache either)."""
+    if config.transport == "nccl":
+        clash = nccl_gpu_clash(config, num_gpus)
+        if clash is None:
+            return None
+        instead = ("use tcp" if config.colocated else
+                   "use cuda_ipc, or give the attention replicas and expert workers separate GPUs")
+        return f"transport 'nccl': {clash}; {instead}"
+    if config.transport == "cuda_ipc" and config.colocated:
+        return ("transport 'cuda_ipc': each co-located worker would map a CUDA IPC buffer of "
+                "its own process (its expert rank's), which CUDA refuses; use tcp")
+    return None
+
+
 def comm_world(config: EngineConfig) -> int:
     """Comm ranks of the layout: attention replicas + expert workers (0: data parallel)."""
     return 0 if config.data_parallel else config.attention_replicas + config.expert_workers

@@ -132,11 +132,16 @@ def test_invisible_gpu_and_nccl_on_shared_gpus_are_refused_before_any_worker_sta
                                               enable_expert_parallel=True, transport="cuda_ipc"))
     with pytest.raises(ValueError, match=r"GPU\(s\) \[3\] are not visible"):
         worker_devices(EngineConfig(device="cuda", expert_gpus=(3,)), num_gpus=2)
-    # NCCL cannot connect replica i with expert worker i on one GPU.
+    # NCCL cannot connect replica i with expert worker i on one GPU; CUDA IPC cannot map a
+    # buffer of the worker's own process.
     with pytest.raises(ValueError, match="transport 'nccl': attention replica 0 and expert "
-                                         "worker 0 would both run on cuda:0"):
+                                         "worker 0 would both run on cuda:0, .*; use tcp"):
         DisaggregatedEngine(EngineConfig(device="cuda", data_parallel_size=2,
                                          enable_expert_parallel=True, transport="nccl"))
+    with pytest.raises(ValueError, match="transport 'cuda_ipc': each co-located worker .*; "
+                                         "use tcp"):
+        DisaggregatedEngine(EngineConfig(device="cuda", data_parallel_size=2,
+                                         enable_expert_parallel=True, transport="cuda_ipc"))
 
 
 def test_speculative_decoding_through_colocated_ep_equals_one_engine():
