@@ -94,7 +94,9 @@ class LayoutConfig:
     """How a deployment's attention replicas and expert workers are placed and talk
     (megaserve.runtime reads it; a replica's own engine never does). The defaults are one
     process with everything in it. ``EngineConfig.layout`` is this part of a config and
-    ``EngineConfig.replica()`` the rest, the config each attention replica's engine runs."""
+    ``EngineConfig.replica()`` the rest, the config each attention replica's engine runs.
+    The fields are documented on :class:`EngineConfig`; megaserve.runtime.layout turns
+    them into workers (disaggregated, co-located expert parallelism, data parallelism)."""
 
     attention_replicas: int = 1
     expert_workers: int = 1
