@@ -11,6 +11,12 @@ namespace {
 // A fixed thread pool: run(num_tasks, fn) calls fn(task) for every task, spread over up
 // to `threads` threads (this one included), each task once; which thread runs a task never
 // changes its bits. One pool per process (see pool()).
+//
+// The caller claims tasks too and returns as soon as every task is done: it waits only for
+// helpers that joined the call (and so may hold a claimed task), never for one that has not
+// woken up yet. On a loaded machine a helper may wait milliseconds for a CPU; the calls of
+// a decode step must not each wait for it. A helper that wakes after its call ended sleeps
+// again (or joins a later call).
 
 class Pool {
  public:
@@ -24,49 +30,55 @@ class Pool {
       const int index = static_cast<int>(threads_.size());
       threads_.emplace_back([this, index] { loop(index); });
     }
+    Job job(&fn, num_tasks);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      num_tasks_ = num_tasks;
-      next_.store(0);
-      active_ = std::min<int64_t>(threads - 1, num_tasks - 1);
-      pending_ = active_;
+      job_ = &job;
+      wanted_ = std::min<int64_t>(threads - 1, num_tasks - 1);
       ++generation_;
     }
     wake_.notify_all();
-    work();
+    job.work();
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    fn_ = nullptr;
+    job_ = nullptr;  // no helper joins from here on
+    done_.wait(lock, [&] { return job.users == 0; });  // helpers inside finish their tasks
   }
 
  private:
-  void work() {
-    for (int64_t t = next_.fetch_add(1); t < num_tasks_; t = next_.fetch_add(1)) (*fn_)(t);
-  }
+  struct Job {
+    Job(const std::function<void(int64_t)>* f, int64_t n) : fn(f), num_tasks(n) {}
+    void work() {
+      for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) (*fn)(t);
+    }
+    const std::function<void(int64_t)>* fn;
+    const int64_t num_tasks;
+    std::atomic<int64_t> next{0};
+    int users = 0;  // helpers inside work(); guarded by the pool's mutex_
+  };
 
   void loop(int index) {
     uint64_t seen = 0;
     for (;;) {
+      Job* job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (index >= active_) continue;
+        if (job_ == nullptr || index >= wanted_) continue;
+        job = job_;
+        ++job->users;
       }
-      work();
+      job->work();
       std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_ == 0) done_.notify_one();
+      if (--job->users == 0) done_.notify_all();
     }
   }
 
   std::mutex call_mutex_, mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t num_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  int64_t active_ = 0, pending_ = 0;
+  Job* job_ = nullptr;  // the call in progress, while helpers may join it
+  int64_t wanted_ = 0;  // helpers (by index) that may join it
   uint64_t generation_ = 0;
 };
 
