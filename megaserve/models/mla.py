@@ -131,12 +131,11 @@ def _per_head_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store latent rows `[T, Dc]` into cache `[num_blocks, block_size, 1, Dc]` at
-    ``slot_mapping`` `[T]` (negative: a padding row, nothing written). Exact copies."""
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, latent = slots[keep], latent[keep]
-    cache.view(-1, cache.shape[-1]).index_copy_(0, slots, latent.to(cache.dtype))
+    ``slot_mapping`` `[T]` (negative: a padding row, nothing written). Exact copies, through
+    ``kernels.write_kv_cache`` (no host synchronisation on CUDA), which writes its K and V
+    rows: here the same row into the same tensor."""
+    rows = latent.to(cache.dtype)[:, None, :]  # [T, 1, Dc]
+    kernels.write_kv_cache(rows, rows, cache, cache, slot_mapping)
 
 
 def mla_attention(
