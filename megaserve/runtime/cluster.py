@@ -19,7 +19,7 @@ import logging
 import functools
 import threading
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from megaserve.comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
@@ -397,17 +397,8 @@ class DisaggregatedEngine(EngineClient):
             self._recover(f"{', '.join(dead)} exited unexpectedly")
 
     def stats(self) -> EngineStats:
+        """Every replica's latest stats, summed, plus the counters of replaced groups."""
         known = [s for s in self._stats if s is not None]
-        return add_counters(EngineStats(
-            num_running=sum(s.num_running for s in known),
-            num_waiting=sum(s.num_waiting for s in known),
-            num_kv_blocks=sum(s.num_kv_blocks for s in known),
-            num_free_kv_blocks=sum(s.num_free_kv_blocks for s in known),
-            prompt_tokens_total=sum(s.prompt_tokens_total for s in known),
-            generation_tokens_total=sum(s.generation_tokens_total for s in known),
-            num_preemptions=sum(s.num_preemptions for s in known),
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
-            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in known),
-            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in known),
-        ), self._retired)
+        summed = EngineStats(**{f.name: sum(getattr(s, f.name) for s in known)
+                                for f in fields(EngineStats)})
+        return add_counters(summed, self._retired)
