@@ -84,6 +84,7 @@ class _Weights:
             scale = self._scale_of(name, t)
             return BlockFp8(t.to(self.device).contiguous(), scale.to(self.device, torch.float32).contiguous())
         if self.quantize is not None and name.endswith(_QUANTIZED_SUFFIXES):
+            self._no_scale(name, t)
             q, scale = quantize(t.to(self.device), self.quantize.weight_block_size)
             return BlockFp8(q, scale)
         return self.get(name, shape)
@@ -97,11 +98,20 @@ class _Weights:
             )
         if is_fp8(t):
             return self._dequantized(name, t)
+        self._no_scale(name, t)
         if self.quantize is not None and name.endswith(_QUANTIZED_SUFFIXES):
             block = self.quantize.weight_block_size
             q, scale = quantize(t.to(self.device), block)
             return dequantize(q, scale, block, self.dtype)
         return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def _no_scale(self, name: str, t: torch.Tensor) -> None:
+        """ValueError where a tensor that is not FP8 comes with a block scale (a format
+        this loader does not know: its values would be read unscaled)."""
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if name.endswith(".weight") and self.reader.has(scale_name):
+            raise ValueError(f"model: tensor {name!r} is {t.dtype} but has {scale_name!r}; "
+                             "only float8_e4m3fn weights carry block scales")
 
     def _dequantized(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """An FP8 tensor with its block scales, in the compute dtype."""

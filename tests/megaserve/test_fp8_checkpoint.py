@@ -219,3 +219,13 @@ def test_quantize_at_load_reaches_every_expert_worker(qwen3):
              expert_workers=2, transport="inproc") as llm:
         got = llm.generate(prompt, params)[0].outputs[0]
     assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+
+
+def test_scale_on_a_weight_that_is_not_fp8_is_refused(qwen3, tmp_path):
+    path = _copy(qwen3[1], tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    tensors[name] = tensors[name].float() * tensors[name.removesuffix("weight") + "weight_scale_inv"][0, 0]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="only float8_e4m3fn weights carry block scales"):
+        load_model(path, "float32")
