@@ -158,3 +158,31 @@ def test_speculative_decoding_through_colocated_ep_equals_one_engine():
         stats = llm.engine.stats()
     assert got == reference
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+
+
+COLOCATED_PLAN = """\
+version: 1
+model: tiny-moe
+objective: throughput
+units:
+  - copies: 1
+    layout: colocated
+    attention: {{gpu: H100, tp: 1, replicas: {ep}, max_batch_per_replica: 16}}
+    experts: {{gpu: H100, tp: 1, workers: {ep}, placement: {placement}}}
+    microbatches: 1
+"""
+
+
+def test_a_colocated_plan_unit_runs_colocated_ep(tmp_path):
+    from megaserve.runtime.plan import engine_options_from_plan
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(COLOCATED_PLAN.format(ep=2, placement=[[0, 1, 2, 3], [4, 5, 6, 7]]))
+    options = engine_options_from_plan(str(plan))
+    config = EngineConfig(device="cpu", **options)
+    assert config.colocated and (config.attention_replicas, config.expert_workers) == (2, 2)
+    assert config.expert_placement == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert config.max_num_seqs == 16
+    # One GPU: the one-process engine (the whole model on it).
+    plan.write_text(COLOCATED_PLAN.format(ep=1, placement=[list(range(8))]))
+    assert EngineConfig(device="cpu", **engine_options_from_plan(str(plan))).single_engine
