@@ -245,11 +245,14 @@ class Tokenizer:
             text = self._token_texts[key] = self.decode([token_id], skip_special_tokens)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (dicts with string ``role`` and ``content``) into a prompt string.
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render ``messages`` (dicts with string ``role`` and ``content``, and the other keys
+        HF templates read: ``tool_calls``, ``tool_call_id``, ``name``) into a prompt string.
 
         Uses the checkpoint's template, or DEFAULT_CHAT_TEMPLATE when it has none, in a jinja2
-        sandbox. Raises ValueError for malformed messages or a template that fails.
+        sandbox; ``tools`` (OpenAI tool definitions) are passed to it as ``tools``. Raises
+        ValueError for malformed messages or a template that fails.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
@@ -261,6 +264,7 @@ class Tokenizer:
         return _render_chat_template(
             self._chat_template or DEFAULT_CHAT_TEMPLATE,
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "",
             eos_token=self._eos_token or "",

@@ -54,6 +54,9 @@ class ServeConfig:
     allowed_origins: tuple[str, ...] = ()
     # vLLM's --enable-request-id-headers: X-Request-Id on every HTTP response.
     enable_request_id_headers: bool = False
+    # vLLM's --enable-auto-tool-choice --tool-call-parser: the parser of "auto" tool choice
+    # (megaserve.server.tool_calls.PARSERS); None: "auto" is refused.
+    tool_call_parser: str | None = None
     # Seconds a connection may stay without a complete request head (idle keep-alive
     # included) before it is closed: uvicorn's --timeout-keep-alive, which vLLM uses.
     timeout_keep_alive: float = 5.0
@@ -75,6 +78,12 @@ class ServeConfig:
         if not 0 < self.timeout_keep_alive < float("inf"):
             raise ValueError("timeout_keep_alive must be > 0 seconds, got "
                              f"{self.timeout_keep_alive!r}")
+        if self.tool_call_parser is not None:
+            from megaserve.server.tool_calls import PARSERS
+
+            if self.tool_call_parser not in PARSERS:
+                raise ValueError(f"tool_call_parser must be one of {PARSERS}, got "
+                                 f"{self.tool_call_parser!r}")
         for name in ("served_model_names", "allowed_origins"):
             value = getattr(self, name)
             object.__setattr__(self, name, tuple(value or ()))
@@ -127,7 +136,8 @@ async def serve(config: ServeConfig,
     await set_health(health, serving=False)
     await grpc_server.start()
     app = build_app(core, config.api_key, allowed_origins=config.allowed_origins,
-                    request_id_headers=config.enable_request_id_headers)
+                    request_id_headers=config.enable_request_id_headers,
+                    tool_parser=config.tool_call_parser)
     runner = web.AppRunner(app, handler_cancellation=True,
                            access_log=None, keepalive_timeout=config.timeout_keep_alive)
     await runner.setup()

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="add X-Request-Id to every HTTP response: the request's own, "
                         "else one the server makes up")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model choose tool calls (tool_choice "auto", the default '
+                        "with tools); needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how tool calls are read from the output with tool_choice auto: "
+                        "hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes)")
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive,
                    help="seconds an HTTP connection may go without a complete request "
                         "head, idle keep-alive included, before it is closed "
@@ -93,6 +99,13 @@ def _launcher_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def _tool_parser(args: argparse.Namespace) -> str | None:
+    """--tool-call-parser, which --enable-auto-tool-choice needs (vLLM's pairing)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``megaserve serve``; returns the exit code (2 for bad usage)."""
     parser = build_parser()
@@ -116,7 +129,8 @@ def main(argv: list[str]) -> int:
                              timeout_keep_alive=args.timeout_keep_alive,
                              served_model_names=tuple(args.served_model_name or ()),
                              allowed_origins=tuple(args.allowed_origins or ()),
-                             enable_request_id_headers=args.enable_request_id_headers)
+                             enable_request_id_headers=args.enable_request_id_headers,
+                             tool_call_parser=_tool_parser(args))
         check_runtime(engine)  # model (and with --launcher local: device, workers, transport)
     except ValueError as e:
         print(f"megaserve serve: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -27,6 +28,7 @@ from megaserve import __version__
 from megaserve.sampling_params import SamplingParams
 from megaserve.server import openai_extras as extras
 from megaserve.server import openai_protocol as oai
+from megaserve.server import tool_calls as tools
 from megaserve.server.auth import normalize_keys
 from megaserve.server.core import Delta, ServerState, ServingCore
 from megaserve.server.errors import ErrorCode, RequestError
@@ -38,6 +40,7 @@ from megaserve.server.openai_models import openapi_document
 logger = logging.getLogger(__name__)
 
 _CORE = web.AppKey("core", ServingCore)
+TOOL_PARSER = web.AppKey("tool_parser", object)  # "hermes" or None: "auto" tool choice refused
 
 
 @dataclasses.dataclass
@@ -51,13 +54,15 @@ class _Choice:
 
 def build_app(core: ServingCore, api_key: str | tuple[str, ...] | None = None, *,
               allowed_origins: tuple[str, ...] = (),
-              request_id_headers: bool = False) -> web.Application:
+              request_id_headers: bool = False,
+              tool_parser: str | None = None) -> web.Application:
     """The aiohttp application serving ``core`` (bodies up to 16 MiB, else HTTP 413).
 
     With ``api_key`` (one key or several), requests to every path but ``OPEN_PATHS``
     need ``Authorization: Bearer <key>`` with one of them. ``allowed_origins``: CORS
     origins (``"*"``: any); ``request_id_headers``: ``X-Request-Id`` on every response
-    (``megaserve.server.openai_extras``).
+    (``megaserve.server.openai_extras``). ``tool_parser``: the parser of ``"auto"`` tool
+    choice (``megaserve.server.tool_calls.PARSERS``); None refuses it.
     """
     app = web.Application(client_max_size=MAX_BODY_BYTES,
                           middlewares=[extras.cors_and_request_id, json_errors, authenticate])
@@ -65,6 +70,7 @@ def build_app(core: ServingCore, api_key: str | tuple[str, ...] | None = None, *
     app[extras.CORE] = core
     app[extras.ALLOWED_ORIGINS] = tuple(allowed_origins)
     app[extras.REQUEST_ID_HEADERS] = request_id_headers
+    app[TOOL_PARSER] = tool_parser
     app[API_KEY] = normalize_keys(api_key)
     extras.add_routes(app)
     app.router.add_get("/health", _health)
@@ -117,6 +123,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         req = oai.parse_body(raw, chat)
         req = dataclasses.replace(req, model=core.check_model(req.model))
+        if req.tool_choice == "auto" and request.app[TOOL_PARSER] is None:
+            raise RequestError.invalid("tool_choice", '"auto" tool choice (the default with '
+                                       "tools) needs the server started with "
+                                       "--enable-auto-tool-choice --tool-call-parser")
         if req.ignored:
             logger.info("%s: ignored the OpenAI field(s) %s (megaserve has no use for them)",
                         request.path, ", ".join(req.ignored))
@@ -154,13 +164,17 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
                                        "tokenizer.json): chat needs one; send token ids "
                                        "to /v1/completions")
         try:
-            prompt = engine.tokenizer.apply_chat_template(list(req.messages))
+            prompt = engine.tokenizer.apply_chat_template(
+                _messages_for(engine.tokenizer, req.messages), tools=list(req.tools) or None)
         except Exception as e:  # the template's raise_exception, a missing variable
             raise RequestError.invalid("messages", f"chat template failed: {e}") from None
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
     _check_logit_bias(sampling.get("logit_bias"), engine.vocab_size)
-    if req.structured_output is not None:
+    forced = tools.grammar_for(list(req.tools), req.tool_choice) if req.chat else None
+    if forced is not None:
+        sampling["structured_output"] = _checked_grammar(engine, forced, "tools")
+    elif req.structured_output is not None:
         sampling["structured_output"] = _checked_grammar(
             engine, req.structured_output,
             "structured_outputs" if req.structured_outputs_given else "response_format")
@@ -185,6 +199,25 @@ def _decode(engine, token_ids: list[int]) -> str:
     if engine.tokenizer is None:
         raise RequestError.invalid("echo", "this model has no tokenizer to show the prompt")
     return engine.tokenizer.decode(token_ids)
+
+
+def _messages_for(tokenizer, messages: tuple[dict, ...]) -> list[dict]:
+    """``messages`` for the chat template; for a template that does not render tool calls,
+    an assistant message's calls are appended to its content as Hermes blocks (the format
+    the Hermes parser reads back)."""
+    template = tokenizer.chat_template or ""
+    if "tool_calls" in template:
+        return list(messages)
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            blocks = "".join(
+                '<tool_call>\n{"name": ' + json.dumps(c["function"]["name"])
+                + ', "arguments": ' + c["function"]["arguments"] + "}\n</tool_call>"
+                for c in m["tool_calls"])
+            m = {**m, "content": m["content"] + blocks}
+        out.append(m)
+    return out
 
 
 def _checked_grammar(engine, spec, field: str):
@@ -276,6 +309,10 @@ def _choice_body(core, req, choice: _Choice, ids, text, lps, finish, offset) -> 
     body: dict[str, Any] = {"index": choice.index}
     if req.chat:
         body["message"] = {"role": "assistant", "content": text}
+        if finish is not None and tools.uses_tools(req.tool_choice):  # a whole output
+            body["message"], called = tools.message(text, req.tool_choice)
+            if called and finish == "stop":
+                finish = "tool_calls"
     else:
         body["text"] = text
     body["logprobs"] = _logprobs(core, req, ids, lps, offset)
@@ -314,6 +351,8 @@ async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
             "created": int(time.time()), "model": req.model}
     by_index = {c.index: c for c in choices}
     offsets = dict.fromkeys(by_index, 0)
+    tool_streams = {c.index: tools.ToolStream(req.tool_choice) for c in choices} \
+        if req.chat and tools.uses_tools(req.tool_choice) else None
     finals: dict[int, Delta] = {}
 
     def chunk(body: dict[str, Any]) -> bytes:
@@ -334,11 +373,17 @@ async def _stream(request, core, req, base_id, choices) -> web.StreamResponse:
         async with contextlib.aclosing(_run_choices(core, choices)) as results:
             async for index, d in results:
                 body = _choice_body(core, req, by_index[index], d.token_ids, d.text,
-                                    d.logprobs, d.finish_reason, offsets[index])
+                                    d.logprobs, None, offsets[index])
+                body["finish_reason"] = d.finish_reason
                 offsets[index] += len(d.text)
                 if req.chat:
                     content = body.pop("message")["content"]
                     body["delta"] = {"content": content} if content else {}
+                if tool_streams is not None:
+                    stream = tool_streams[index]
+                    body["delta"] = stream.delta(d.text, d.finish_reason is not None)
+                    if stream.called and d.finish_reason == "stop":
+                        body["finish_reason"] = "tool_calls"
                 if d.finish_reason is not None:
                     finals[index] = d
                 await resp.write(chunk(body))

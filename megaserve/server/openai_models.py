@@ -32,9 +32,9 @@ TokenId = Annotated[int, Field(ge=0, le=_INT64_MAX)]
 PositiveInt = Annotated[int, Field(ge=1, le=_INT64_MAX)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
-# Chat roles a chat template can render; "tool" / "function" need tool calling, which
-# megaserve does not implement.
-ChatRole = Literal["system", "developer", "user", "assistant"]
+# Chat roles a chat template can render ("tool": a tool's result, see tool calling).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+MAX_TOOLS = 128
 
 
 class _Strict(BaseModel):
@@ -50,16 +50,64 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: ChatRole
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES, fail_fast=True)]
+    # None only for an assistant message that made tool calls
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES,
+                                                   fail_fast=True)] | None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
+
+    @model_validator(mode="after")
+    def _check_message(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: is required (null only for an assistant message "
+                             "with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages make tool calls")
+        return self
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined; "" for none)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -208,11 +256,25 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     max_completion_tokens: PositiveInt | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS, fail_fast=True)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
+        names = [t.function.name for t in self.tools or ()]
+        if self.tool_choice not in (None, "none") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {self.tool_choice.function.name!r} is "
+                             f"not among the tools {names}")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice: a forced tool call cannot be combined with "
+                             "response_format / structured_outputs")
         return self
 
 
@@ -247,7 +309,7 @@ class Detokenize(_Strict):
 
 
 # -- responses (documented in the OpenAPI document; tests check real responses against them)
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Response(BaseModel):
@@ -312,9 +374,23 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprob]
 
 
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"]
+    function: dict[str, str]  # {"name", "arguments"}
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]  # "name" in the first delta of a call, "arguments" pieces
 
 
 class ChatChoice(_Response):
@@ -338,6 +414,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

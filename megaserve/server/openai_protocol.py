@@ -47,6 +47,10 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt's text before each choice's
     structured_output: StructuredOutput | None = None  # from response_format / structured_outputs
     structured_outputs_given: bool = False  # the grammar came from structured_outputs
+    tools: tuple[dict[str, Any], ...] = ()  # chat: the tools' definitions, as given
+    # chat: "none", "auto", "required" or {"type": "function", "function": {"name"}};
+    # None without tools
+    tool_choice: Any = None
     ignored: tuple[str, ...] = ()  # OpenAI fields given that megaserve ignores
 
     @property
@@ -170,7 +174,7 @@ def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> Ope
         max_tokens = m.max_completion_tokens if m.max_completion_tokens is not None \
             else m.max_tokens
         prompts: tuple = ()
-        messages = tuple({"role": msg.role, "content": msg.text()} for msg in m.messages)
+        messages = tuple(_template_message(msg) for msg in m.messages)
     else:
         top, max_tokens, messages = m.logprobs, m.max_tokens, None
         p = m.prompt
@@ -188,7 +192,29 @@ def _to_request(m: CompletionRequest | ChatCompletionRequest, chat: bool) -> Ope
         return_token_ids=m.return_token_ids, model=m.model,
         echo=bool(getattr(m, "echo", False)), structured_output=_structured_output(m),
         structured_outputs_given=m.structured_outputs is not None,
+        tools=tuple(t.model_dump(exclude_none=True) for t in m.tools or ()) if chat else (),
+        tool_choice=_tool_choice(m) if chat else None,
         ignored=tuple(f for f in IGNORED_FIELDS if getattr(m, f) is not None))
+
+
+def _template_message(msg) -> dict[str, Any]:
+    """A chat message as chat templates read it (HF's convention)."""
+    out: dict[str, Any] = {"role": msg.role, "content": msg.text()}
+    if msg.name is not None:
+        out["name"] = msg.name
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in msg.tool_calls]
+    return out
+
+
+def _tool_choice(m) -> Any:
+    if not m.tools:
+        return None
+    if m.tool_choice is None:
+        return "auto"  # OpenAI's default when tools are given
+    return m.tool_choice if isinstance(m.tool_choice, str) else m.tool_choice.model_dump()
 
 
 def _structured_output(m) -> StructuredOutput | None:
