@@ -27,6 +27,7 @@ def model_cache(tmp_path_factory):
         yield cache
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_process_group_drains_without_losing_workers(model_cache, tmp_path):
     from megaserve import LLM
 

@@ -85,6 +85,7 @@ def _reference():
         return [llm.generate(p, SamplingParams(**s))[0].outputs[0] for p, s in REQUESTS]
 
 
+@pytest.mark.slow
 def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, tmp_path):
     expected = _reference()
     plan = tmp_path / "plan.yaml"

@@ -41,6 +41,7 @@ def expert_pid(server: ServerProcess, index: int) -> int:
     return pids[0]
 
 
+@pytest.mark.slow
 def test_server_survives_killed_expert_worker(model_cache, tmp_path):
     expected = reference_outputs()
     server = ServerProcess(tmp_path / "server.log", model_cache, "--dtype", "float32",

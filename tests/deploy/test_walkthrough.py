@@ -103,6 +103,7 @@ def test_walkthrough_commands_are_the_documented_ones():
                                    "ray start", "megaserve serve", "curl", "curl"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the walk-through uses curl")
 def test_ray_walkthrough_runs_as_documented(tmp_path):
     commands = walkthrough_commands((REPO / "docs/deploy.md").read_text())
