@@ -79,8 +79,9 @@ def _builtin_configs() -> dict[str, dict[str, Any]]:
     return {"tiny-moe": TINY_MOE_CONFIG}
 
 
-# dtypes each device type's kernels run (the CPU attention kernel has no float16 path).
-SUPPORTED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
+# dtypes each device type's kernels run (the CPU attention kernel has no float16 path; the
+# CUDA matmul runs bfloat16 and float16 only).
+SUPPORTED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16")}
 
 
 def _check_dtype(dtype: str, device: str, model) -> None:
