@@ -26,7 +26,7 @@ from megaserve import __version__
 from megaserve.server.core import ServingCore
 from megaserve.server.errors import ErrorCode, RequestError
 from megaserve.server.openai_models import Detokenize, TokenizeChat, TokenizeCompletion
-from megaserve.server.openai_protocol import _request_error, parse_json_object
+from megaserve.server.openai_protocol import parse_json_object, request_error
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ async def _body(request: web.Request, *models):
     try:
         parsed = model.model_validate(body)
     except ValidationError as e:
-        raise _request_error(e) from None
+        raise request_error(e) from None
     core = request.app[CORE]
     core.check_model(parsed.model)
     if core.engine is None:

@@ -117,10 +117,10 @@ def parse_request(body: dict[str, Any], chat: bool) -> OpenAIRequest:
     try:
         return _to_request(model.model_validate(body), chat)
     except ValidationError as e:
-        raise _request_error(e) from None
+        raise request_error(e) from None
 
 
-def _request_error(e: ValidationError) -> RequestError:
+def request_error(e: ValidationError) -> RequestError:
     """The first problem of a ValidationError as ``"<path>: <problem>"``."""
     err = e.errors(include_url=False)[0]
     kind, msg = err["type"], err["msg"]
