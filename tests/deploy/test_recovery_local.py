@@ -66,11 +66,13 @@ def run_to_end(engine, outputs, healths, limit_s=240.0):
 
 # One process of each kind of worker, killed mid-stream: an expert worker and an attention
 # replica (lockstep: the front-end waits for that replica's step) of a disaggregated layout,
-# and a worker of co-located expert parallelism (replica and expert worker at once).
+# a worker of co-located expert parallelism (replica and expert worker at once), and a
+# whole engine of data parallelism.
 KILLED = [("expert", 0, LAYOUT),
           ("attention", 1, dict(LAYOUT, aggregation="lockstep", microbatches=2)),
           ("colocated", 1, dict(dtype="float32", data_parallel_size=2,
-                                enable_expert_parallel=True, transport="tcp"))]
+                                enable_expert_parallel=True, transport="tcp")),
+          ("engine", 0, dict(dtype="float32", data_parallel_size=2, transport="tcp"))]
 
 
 @pytest.mark.parametrize("role, index, layout", KILLED, ids=[k[0] for k in KILLED])
