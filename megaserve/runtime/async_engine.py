@@ -38,7 +38,7 @@ from typing import Any
 
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import EngineStats, Prompt, load_tokenizer, validate_prompt
-from megaserve.outputs import RequestOutput
+from megaserve.outputs import CompletionOutput, RequestOutput
 from megaserve.runtime.factory import make_engine, uses_device_plane
 from megaserve.runtime.messages import (AbortRequest, AddRequest, EngineFailed, EngineOutputs,
                                         EngineReady, RequestRejected, Stop, pack_output,
@@ -115,7 +115,7 @@ class AsyncLLMEngine:
         prompt_ids = self.validate(prompt, params)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        collector = _Collector(params.output_kind is RequestOutputKind.DELTA)
+        collector = _Collector(params.output_kind is RequestOutputKind.DELTA, prompt_ids)
         self._collectors[request_id] = collector
         self._driver.send(AddRequest(request_id, prompt_ids, params,
                                      prompt=prompt if isinstance(prompt, str) else None))
@@ -137,6 +137,21 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         """Finish the request with reason "abort" (its stream gets that last output)."""
         self._driver.send(AbortRequest(request_id))
+
+    def end_stream(self, request_id: str) -> bool:
+        """End a DELTA request's stream here and now with finish reason "abort" (no new
+        tokens), without waiting for the engine, which may be busy (replacing a lost
+        worker group, say); the engine drops the request when it gets to it. For a server
+        whose grace period is over. False if the request has no stream or is not DELTA."""
+        collector = self._collectors.get(request_id)
+        if collector is None or not collector.delta:
+            return False
+        self._driver.send(AbortRequest(request_id))
+        collector.put(RequestOutput(
+            request_id, None, collector.prompt_ids,
+            [CompletionOutput(0, "", [], None, "abort")],
+            finished=True))
+        return True
 
     def stats(self) -> EngineStats:
         """Counters as of the last engine step (read without blocking the engine)."""
@@ -196,10 +211,15 @@ class _Collector:
     order: a DELTA output that arrives while the one before it waits joins it (tokens,
     text and logprobs appended, the newer end state); every other item waits its turn."""
 
-    def __init__(self, delta: bool) -> None:
+    def __init__(self, delta: bool, prompt_ids: list[int]) -> None:
         self._delta = delta
+        self.prompt_ids = prompt_ids  # for an end made here (AsyncLLMEngine.end_stream)
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._waiter: asyncio.Future | None = None
+
+    @property
+    def delta(self) -> bool:
+        return self._delta
 
     def put(self, item: RequestOutput | BaseException) -> None:
         held = self._items[-1] if self._items else None

@@ -406,7 +406,9 @@ class ServingCore:
     async def drain(self, grace_period: float, flush_timeout: float = 1.0) -> int:
         """Stops admitting, waits up to ``grace_period`` s for in-flight requests, then
         aborts what is left (their streams end with finish_reason "abort") and waits up to
-        ``flush_timeout`` s for those streams to end.
+        ``flush_timeout`` s for those streams to end: half for the engine's abort outputs,
+        the other half for the streams the engine did not end in time, which are ended here
+        (``end_stream``, also with "abort").
 
         Returns the number of requests that had to be aborted.
         """
@@ -422,5 +424,13 @@ class ServingCore:
             with contextlib.suppress(Exception):
                 await self.engine.abort(request_id)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout=flush_timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout=flush_timeout / 2)
+        # An engine that did not answer in time (one replacing its workers, say): end the
+        # streams here, so each still gets its finish reason before the server exits.
+        end_stream = getattr(self.engine, "end_stream", None)
+        if end_stream is not None and self._in_flight:
+            for request_id in list(self._in_flight):
+                end_stream(request_id)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=flush_timeout / 2)
         return len(left)
