@@ -24,6 +24,8 @@ Weights: e4m3 `[N, K]` (`[E, N, K]`) with float32 ``scale_inv`` `[ceil(N/128), c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,17 +38,74 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                     SWIGLU: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+    """One (row, 128-column group): amax (exact in any order), scale = amax / 448 (1 for
+    an all-zero group), e4m3 values. SWIGLU: the row is ``[gate | up]`` of width 2K and the
+    quantized value is ``silu(gate) * up`` computed in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(x_ptr + row * stride_xm + K + cols, mask=ok, other=0.0).to(tl.float32)
+        x = x * tl.sigmoid(x) * up
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=ok)
+    tl.store(s_ptr + row * stride_sm + g, scale)
+
+
+def _quantize(x: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, width = x.shape
+    k = width // 2 if swiglu else width
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, triton.cdiv(k, GROUP), dtype=torch.float32, device=x.device)
+    if m:
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        _quantize_kernel[(m, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
+                                              SWIGLU=swiglu, FP8_MAX=FP8_MAX, GROUP=GROUP, num_warps=1)
+    return q, scale
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group e4m3 quantization: x `[M, K]` → (xq `[M, K]` e4m3, xs `[M, G]`
-    float32 = amax of each 128-column group / 448; 1 for an all-zero group). Every value
-    is a function of its own row (max is exact in any order)."""
-    m, k = x.shape
-    groups = triton.cdiv(k, GROUP)
-    xf = torch.nn.functional.pad(x.float(), (0, groups * GROUP - k)).view(m, groups, GROUP)
-    amax = xf.abs().amax(dim=-1)  # [M, G]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (xf / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(m, groups * GROUP)[:, :k].contiguous(), scale
+    """Per-token-group e4m3 quantization, one launch: x `[M, K]` → (xq `[M, K]` e4m3,
+    xs `[M, G]` float32 = amax of each 128-column group / 448; 1 for an all-zero group).
+    Every value is a function of its own row and group."""
+    return _quantize(x, swiglu=False)
+
+
+def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of ``silu(gate) * up`` (fp32) for gate_up `[R, 2I]` (gate
+    columns first), fused: the expert intermediate never goes through memory unquantized."""
+    return _quantize(gate_up, swiglu=True)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Routed rows grouped by expert on the device (no host synchronisation), computed
+    once per layer and shared by the gate/up and down GEMMs."""
+
+    order: torch.Tensor  # [R] int64, routed rows sorted by expert id (stable)
+    counts: torch.Tensor  # [E] int64, rows per expert (rows routed to E excluded)
+    tile_start: torch.Tensor  # [E] int64, first BLOCK_M tile of each expert
+    row_start: torch.Tensor  # [E] int64, first position of each expert in ``order``
+    max_tiles: int  # an upper bound on the tiles (the grid)
+
+
+def group_rows(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """:class:`ExpertGroups` of expert_ids `[R]` int64 in [0, E]."""
+    order = torch.sort(expert_ids, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
+    counts = counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))[:num_experts]
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    return ExpertGroups(order, counts, torch.cumsum(tiles, 0) - tiles,
+                        torch.cumsum(counts, 0) - counts,
+                        triton.cdiv(expert_ids.shape[0], BLOCK_M) + num_experts)
 
 
 @triton.jit
@@ -138,13 +197,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tensor,
                      weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                     rows_per_token: int = 1) -> torch.Tensor:
+                     rows_per_token: int = 1, groups: ExpertGroups | None = None) -> torch.Tensor:
     """Routed row r: ``dequant(xq[r // rows_per_token]) @ dequant(weight[expert_ids[r]]).T``.
 
     xq `[R / rows_per_token, K]` e4m3 and xs `[.., G]` float32 (:func:`quantize_rows`);
     expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified);
     weight `[E, N, K]` e4m3, scale_inv `[E, ceil(N/128), ceil(K/128)]`. Returns `[R, N]`.
-    Rows are grouped by expert on the device (stable sort, no host synchronisation);
+    Rows are grouped by expert on the device (stable sort, no host synchronisation;
+    ``groups``: :func:`group_rows` of these expert_ids, computed by the caller once);
     each row's arithmetic is the module NOTE's chain, whatever the grouping.
     """
     num_rows = expert_ids.shape[0]
@@ -153,16 +213,10 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tenso
     out = torch.empty(num_rows, n, dtype=out_dtype, device=xq.device)
     if num_rows == 0:
         return out
-    order = torch.sort(expert_ids, stable=True).indices  # [R] routed rows grouped by expert
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=xq.device)
-    counts = counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))[:num_experts]  # [E]
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_start = torch.cumsum(tiles, 0) - tiles
-    row_start = torch.cumsum(counts, 0) - counts
-    max_tiles = triton.cdiv(num_rows, BLOCK_M) + num_experts  # upper bound, no sync
-    grid = (max_tiles, triton.cdiv(n, GROUP))
+    g = groups or group_rows(expert_ids, num_experts)
+    grid = (g.max_tiles, triton.cdiv(n, GROUP))
     _fp8_gemm_kernel[grid](
-        xq, xs, weight, scale_inv, out, order, tile_start, row_start, counts,
+        xq, xs, weight, scale_inv, out, g.order, g.tile_start, g.row_start, g.counts,
         num_rows, n, k, num_experts,
         xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1), scale_inv.stride(0),
         scale_inv.stride(1), out.stride(0),
@@ -177,10 +231,12 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
                    rows_per_token: int = 1) -> torch.Tensor:
     """SwiGLU experts on block-FP8 weights: ``down_e(silu(gate_e x) * up_e x)`` per routed
     row (arguments as ``kernels.expert_ffn``; weights e4m3 with their 128 x 128 scales).
-    The intermediate is re-quantized per row and group. Returns `[R, D]` in x.dtype."""
+    The intermediate ``silu(gate) * up`` is computed in fp32 from the gate/up GEMM's
+    output (in x.dtype) and quantized per row and group in the same pass. Five launches:
+    quantize, grouping, two GEMMs and the fused activation. Returns `[R, D]` in x.dtype."""
+    groups = group_rows(expert_ids, w_gate_up.shape[0])
     xq, xs = quantize_rows(x)
-    gate_up = fp8_grouped_gemm(xq, xs, expert_ids, w_gate_up, s_gate_up, x.dtype, rows_per_token)
-    inter = gate_up.shape[1] // 2
-    act = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
-    hq, hs = quantize_rows(act.to(x.dtype))
-    return fp8_grouped_gemm(hq, hs, expert_ids, w_down, s_down, x.dtype, 1)
+    gate_up = fp8_grouped_gemm(xq, xs, expert_ids, w_gate_up, s_gate_up, x.dtype, rows_per_token,
+                               groups)
+    hq, hs = silu_mul_quantize_rows(gate_up)
+    return fp8_grouped_gemm(hq, hs, expert_ids, w_down, s_down, x.dtype, 1, groups)
