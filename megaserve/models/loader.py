@@ -20,19 +20,10 @@ from megaserve.models.mla import MLAWeights, split_kv_b
 from megaserve.models.quantization import (QUANTIZATION_METHODS, QuantConfig, dequantize,
                                            is_fp8, quantize, scale_shape)
 from megaserve.models.random_weights import RandomWeights, open_checkpoint
+from megaserve.models.resolved import ResolvedModel, resolve_dtype
 
 Linear = torch.Tensor | BlockFp8  # a linear weight: float, or block-FP8 kept for the FP8 GEMMs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
-    """``"auto"`` → the checkpoint's dtype; otherwise one of :data:`DTYPES`."""
-    if name == "auto":
-        name = config.dtype if config.dtype in DTYPES else "float32"
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {name!r}")
-    return DTYPES[name]
 
 
 @dataclass
@@ -46,6 +37,15 @@ class LoadedModel:
 # quantizes; embeddings, the LM head, router gates, norms and biases stay as they are.
 _QUANTIZED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight",
                        ".w3.weight")
+
+
+def check_device(config: ModelConfig, device: torch.device) -> None:
+    """ValueError for a model this build cannot run on ``device``: MLA's attention (the
+    DeepSeek-V3 family) has no CUDA kernel yet (the generic paged-attention kernel would
+    tile 128 query heads of width 576 per program)."""
+    if config.mla is not None and device.type == "cuda":
+        raise ValueError("model: DeepseekV3ForCausalLM (multi-head latent attention) has no CUDA "
+                         "attention kernel yet; run it with device='cpu'")
 
 
 def keeps_fp8(device: torch.device, block: tuple[int, int]) -> bool:
@@ -165,34 +165,37 @@ def _stack(parts: list[Linear], dtype: torch.dtype) -> Linear:
 
 
 def load_model(
-    path: str | Path,
+    model: ResolvedModel | str | Path,
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     *,
     attention: bool = True,
     expert_ids: list[int] | None = None,
     max_positions: int | None = None,
-    config: ModelConfig | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
     """Load the parts of a checkpoint that one worker needs.
 
     ``attention``: build the AttentionPart. ``expert_ids``: the routed experts to hold
     (None = all, [] = none). ``max_positions``: rotary table length (default: the
-    model's max_position_embeddings). ``config``: the checkpoint's config when the caller
-    has read it already. ``quantization``: "fp8" rounds the linear weights of a bf16/fp32
-    checkpoint through block-FP8 (128 x 128 blocks) at load; None keeps the checkpoint's
-    weights (a block-FP8 checkpoint is always read with its scales). Weights are computed
+    model's max_position_embeddings). ``model``: the resolved model, or a name or
+    checkpoint directory to resolve (megaserve.models.resolved). ``quantization``: "fp8"
+    rounds the linear weights of a bf16/fp32 checkpoint through block-FP8 (128 x 128
+    blocks) at load; None keeps the checkpoint's weights (a block-FP8 checkpoint is always read with its scales). Weights are computed
     with in the resolved ``dtype`` (FP8 ones dequantized into it). A random checkpoint
     (megaserve.models.random_weights) is drawn on ``device`` instead of read. Raises
     ``ValueError`` naming the file, tensor or config field for anything missing, corrupt,
     inconsistent or not understood.
     """
-    config = config or ModelConfig.from_dir(path)
+    if not isinstance(model, ResolvedModel):
+        model = ResolvedModel.resolve(model)
+    path, config = model.path, model.config
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
                          f"got {quantization!r}")
     torch_dtype, torch_device = resolve_dtype(dtype, config), torch.device(device)
+    if attention:
+        check_device(config, torch_device)
     weights = _Weights(open_checkpoint(path, torch_dtype, torch_device), torch_dtype, torch_device,
                        config.quantization,
                        QuantConfig() if quantization and config.quantization is None else None)
