@@ -4,8 +4,11 @@
 another counts once, in the outer one), the median over the batch's decode steps.
 ``--num-seqs`` changes the batch (how each kernel scales with rows); the kernels' ISA build
 is the CPU's widest unless ``MEGASERVE_CPU_ISA`` (avx512, avx2, baseline) names another.
+``--cpu-time`` times with this thread's CPU time instead of the wall clock: with
+``--cpu-threads 1`` every kernel runs on this thread, and the numbers hardly move with the
+load of a shared machine.
 
-    python scripts/cpu_decode_profile.py [--cpu-threads N] [--num-seqs 64]
+    python scripts/cpu_decode_profile.py [--cpu-threads N] [--num-seqs 64] [--cpu-time]
 """
 
 from __future__ import annotations
@@ -31,20 +34,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="this thread's CPU time (use with --cpu-threads 1)")
     args = parser.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     spent: collections.Counter = collections.Counter()
     depth = [0]
 
     def timed(name, fn):
         def call(*a, **kw):
             depth[0] += 1
-            start = time.perf_counter()
+            start = clock()
             try:
                 return fn(*a, **kw)
             finally:
                 depth[0] -= 1
                 if depth[0] == 0:
-                    spent[name] += time.perf_counter() - start
+                    spent[name] += clock() - start
         return call
 
     for name in KERNELS:
@@ -55,9 +61,9 @@ def main() -> None:
 
     def timed_step(self):
         spent.clear()
-        start = time.perf_counter()
+        start = clock()
         out = step(self)
-        steps.append((time.perf_counter() - start, dict(spent)))
+        steps.append((clock() - start, dict(spent)))
         return out
 
     engine_module.LLMEngine.step = timed_step
@@ -78,9 +84,10 @@ def main() -> None:
     # The first steps prefill (64 prompt tokens a sequence, 2,048 a step, then a mixed
     # step); the last one finishes the requests.
     decode = steps[-(64 - 1):-1]
+    prefill_ms = ", ".join(f"{1e3 * s[0]:.1f}" for s in steps[:-(64 - 1)])
     step_ms = statistics.median(s[0] for s in decode) * 1e3
     print(f"{cpu_ext.default_isa()} kernels, {args.num_seqs} sequences, threads {threads}: batch {batch_s:.3f} s, {len(steps)} steps; median decode step "
-          f"{step_ms:.2f} ms over {len(decode)} steps")
+          f"{step_ms:.2f} ms over {len(decode)} steps; prefill steps {prefill_ms} ms")
     names = sorted({n for _, s in decode for n in s},
                    key=lambda n: -statistics.median(s.get(n, 0.0) for _, s in decode))
     total = 0.0
