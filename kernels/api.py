@@ -190,6 +190,35 @@ def paged_attention(
     )
 
 
+def mla_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """Weight-absorbed multi-head latent attention over the paged latent cache.
+
+    q: `[T, H, Dc]` (the latent query ``W_UK^T q_nope`` of width ``rank``, then the rotated
+    rope query); cache: `[num_blocks, block_size, 1, Dc]`, each token's latent row then its
+    rope key, written before the call; metadata as in :func:`paged_attention`. Scores
+    ``q . row * scale``; values are the rows' first ``rank`` columns. Returns `[T, H, rank]`
+    in q.dtype. CUDA: kernels.triton_impl.mla (one program per token and head block,
+    keys in fixed blocks up to the token's position); elsewhere :func:`paged_attention`
+    with the cache as keys and values (its value width is Dc; the rope columns are
+    dropped). A token's bits never depend on the other tokens.
+    """
+    if q.is_cuda:
+        from .triton_impl.mla import mla_attention as run
+
+        return run(q, cache, block_tables, context_lens, query_start_loc, rank, scale)
+    out = _backend(q).paged_attention(q, cache, cache, block_tables, context_lens,
+                                      query_start_loc, scale)
+    return out[..., :rank]
+
+
 def topk_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,7 +120,7 @@ class AttentionPart:
         if w.mla is not None:
             attn = mla_attention(cfg, w.mla, x, meta.positions, self.cos, self.sin, kv_cache[0],
                                  meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                 meta.query_start_loc, self.scale, meta.one_token_per_seq)
+                                 meta.query_start_loc, self.scale)
             x, h = kernels.linear_rms_norm(attn, w.o_proj, w.post_norm, cfg.rms_norm_eps, h)
             return h, x
         qkv = kernels.linear(x, w.qkv, w.qkv_bias)  # [T, (Hq + 2Hkv) * Dh]

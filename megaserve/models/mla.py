@@ -11,10 +11,10 @@ is multi-query attention of Hq heads of width Dc over the cached rows (scores
 output is expanded by ``W_UV_h`` before o_proj. The expanded form (K/V of every head
 materialised per prefill token) reduces in a different order, so mixing the two would
 make a token's bits depend on whether it was prefilled or decoded; with one form they
-never do, and the attention kernel is the batch-invariant ``kernels.paged_attention``
-(fixed KV split size, keys read from the cache after the write). The value width is Dc
-(the rope columns come along and are dropped): 1 + rope/rank extra columns of work for
-one kernel and one cache layout.
+never do, and the attention is ``kernels.mla_attention`` (keys read from the cache after
+the write, a token's keys reduced in an order fixed by its own position: on CPU the
+batch-invariant paged attention with value width Dc, the rope columns dropped; on CUDA a
+Triton kernel over the latent rows).
 
 Shape legend: T = tokens, H = heads, D = hidden, Rq = q_lora_rank, Rkv = kv_lora_rank,
 Dn / Dr / Dv = qk_nope / qk_rope / v head dims, Dc = Rkv + Dr, P = rotary positions.
@@ -151,12 +151,12 @@ def mla_attention(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    one_token_per_seq: bool = False,
 ) -> torch.Tensor:
     """MLA up to o_proj's input: x `[T, D]` (the input norm) → `[T, H * Dv]`.
 
     Writes the tokens' latent rows into ``cache`` (`[num_blocks, block_size, 1, Dc]`)
-    before attending (metadata as in ``kernels.paged_attention``). A token's result
+    before attending (metadata as in ``kernels.paged_attention``; ``kernels.mla_attention``
+    attends). A token's result
     depends only on its own row, its position and the cached rows before it.
     """
     mla, num_tokens = config.mla, x.shape[0]
@@ -175,7 +175,6 @@ def mla_attention(
     q_rope = _rotate(q[..., dn:], cos_t, sin_t, mla.rope_interleave)  # [T, H, Dr]
     q_c = _per_head_linear(q[..., :dn], w.w_uk)  # [T, H, Rkv]
     query = torch.cat([q_c, q_rope], dim=-1)  # [T, H, Dc]
-    out = kernels.paged_attention(query, cache, cache, block_tables, context_lens,
-                                  query_start_loc, scale, one_token_per_seq=one_token_per_seq)
-    latent_out = out[..., :rkv]  # [T, H, Rkv]: the values' rope columns are dropped
+    latent_out = kernels.mla_attention(query, cache, block_tables, context_lens,
+                                       query_start_loc, rkv, scale)  # [T, H, Rkv]
     return _per_head_linear(latent_out, w.w_uv).reshape(num_tokens, num_heads * mla.v_head_dim)

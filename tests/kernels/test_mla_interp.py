@@ -1,0 +1,111 @@
+"""The MLA Triton kernel (kernels/triton_impl/mla.py) under the Triton interpreter (CPU,
+CI): values against a float64 reference, and a token's bits alone, in a batch, in prefill
+chunks of any size and as a decode token. Also on CPU: the CPU path of
+``kernels.mla_attention`` against the same reference."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.kernels import interp_support
+from tests.kernels.poison import poisoned_empty
+
+CHECKS = ["mla"]
+RANK, ROPE, HEADS, BLOCK = 64, 16, 20, 16  # 20 heads: a partial head block
+
+
+def _case(torch, lens, dtype):
+    """A paged latent cache holding ``lens`` tokens per sequence (blocks shuffled)."""
+    total_blocks = sum(-(-n // BLOCK) for n in lens) + 3
+    cache = torch.randn(total_blocks, BLOCK, 1, RANK + ROPE).to(dtype)
+    perm = torch.randperm(total_blocks).tolist()
+    width = max(-(-n // BLOCK) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for s, n in enumerate(lens):
+        for b in range(-(-n // BLOCK)):
+            tables[s, b] = perm.pop()
+    return cache, tables
+
+
+def _reference(torch, q, cache, tables, lens, queries, scale):
+    """float64 attention of each query token over keys 0..its position."""
+    out, t = [], 0
+    for s, (n, k) in enumerate(zip(lens, queries)):
+        rows = torch.stack([cache[int(tables[s, j // BLOCK]), j % BLOCK, 0] for j in range(n)]).double()
+        for i in range(k):
+            pos = n - k + i
+            sc = (q[t].double() @ rows[: pos + 1].T) * scale  # [H, pos + 1]
+            out.append(torch.softmax(sc, -1) @ rows[: pos + 1, :RANK])
+            t += 1
+    return torch.stack(out)
+
+
+def _run(torch, ti, q, cache, tables, lens, queries, scale):
+    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    return ti.mla.mla_attention(q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts,
+                                RANK, scale)
+
+
+def check_mla(torch, ti) -> None:
+    import megaserve.kernels.triton_impl.mla  # noqa: F401  (ti.mla)
+
+    scale = 0.1
+    lens, queries = [5, 70, 1, 33], [5, 3, 1, 33]  # prefills, a chunk, a decode token
+    for dtype in (torch.float32, torch.float16):
+        cache, tables = _case(torch, lens, dtype)
+        q = torch.randn(sum(queries), HEADS, RANK + ROPE).to(dtype)
+        with poisoned_empty():
+            full = _run(torch, ti, q, cache, tables, lens, queries, scale)
+        assert not full.isnan().any(), "unwritten output"
+        ref = _reference(torch, q, cache, tables, lens, queries, scale)
+        err = float((full.double() - ref).abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), f"{dtype}: max error {err}"
+        # sequence 1's last token alone, as a decode step (one query of its sequence)
+        alone = _run(torch, ti, q[7:8], cache, tables[1:2], [70], [1], scale)
+        assert torch.equal(alone[0], full[7]), "decode token != same token in a batch"
+        # sequence 3 as prefill chunks 20 + 13 (context grows with each chunk)
+        first = _run(torch, ti, q[9:29], cache, tables[3:4], [20], [20], scale)
+        second = _run(torch, ti, q[29:42], cache, tables[3:4], [33], [13], scale)
+        assert torch.equal(torch.cat([first, second]), full[9:42]), "chunked prefill differs"
+
+
+def _child() -> None:
+    interp_support.install()
+    interp_support.run_checks(globals(), CHECKS)
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, dict]:
+    try:
+        return interp_support.child_results(__file__)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_mla_kernel_under_interpreter(interp_results: dict[str, dict], name: str) -> None:
+    r = interp_results.get(name)
+    assert r is not None, f"check {name} did not run"
+    assert r["ok"], r.get("error")
+
+
+def test_mla_attention_cpu_path_matches_float64():
+    import torch
+
+    from megaserve import kernels
+
+    torch.manual_seed(0)
+    lens, queries = [5, 40, 9], [5, 1, 4]
+    cache, tables = _case(torch, lens, torch.float32)
+    q = torch.randn(sum(queries), HEADS, RANK + ROPE)
+    starts = torch.tensor([0, 5, 6, 10], dtype=torch.int32)
+    out = kernels.mla_attention(q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts,
+                                RANK, 0.1)
+    ref = _reference(torch, q, cache, tables, lens, queries, 0.1)
+    assert float((out.double() - ref).abs().max()) < 1e-5
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()
