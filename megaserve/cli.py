@@ -71,10 +71,10 @@ def _plan_argv(argv: list[str]) -> list[str]:
             arg.partition("=")[2] if arg.startswith("--model=") else None
         if value is None or not value.startswith("builtin:"):
             continue
-        from megaserve.models.builtin import resolve_model  # numpy only, no torch
+        from megaserve.models.resolved import ResolvedModel
 
         try:
-            path = str(resolve_model(value))
+            path = str(ResolvedModel.resolve(value).path)
         except ValueError as e:
             raise SystemExit(f"megaserve plan: {e}") from None
         if arg == "--model":

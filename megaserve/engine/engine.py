@@ -40,10 +40,10 @@ from megaserve.engine.output_processor import OutputProcessor
 from megaserve.engine.prefix_cache import root_hash
 from megaserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from megaserve.engine.sequence import Sequence, SeqStatus
-from megaserve.models.builtin import resolve_model
 from megaserve.models.config import ModelConfig
 from megaserve.models.forward import ExpertClient, LocalExperts
 from megaserve.models.loader import load_model
+from megaserve.models.resolved import ResolvedModel
 from megaserve.outputs import RequestOutput
 from megaserve.sampling_params import SamplingParams
 from megaserve.tokenizer import Tokenizer
@@ -78,19 +78,23 @@ class LLMEngine:
     corrupt checkpoint or an unsupported architecture, naming the field or file.
     """
 
-    def __init__(self, config: EngineConfig, experts: ExpertClient | None = None) -> None:
-        """``experts``: where routed tokens go (default: all experts in this process)."""
+    def __init__(self, config: EngineConfig, experts: ExpertClient | None = None,
+                 model: ResolvedModel | None = None) -> None:
+        """``experts``: where routed tokens go (default: all experts in this process).
+        ``model``: ``config.model`` resolved by the caller (a front-end over several
+        engines resolves it once); None resolves it here."""
         self.config = config
         if config.device == "cpu":
             kernels_api.set_cpu_threads(config.cpu_threads)
-        path = resolve_model(config.model)
+        resolved = model or ResolvedModel.resolve(config.model)
+        self.resolved_model = resolved
+        path = resolved.path
         self.model_path = Path(path)
         self.tokenizer = load_tokenizer(path)
-        model_config = ModelConfig.from_dir(path)
-        self.max_model_len = resolve_max_model_len(config, model_config)
+        self.max_model_len = resolve_max_model_len(config, resolved.config)
         start = memory.snapshot(config.device)  # before the weights (CUDA only)
-        model = load_model(path, config.dtype, config.device, max_positions=self.max_model_len,
-                           expert_ids=[] if experts is not None else None, config=model_config,
+        model = load_model(resolved, config.dtype, config.device, max_positions=self.max_model_len,
+                           expert_ids=[] if experts is not None else None,
                            quantization=config.quantization)
         self.model_config = model.config
         self.model_name = config.model

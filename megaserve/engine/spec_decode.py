@@ -218,20 +218,18 @@ class DraftModelProposer(Proposer):
     def load(self, config, vocab_size: int) -> None:
         """Load the draft's weights (``config``: the engine's EngineConfig); raises
         ``ValueError`` for a draft of another vocabulary."""
-        from megaserve.models.builtin import resolve_model
-        from megaserve.models.config import ModelConfig
         from megaserve.models.forward import LocalExperts
         from megaserve.models.loader import load_model
+        from megaserve.models.resolved import ResolvedModel
 
-        path = resolve_model(self.config.model)
-        self.draft_config = ModelConfig.from_dir(path)
+        draft = ResolvedModel.resolve(self.config.model)
+        self.draft_config = draft.config
         if self.draft_config.vocab_size != vocab_size:
             raise ValueError(
                 f"speculative_config.model: the draft's vocabulary ({self.draft_config.vocab_size}) "
                 f"differs from the target's ({vocab_size}); use a draft of the same tokenizer")
-        model = load_model(path, config.dtype, config.device,
-                           max_positions=self.max_model_len + self.config.num_speculative_tokens,
-                           config=self.draft_config)
+        model = load_model(draft, config.dtype, config.device,
+                           max_positions=self.max_model_len + self.config.num_speculative_tokens)
         self.attention = model.attention
         self.experts = LocalExperts(model.experts)
         self.device = model.attention.device

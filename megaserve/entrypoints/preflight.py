@@ -59,6 +59,7 @@ def _model_config(model: str):
     server already answers health checks)."""
     from megaserve.models import builtin
     from megaserve.models.config import ModelConfig
+    from megaserve.models.resolved import ResolvedModel
 
     if model.startswith(builtin.BUILTIN_PREFIX):
         name = model[len(builtin.BUILTIN_PREFIX):]
@@ -66,11 +67,7 @@ def _model_config(model: str):
             known = ", ".join(builtin.BUILTIN_PREFIX + n for n in builtin.BUILTIN_MODELS)
             raise ValueError(f"unknown built-in model {model!r}; built-in models: {known}")
         return ModelConfig.from_hf_dict(_builtin_configs()[name])
-    path = builtin.resolve_model(model)  # ValueError: not an existing directory
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r}: {path} has no config.json, so it is not an HF "
-                         "checkpoint directory")
-    return ModelConfig.from_dir(path)
+    return ResolvedModel.resolve(model).config  # ValueError: not a checkpoint directory
 
 
 def _builtin_configs() -> dict[str, dict[str, Any]]:
@@ -87,7 +84,7 @@ SUPPORTED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float1
 def _check_dtype(dtype: str, device: str, model) -> None:
     """ValueError for a dtype the device's kernels do not run (``auto``: the checkpoint's)."""
     from megaserve.engine.config import resolve_device
-    from megaserve.models.loader import resolve_dtype
+    from megaserve.models.resolved import resolve_dtype
 
     device_type = str(resolve_device(device)).partition(":")[0]
     resolved = str(resolve_dtype(dtype, model)).removeprefix("torch.")

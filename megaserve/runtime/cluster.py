@@ -26,9 +26,7 @@ from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import (EngineStats, Prompt, derive_seed, load_tokenizer,
                                      resolve_eos_token_ids, resolve_max_model_len,
                                      validate_prompt)
-from megaserve.models.builtin import resolve_model
-from megaserve.models.config import ModelConfig
-from megaserve.models.loader import resolve_dtype
+from megaserve.models.resolved import ResolvedModel
 from megaserve.outputs import RequestOutput
 from megaserve.runtime.engine_client import EngineClient
 from megaserve.runtime.frames import frame_bytes
@@ -81,7 +79,8 @@ class DisaggregatedEngine(EngineClient):
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
                  launcher: WorkerLauncher | None = None,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None,
+                 model: ResolvedModel | None = None) -> None:
         if config.transport == "rdma":
             from megaserve.comm.rdma import rdma_unavailable
 
@@ -91,8 +90,9 @@ class DisaggregatedEngine(EngineClient):
         refusal = transport_refusal(config)
         if refusal is not None:
             raise ValueError(refusal)
-        path = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(path)
+        self.resolved_model = model or ResolvedModel.resolve(config.model)
+        path = self.resolved_model.path
+        self.model_config = self.resolved_model.config
         num_experts = self.model_config.num_experts
         if placement is None and config.expert_placement is not None:
             placement = ExpertPlacement(num_experts, config.expert_placement)
@@ -104,7 +104,7 @@ class DisaggregatedEngine(EngineClient):
         self.model_name = config.model
         self.vocab_size = self.model_config.vocab_size
         self._arrivals = itertools.count()
-        self._router = replica_router(config, path, self.model_config)
+        self._router = replica_router(config, self.resolved_model)
         self._prompts: dict[str, str | None] = {}  # text prompts (replicas only see ids)
         self._stats: list[EngineStats | None] = [None] * config.attention_replicas
         self.expert_stats: dict[int, object] = {}
@@ -129,7 +129,7 @@ class DisaggregatedEngine(EngineClient):
 
     def _channel(self) -> ChannelConfig:
         cfg = self.model_config
-        itemsize = resolve_dtype(self.config.dtype, cfg).itemsize
+        itemsize = self.resolved_model.dtype(self.config.dtype).itemsize
         tokens = self.config.max_num_batched_tokens
         size = frame_bytes(tokens, tokens * cfg.top_k, cfg.hidden_size, itemsize)
         return ChannelConfig(slot_bytes=size, slots_per_peer=self.config.microbatches + 1,
@@ -143,7 +143,8 @@ class DisaggregatedEngine(EngineClient):
         self._rendezvous = (RendezvousServer(world, host=self._launcher.rendezvous_host)
                             if world else None)
         address = self._rendezvous.address if world else ""
-        return worker_specs(self.config, self.placement, address, self._channel())
+        return worker_specs(self.config, self.resolved_model, self.placement, address,
+                            self._channel())
 
     def _start_workers(self) -> None:
         self._launcher = self._launcher or make_launcher(

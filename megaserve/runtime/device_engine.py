@@ -40,18 +40,20 @@ import torch
 from megaserve.comm import ChannelConfig, RendezvousServer, create_endpoint, exchange
 from megaserve.comm.relay import Mailboxes, Relay, Route
 from megaserve.engine.config import EngineConfig
-from megaserve.engine.engine import EngineStats, LLMEngine, derive_seed
+from megaserve.engine.engine import EngineStats, LLMEngine, Prompt, derive_seed
 from megaserve.engine.gc_heap import freeze_for_life
-from megaserve.models.builtin import resolve_model
-from megaserve.models.config import ModelConfig
-from megaserve.models.loader import load_model, resolve_dtype
+from megaserve.models.loader import load_model
+from megaserve.models.resolved import ResolvedModel
+from megaserve.outputs import RequestOutput
 from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, ExpertInbox,
                                             ExpertLink, ExpertServer, PlaneShape, RelaySlots,
                                             ReplicaInbox, StepBarrier, Stop, WorkerFailed,
                                             WorkerReady)
+from megaserve.runtime.engine_client import EngineClient
 from megaserve.runtime.factory import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.routing import replica_router
+from megaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class ExpertWorkerSpec:
     """What an expert worker process needs (picklable)."""
 
     index: int
-    model: str
+    model: ResolvedModel  # the front-end's resolution (never re-resolved in the worker)
     dtype: str
     device: str
     expert_ids: tuple[int, ...]
@@ -95,9 +97,9 @@ def expert_device(requested: str, replica: torch.device, index: int) -> str:
     return f"cuda:{others[index % len(others)]}"
 
 
-def _load_experts(model: str, dtype: str, device: str, expert_ids,
+def _load_experts(model: ResolvedModel, dtype: str, device: str, expert_ids,
                   quantization: str | None = None) -> object:
-    return load_model(resolve_model(model), dtype, device, attention=False,
+    return load_model(model, dtype, device, attention=False,
                       expert_ids=list(expert_ids), quantization=quantization).experts
 
 
@@ -222,20 +224,28 @@ def run_expert_process(spec: ExpertWorkerSpec, messages, replies) -> None:
             relay.endpoint.close()
 
 
-class DevicePlaneEngine:
-    """Front-end; see the module docstring."""
+class DevicePlaneEngine(EngineClient):
+    """Front-end; see the module docstring.
+
+    Besides :class:`~megaserve.runtime.engine_client.EngineClient`'s attributes it holds
+    ``model_path`` and ``model_config`` (the resolved checkpoint), ``engines`` (the
+    replicas' LLMEngines, ``engine`` the first), ``experts`` / ``experts_by_replica``
+    (their DeviceExperts), ``servers`` (in-process expert workers) and ``placement``.
+    """
 
     def __init__(self, config: EngineConfig, placement: ExpertPlacement | None = None,
                  timeout_s: float = 60.0, profile: bool = False,
-                 sync_debug: str = "default") -> None:
+                 sync_debug: str = "default", model: ResolvedModel | None = None) -> None:
         """``profile``: record wait times and GEMM sizes (benchmarks; in-process workers).
         ``sync_debug``: torch.cuda.set_sync_debug_mode of expert processes while they
-        serve ("error" in tests: any host synchronisation there fails the worker)."""
+        serve ("error" in tests: any host synchronisation there fails the worker).
+        ``model``: ``config.model`` resolved by the caller (None: resolved here); the
+        replicas and expert workers receive this one."""
         reason = device_plane_reason(config)
         if reason is not None:
             raise ValueError(reason)
-        path = resolve_model(config.model)
-        model_config = ModelConfig.from_dir(path)
+        self.resolved_model = model or ResolvedModel.resolve(config.model)
+        path, model_config = self.resolved_model.path, self.resolved_model.config
         if placement is None:
             placement = (ExpertPlacement(model_config.num_experts, config.expert_placement)
                          if config.expert_placement is not None
@@ -251,7 +261,7 @@ class DevicePlaneEngine:
             capacity=max(config.max_num_batched_tokens, config.max_num_seqs),
             hidden=model_config.hidden_size, top_k=model_config.top_k,
             num_experts=model_config.num_experts,
-            dtype=resolve_dtype(config.dtype, model_config), num_replicas=num_replicas,
+            dtype=self.resolved_model.dtype(config.dtype), num_replicas=num_replicas,
             reduce_on_workers=placement.num_workers == 1)
         self.moe_layers = [i for i, moe in enumerate(model_config.moe_layers) if moe]
         self._closed = False
@@ -265,16 +275,16 @@ class DevicePlaneEngine:
         self.sync_debug = sync_debug
         self.config = config
         self.model_name = config.model
-        self._router = replica_router(config, path, model_config)
+        self._router = replica_router(config, self.resolved_model)
         self._arrivals = itertools.count()
         self._pool: ThreadPoolExecutor | None = None
         self.relay: Relay | None = None  # tcp / rdma / nccl: relayed links
         self._rendezvous: RendezvousServer | None = None
         try:
             if config.transport == "inproc":
-                links = self._start_threads(config, str(path))
+                links = self._start_threads(config)
             else:
-                links = self._start_processes(config, str(path))
+                links = self._start_processes(config)
             self.barrier = StepBarrier(links) if num_replicas > 1 else None
             replica = {"model": str(path)}
             if num_replicas > 1 and config.kv_cache_memory_bytes is None \
@@ -296,7 +306,7 @@ class DevicePlaneEngine:
                                         relay=relay)
                 stream = torch.cuda.Stream(self.device)
                 with torch.cuda.stream(stream):
-                    engine = LLMEngine(engine_config, experts=experts)
+                    engine = LLMEngine(engine_config, experts=experts, model=self.resolved_model)
                     if num_replicas > 1:  # module docstring: no capture while others step
                         engine.runner.capture_decode_graphs()
                 self.experts_by_replica.append(experts)
@@ -304,6 +314,13 @@ class DevicePlaneEngine:
                 self.streams.append(stream)
             self.experts, self.engine, self.stream = (self.experts_by_replica[0],
                                                       self.engines[0], self.streams[0])
+            # The same on every replica (one checkpoint, one engine config).
+            self.tokenizer = self.engine.tokenizer
+            self.max_model_len = self.engine.max_model_len
+            self.vocab_size = self.engine.vocab_size
+            self.eos_token_ids = self.engine.eos_token_ids
+            self.model_path = self.engine.model_path
+            self.model_config = self.engine.model_config
             if num_replicas > 1:
                 self._pool = ThreadPoolExecutor(num_replicas, thread_name_prefix="megaserve-replica",
                                                 initializer=torch.cuda.set_device,
@@ -314,10 +331,10 @@ class DevicePlaneEngine:
 
     # -- workers ----------------------------------------------------------------------
 
-    def _start_threads(self, config: EngineConfig, path: str) -> list[ExpertLink]:
+    def _start_threads(self, config: EngineConfig) -> list[ExpertLink]:
         links = []
         for index, expert_ids in enumerate(self.placement.workers):
-            part = _load_experts(path, config.dtype, config.device, expert_ids, config.quantization)
+            part = _load_experts(self.resolved_model, config.dtype, config.device, expert_ids, config.quantization)
             inbox = ExpertInbox(self.shape, self.device)
             server = ExpertServer(part, index, self.shape, inbox, self.replica_inboxes,
                                   self.moe_layers, self.device, profile=self.profile)
@@ -373,7 +390,7 @@ class DevicePlaneEngine:
         self.relay = Relay(endpoint, Mailboxes(dispatch, n, where), routes,
                            Mailboxes(combine, n, where))
 
-    def _start_processes(self, config: EngineConfig, path: str) -> list[ExpertLink]:
+    def _start_processes(self, config: EngineConfig) -> list[ExpertLink]:
         from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
         relayed = config.transport != "cuda_ipc"
@@ -389,7 +406,7 @@ class DevicePlaneEngine:
             handles = tuple(share_tensor(inbox.storage) for inbox in self.replica_inboxes)
         for index, expert_ids in enumerate(self.placement.workers):
             device = expert_device(config.device, self.device, index)
-            spec = ExpertWorkerSpec(index, path, config.dtype, device,
+            spec = ExpertWorkerSpec(index, self.resolved_model, config.dtype, device,
                                     tuple(expert_ids), self.shape, tuple(self.moe_layers),
                                     handles, os.getpid(), config.transport,
                                     self._rendezvous.address if relayed else None, channel,
@@ -459,7 +476,7 @@ class DevicePlaneEngine:
 
     # -- the engine interface -----------------------------------------------------------
 
-    def step(self):
+    def step(self) -> list[RequestOutput]:
         """One global step of every replica with requests (each on its stream); raises
         WorkerError for a dead worker, CommTimeoutError for one that stopped answering."""
         self._check_processes()
@@ -491,7 +508,18 @@ class DevicePlaneEngine:
             if self.barrier is not None:  # a step that ran no MoE layer holds nobody up
                 self.barrier.report(replica, None)
 
-    def add_request(self, request_id: str, prompt, params, seed: int | None = None) -> None:
+    @property
+    def runner(self):
+        """Replica 0's ModelRunner, for warming up its decode graphs before serving (with
+        several replicas every replica captured them at start-up)."""
+        return self.engine.runner
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids (every replica validates alike: one config)."""
+        return self.engine.validate(prompt, params)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    seed: int | None = None) -> None:
         """Queue a request on a replica (megaserve.runtime.routing: cache-aware, else the
         least outstanding work)."""
         if request_id in self._router:
@@ -508,7 +536,7 @@ class DevicePlaneEngine:
             self._router.forget(request_id)
             raise
 
-    def abort_request(self, request_id: str):
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         replica = self._router.owner(request_id)
         if replica is None:
             return None
@@ -525,9 +553,3 @@ class DevicePlaneEngine:
         every = [engine.stats() for engine in self.engines]
         return EngineStats(**{f.name: sum(getattr(s, f.name) for s in every)
                               for f in fields(EngineStats)})
-
-    def __getattr__(self, name: str):
-        # validate, tokenizer, vocab_size, max_model_len...: the same on every replica
-        if name in ("engine", "engines", "__setstate__"):
-            raise AttributeError(name)
-        return getattr(self.engine, name)

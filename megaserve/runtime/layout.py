@@ -21,6 +21,7 @@ import os
 
 from megaserve.comm import ChannelConfig
 from megaserve.engine.config import EngineConfig
+from megaserve.models.resolved import ResolvedModel
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.workers import WorkerSpec
 
@@ -110,11 +111,11 @@ def ready_messages(config: EngineConfig) -> int:
     return config.attention_replicas + config.expert_workers
 
 
-def worker_specs(config: EngineConfig, placement: ExpertPlacement, rendezvous: str,
-                 channel: ChannelConfig) -> list[WorkerSpec]:
+def worker_specs(config: EngineConfig, model: ResolvedModel, placement: ExpertPlacement,
+                 rendezvous: str, channel: ChannelConfig) -> list[WorkerSpec]:
     """One WorkerSpec per worker of ``config``'s layout (see the module docstring), in
     start order: attention-bearing workers first. ``config`` is the front-end's (model path
-    resolved)."""
+    resolved), ``model`` the front-end's resolution of it (workers never resolve again)."""
     replicas = config.attention_replicas
     attention_devices, expert_devices = worker_devices(config)
     world = comm_world(config)
@@ -122,7 +123,7 @@ def worker_specs(config: EngineConfig, placement: ExpertPlacement, rendezvous: s
 
     def spec(role: str, index: int, rank: int, device: str) -> WorkerSpec:
         return WorkerSpec(role, index, rank, world, rendezvous, config.transport, channel,
-                          config, placement, replicas, parent, device)
+                          config, model, placement, replicas, parent, device)
 
     if config.data_parallel:
         return [spec("engine", r, r, attention_devices[r]) for r in range(replicas)]

@@ -6,8 +6,7 @@ from __future__ import annotations
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.engine import cache_root
 from megaserve.engine.prefix_cache import PrefixRouter
-from megaserve.models.config import ModelConfig
-from megaserve.models.loader import resolve_dtype
+from megaserve.models.resolved import ResolvedModel
 
 
 class ReplicaRouter:
@@ -60,11 +59,11 @@ class ReplicaRouter:
         return len(self._owner)
 
 
-def replica_router(config: EngineConfig, path, model_config: ModelConfig) -> ReplicaRouter:
+def replica_router(config: EngineConfig, model: ResolvedModel) -> ReplicaRouter:
     """The router for ``config``'s replicas: cache-aware where prefix caching is on and
-    there are several replicas (the prefix hashes of the checkpoint at ``path``)."""
+    there are several replicas (the prefix hashes of ``model``'s checkpoint)."""
     prefix = None
     if config.enable_prefix_caching and config.attention_replicas > 1:
-        root = cache_root(path, resolve_dtype(config.dtype, model_config), config.block_size)
+        root = cache_root(model.path, model.dtype(config.dtype), config.block_size)
         prefix = PrefixRouter(config.attention_replicas, config.block_size, root)
     return ReplicaRouter(config.attention_replicas, prefix)

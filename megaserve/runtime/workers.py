@@ -25,6 +25,7 @@ import torch
 from megaserve.comm import ChannelConfig, Endpoint, create_endpoint, exchange
 from megaserve.engine.config import EngineConfig
 from megaserve.engine.gc_heap import freeze_for_life
+from megaserve.models.resolved import ResolvedModel
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs, Stop,
                                         WorkerFailure, WorkerReady, WorkerStats)
 from megaserve.runtime.placement import ExpertPlacement
@@ -48,6 +49,7 @@ class WorkerSpec:
     transport: str
     channel: ChannelConfig
     engine: EngineConfig  # the front-end's config (model path resolved)
+    model: ResolvedModel  # the front-end's resolution of engine.model (never re-resolved)
     placement: ExpertPlacement
     num_replicas: int
     parent_pid: int
@@ -159,7 +161,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint | None, inbox, outbox)
     if endpoint is not None:  # else: a whole engine (data parallelism), experts in it
         lockstep = _lockstep_shape(spec) if spec.engine.aggregation == "lockstep" else None
         experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
-    engine = LLMEngine(config, experts=experts)
+    engine = LLMEngine(config, experts=experts, model=spec.model)
     settle_heap(spec.transport)
     outbox.put(WorkerReady(spec.role, spec.index))
     if lockstep is not None:
@@ -198,17 +200,14 @@ def _apply(spec: WorkerSpec, engine, message, outbox) -> None:
 
 
 def _lockstep_shape(spec: WorkerSpec):
-    from megaserve.models.builtin import resolve_model
-    from megaserve.models.config import ModelConfig
-    from megaserve.models.loader import resolve_dtype
     from megaserve.runtime.remote_experts import LockstepShape
 
-    cfg = ModelConfig.from_dir(resolve_model(spec.engine.model))
+    cfg = spec.model.config
     return LockstepShape(
         moe_layers=tuple(i for i, moe in enumerate(cfg.moe_layers) if moe),
         microbatches=spec.engine.microbatches,
         hidden_size=cfg.hidden_size,
-        dtype=resolve_dtype(spec.engine.dtype, cfg),
+        dtype=spec.model.dtype(spec.engine.dtype),
     )
 
 
@@ -233,12 +232,11 @@ def _serve_attention_lockstep(spec: WorkerSpec, engine, experts, inbox, outbox) 
 
 
 def _serve_experts(spec: WorkerSpec, endpoint: Endpoint, inbox, outbox) -> None:
-    from megaserve.models.builtin import resolve_model
     from megaserve.models.loader import load_model
     from megaserve.runtime.expert_worker import ExpertWorker
 
     model = load_model(
-        resolve_model(spec.engine.model), spec.engine.dtype, spec.device,
+        spec.model, spec.engine.dtype, spec.device,
         attention=False, expert_ids=list(spec.placement.workers[spec.index]),
         quantization=spec.engine.quantization,
     )

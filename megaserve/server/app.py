@@ -226,12 +226,9 @@ def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,
     chars_per_token(getattr(engine, "tokenizer", None))
     if dtype["name"] == "auto":
         try:
-            from megaserve.models.builtin import resolve_model
-            from megaserve.models.config import ModelConfig
-            from megaserve.models.loader import resolve_dtype
+            from megaserve.models.resolved import ResolvedModel
 
-            path = resolve_model(config.model)
-            dtype["name"] = str(resolve_dtype("auto", ModelConfig.from_dir(path))).removeprefix(
+            dtype["name"] = str(ResolvedModel.resolve(config.model).dtype("auto")).removeprefix(
                 "torch.")
         except Exception:  # an engine that is not a checkpoint: report what was asked
             logger.debug("could not resolve dtype auto", exc_info=True)
