@@ -18,9 +18,10 @@ derives it, so outputs never depend on the replica. With R > 1 the replicas capt
 decode graph size at start-up: a capture synchronises the device, which must never happen
 while another replica's stream waits for the expert workers.
 
-It has the synchronous engine's interface, so ``LLM`` and ``AsyncLLMEngine`` use it
-unchanged. Raises ``ValueError`` for a layout it does not run (CPU, nccl with the expert
-workers on the replicas' GPU, several replicas with in-process expert workers).
+It implements :class:`~megaserve.runtime.engine_client.EngineClient`, so ``LLM`` and
+``AsyncLLMEngine`` use it unchanged. Raises ``ValueError`` for a layout it does not run
+(CPU, nccl with the expert workers on the replicas' GPU, several replicas with in-process
+expert workers).
 """
 
 from __future__ import annotations

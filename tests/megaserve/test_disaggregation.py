@@ -248,6 +248,7 @@ def test_engines_implement_the_engine_client_interface():
         def validate(self, prompt, params): ...
 
     assert not issubclass(NoStep, EngineClient)
+    _device_plane_engine_is_an_engine_client()
     with LLM(dtype="float32") as one, LLM(dtype="float32", data_parallel_size=2,
                                           enable_expert_parallel=True) as ep:
         for engine in (one.engine, ep.engine):
@@ -256,3 +257,25 @@ def test_engines_implement_the_engine_client_interface():
             assert not missing, f"{type(engine).__name__} lacks {missing}"
             assert (engine.vocab_size, engine.max_model_len) == (one.engine.vocab_size,
                                                                  one.engine.max_model_len)
+
+
+def _device_plane_engine_is_an_engine_client():
+    """DevicePlaneEngine (CUDA only, so checked here by its source) names EngineClient as
+    its base, forwards nothing implicitly (no ``__getattr__``), and its constructor sets
+    every attribute of the interface."""
+    import ast
+    import inspect
+    import textwrap
+
+    from megaserve.runtime.device_engine import DevicePlaneEngine
+    from megaserve.runtime.engine_client import ATTRIBUTES, EngineClient
+
+    assert EngineClient in DevicePlaneEngine.__mro__ and not DevicePlaneEngine.__abstractmethods__
+    assert "__getattr__" not in vars(DevicePlaneEngine)
+    init = ast.parse(textwrap.dedent(inspect.getsource(DevicePlaneEngine.__init__)))
+    assigned = {t.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
+                for target in node.targets
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.value.id == "self"}
+    assert set(ATTRIBUTES) <= assigned, sorted(set(ATTRIBUTES) - assigned)
