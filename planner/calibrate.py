@@ -133,7 +133,7 @@ def calibrate(paths: Sequence[str | Path] | str | Path, gpus: Mapping[str, GpuSp
 
 # --- engine runs: efficiency and fixed overheads from measured co-located steps -------
 
-OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us")
+OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us", "split_overhead_us")
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
 
 
 def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
-    """Fit ``hbm_eff``, ``flops_eff`` and the four overheads (:data:`OVERHEADS`) of ``gpu``.
+    """Fit ``hbm_eff``, ``flops_eff`` and the overheads (:data:`OVERHEADS`; the split overhead stays 0 without runs that cross processes) of ``gpu``.
 
     ``flops_eff`` is capped at ``base.flops_eff`` (from GEMM measurements, or the datasheet
     default): engine runs at serving batches rarely reach the compute roof, so they can

@@ -33,11 +33,13 @@ EP_CHOICES = (1, 2, 4, 8)
 
 def all_to_all_time(model: ModelSpec, work: perf.Workload, hw: perf.Hw, ep, b):
     """One-way dispatch (= combine) of ``b`` tokens of one rank to the ``ep - 1`` other
-    ranks over the intra-node link (zero when ``ep == 1``)."""
+    ranks over the intra-node link, plus half the calibrated split overhead (the fixed cost
+    of crossing processes; zero when ``ep == 1``)."""
     row = model.hidden * work.act_bytes
     p = 1 - (1 - perf.experts_per_worker(model, ep) / model.num_experts) ** model.top_k
     send = b * np.maximum(ep - 1, 0) * p * row
-    return perf.transfer(send, send / np.maximum(ep - 1, 1), hw.link, hw.link_alpha, hw.msg_half)
+    t = perf.transfer(send, send / np.maximum(ep - 1, 1), hw.link, hw.link_alpha, hw.msg_half)
+    return t + np.where(ep > 1, hw.split_oh / 2, 0.0)
 
 
 def colocated_step(model: ModelSpec, work: perf.Workload, hw: perf.Hw, tp, ep, b) -> perf.StepTimes:

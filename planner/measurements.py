@@ -9,11 +9,18 @@ the files the shipped profile was fitted on are in planner/profiles/measurements
      "source": {"command": "...", "commit": "...", "date": "...", "doc": "..."},
      "model": "qwen3-30b-a3b",             # built-in planner model (its per-layer shape)
      "num_layers": 48,                     # layers actually run (random:<preset>:<layers>)
-     "runs": [                             # co-located engine on ONE GPU (tp 1, ep 1)
+     "runs": [                             # co-located engine on ONE GPU (tp 1, ep 1) unless
        {"batch": 64, "input_len": 64, "output_len": 256, "step_ms": 22.96, "tok_s": 2787},
        {"num_prompts": 128, "max_num_seqs": 64, "input_len": 128, "output_len": 64,
-        "tok_s": 29474, "includes_prefill": true}],
+        "tok_s": 29474, "includes_prefill": true},
+       {"layout": "disaggregated", "n_e": 1, "m": 2,   # 1 attention GPU + n_e expert GPUs
+        "batch": 256, "input_len": 64, "output_len": 256, "step_ms": 36.41, "tok_s": 7031},
+       {"layout": "colocated", "ep": 2, ...}],          # co-located EP over ep GPUs
      "measurements": [...]}                # optional kernel / transport entries (calibrate.py)
+
+``tok_s`` is the whole layout's (all its GPUs), ``batch`` the sequences of the whole
+layout (a disaggregated run's attention GPU holds all of them in ``m`` micro-batches; a
+co-located EP run's ``ep`` ranks hold ``batch / ep`` each).
 
 A run with ``step_ms`` is decode only: ``batch`` sequences advance one token per step. A
 run with ``includes_prefill`` is a whole ``LLM.generate`` (tokens/s = generated tokens /
@@ -42,7 +49,7 @@ MEASUREMENTS_DIR = Path(__file__).resolve().parent / "profiles" / "measurements"
 
 @dataclass(frozen=True)
 class Run:
-    """One measured co-located single-GPU run (fields as in the module docstring)."""
+    """One measured run (fields as in the module docstring)."""
 
     file: str
     gpu: str
@@ -55,20 +62,41 @@ class Run:
     num_prompts: int = 0  # includes_prefill runs
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 2048
+    layout: str = "colocated"  # or "disaggregated"
+    ep: int = 1  # co-located: expert-parallel ranks (one GPU each)
+    n_e: int = 1  # disaggregated: expert GPUs (one attention GPU)
+    m: int = 1  # disaggregated: micro-batches
 
     def __post_init__(self) -> None:
+        if self.layout not in ("colocated", "disaggregated"):
+            raise ValueError(f"layout must be 'colocated' or 'disaggregated', got {self.layout!r}")
+        if self.ep < 1 or self.n_e < 1 or self.m < 1:
+            raise ValueError("ep, n_e and m must be >= 1")
+        if self.layout == "colocated" and self.m != 1:
+            raise ValueError("a co-located run has no micro-batches (m = 1)")
+        if self.layout == "disaggregated" and self.ep != 1:
+            raise ValueError("ep is a co-located run's field (use n_e)")
         if self.input_len < 1 or self.output_len < 1 or not self.tok_s > 0:
             raise ValueError("input_len, output_len and tok_s must be positive")
         if self.step_ms is None and (self.num_prompts < 1 or self.max_num_seqs < 1):
             raise ValueError("a run needs step_ms and batch (decode only), or num_prompts and max_num_seqs")
         if self.step_ms is not None and (self.batch < 1 or not self.step_ms > 0):
             raise ValueError("a decode-only run needs batch >= 1 and step_ms > 0")
+        if self.step_ms is not None and self.batch % (self.m * self.ep):
+            raise ValueError(f"batch {self.batch} must divide into m x ep = {self.m * self.ep} equal parts")
 
     @property
     def label(self) -> str:
         what = f"batch {self.batch}" if self.step_ms is not None else \
             f"{self.num_prompts} prompts, max_num_seqs {self.max_num_seqs}, with prefill"
-        return f"{self.gpu} {self.model.name} {what}, {self.input_len} in / {self.output_len} out"
+        where = (f"1 attention + {self.n_e} expert GPU(s), m={self.m}" if self.layout == "disaggregated"
+                 else f"co-located EP over {self.ep} GPUs" if self.ep > 1 else "co-located, 1 GPU")
+        return f"{self.gpu} {self.model.name} {where}, {what}, {self.input_len} in / {self.output_len} out"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the run used."""
+        return 1 + self.n_e if self.layout == "disaggregated" else self.ep
 
 
 def model_with_layers(name: str, num_layers: int) -> ModelSpec:
@@ -98,7 +126,9 @@ def parse_runs(data: Any, where: str) -> list[Run]:
                 tok_s=float(r["tok_s"]), batch=int(r.get("batch", 0)),
                 step_ms=None if r.get("includes_prefill") else float(r["step_ms"]),
                 num_prompts=int(r.get("num_prompts", 0)), max_num_seqs=int(r.get("max_num_seqs", 0)),
-                max_num_batched_tokens=int(r.get("max_num_batched_tokens", 2048))))
+                max_num_batched_tokens=int(r.get("max_num_batched_tokens", 2048)),
+                layout=str(r.get("layout", "colocated")), ep=int(r.get("ep", 1)), n_e=int(r.get("n_e", 1)),
+                m=int(r.get("m", 1))))
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"{where}: runs[{n}]: {e}") from None
     return runs
@@ -130,19 +160,36 @@ class Prediction:
     step_ms: float | None  # decode-only runs: predicted TPOT
 
 
+def step_time(run: Run, hw: perf.Hw, work: perf.Workload, seqs: float) -> float:
+    """Predicted seconds of one decode step of ``seqs`` sequences in ``run``'s layout."""
+    if run.layout == "disaggregated":
+        return float(perf.decode_step(run.model, work, hw, hw, 1, 1, 1, run.n_e, run.m, seqs / run.m).t_total)
+    return float(colocated_step(run.model, work, hw, 1, run.ep, seqs / run.ep).t_total)
+
+
+def prefill_time(run: Run, hw: perf.Hw, work: perf.Workload, seqs: float) -> float:
+    """Predicted seconds of one prefill chunk of ``seqs`` prompts in ``run``'s layout (a
+    disaggregated chunk: the co-located chunk's work plus a dispatch and a combine a layer)."""
+    if run.layout == "disaggregated":
+        t_c = perf.dispatch_time(run.model, work, hw, hw, 1, 1, 1, run.n_e, seqs * run.input_len)
+        return float(colocated_prefill(run.model, work, hw, 1, 1, seqs)) + 2 * run.model.num_moe_layers * float(t_c)
+    return float(colocated_prefill(run.model, work, hw, 1, run.ep, seqs / run.ep))
+
+
 def predict(run: Run, gpu: GpuSpec, eff: Efficiency) -> Prediction:
-    """The planner's prediction of one run on ``gpu`` with efficiency factors ``eff``."""
+    """The planner's prediction of one run on ``gpu`` with efficiency factors ``eff``
+    (tok/s of the whole layout, TPOT for decode-only runs)."""
     hw = perf.Hw([gpu], Profile(eff))
     work = perf.Workload(input_len=run.input_len, output_len=run.output_len)
     if run.step_ms is not None:
-        step = float(colocated_step(run.model, work, hw, 1, 1, run.batch).t_total)
+        step = step_time(run, hw, work, run.batch)
         return Prediction(run.batch / step, step * 1e3)
     total = 0.0
     for wave in range(math.ceil(run.num_prompts / run.max_num_seqs)):
         seqs = min(run.max_num_seqs, run.num_prompts - wave * run.max_num_seqs)
         chunks = math.ceil(seqs * run.input_len / run.max_num_batched_tokens)
-        total += chunks * float(colocated_prefill(run.model, work, hw, 1, 1, seqs / chunks))
-        total += (run.output_len - 1) * float(colocated_step(run.model, work, hw, 1, 1, seqs).t_total)
+        total += chunks * prefill_time(run, hw, work, seqs / chunks)
+        total += (run.output_len - 1) * step_time(run, hw, work, seqs)
     return Prediction(run.num_prompts * run.output_len / total, None)
 
 

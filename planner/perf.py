@@ -81,6 +81,7 @@ class Hw:
         self.seq_oh = col(lambda g, e: e.seq_overhead_us * 1e-6)
         self.layer_oh = col(lambda g, e: e.layer_overhead_us * 1e-6)
         self.token_oh = col(lambda g, e: e.token_overhead_us * 1e-6)
+        self.split_oh = col(lambda g, e: e.split_overhead_us * 1e-6)
 
 
 def roofline(hw: Hw, nbytes, flops):
@@ -172,6 +173,8 @@ def dispatch_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_
 
     A replica sends each token once per destination worker, spread over its tp_a NICs; the
     busiest worker receives from all n_a replicas over its tp_e NICs. The slower end wins.
+    Plus half the calibrated split overhead (the other half is the combine's): the fixed
+    cost of crossing processes (pack, flag hop, the remote side's preparation).
     """
     row = model.hidden * work.act_bytes
     p = 1 - (1 - experts_per_worker(model, n_e) / model.num_experts) ** model.top_k
@@ -179,7 +182,7 @@ def dispatch_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_
     t_send = transfer(send, send / n_e, hw_a.net, hw_a.net_alpha, hw_a.msg_half)
     recv = worker_rows(model, work, n_e, n_a * b) * row / tp_e
     t_recv = transfer(recv, recv / n_a, hw_e.net, hw_e.net_alpha, hw_e.msg_half)
-    return np.maximum(t_send, t_recv)
+    return np.maximum(t_send, t_recv) + hw_a.split_oh / 2
 
 
 def attention_memory(model: ModelSpec, work: Workload, tp_a, batch):
