@@ -149,7 +149,8 @@ def _plan(argv: list[str]) -> int:
         print()
         print(explain(model, work, cluster, prof, atoms, int(i)))
         print()
-        print(compare_layouts(model, work, cluster, atoms, counts, args.objective, args.target_rate, args.time_limit))
+        print(compare_layouts(model, work, cluster, atoms, counts, args.objective, args.target_rate, args.time_limit,
+                             prof))
     if args.output:
         print(f"\nwrote {args.output}", file=sys.stderr)
     return 0

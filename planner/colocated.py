@@ -6,10 +6,11 @@ rank) and splits the experts of every MoE layer over the ``ep`` ranks (expert pa
 
 * one GPU (``tp = ep = 1``): data-parallel replicas of the whole model, the engine's
   single-GPU path and what calibration measures;
+* DP attention + EP over the same GPUs (``tp = 1``, ``ep > 1``; the runtime's
+  ``--data-parallel-size N --enable-expert-parallel``), always a candidate: tokens go to
+  the ranks holding their experts and back with an all-to-all over the intra-node link;
 * where no single GPU of the type can serve the model (memory, or the TPOT SLO at batch
-  1): TP groups (``ep = 1``) and DP attention + EP over the same GPUs (``tp = 1``), where
-  tokens go to the ranks holding their experts and back with an all-to-all over the
-  intra-node link.
+  1): TP groups (``ep = 1``).
 
 There is no ping-pong (m = 1): one layer is ``attention + dispatch + experts + combine``
 in series on the same GPU, plus the calibrated overheads, which a co-located GPU pays once
@@ -110,10 +111,11 @@ def find_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, prof
     if ok.any():
         t1 = colocated_step(model, work, perf.Hw(gpus, profile, g["g"][ok]), g["tp"][ok], g["ep"][ok], 1).t_total
         ok[ok] = t1 <= work.tpot_ms / 1e3
-    # NOTE: multi-GPU units only where a single GPU of the type cannot serve the model
-    # (memory or SLO): otherwise data-parallel single-GPU replicas are the co-located choice.
+    # NOTE: TP groups only where a single GPU of the type cannot serve the model (memory or
+    # SLO); co-located EP (tp = 1, ep > 1) is always a candidate beside single-GPU replicas:
+    # it trades an all-to-all and the split overhead for expert memory freed for KV.
     single = ok & (g["tp"] * g["ep"] == 1)
-    ok &= (g["tp"] * g["ep"] == 1) | ~np.isin(g["g"], g["g"][single])
+    ok &= (g["tp"] == 1) | ~np.isin(g["g"], g["g"][single])
     g, b_cap = {k: v[ok] for k, v in g.items()}, b_cap[ok].astype(np.int64)
     hw = perf.Hw(gpus, profile, g["g"])
     b = binary_search_batch(lambda b_: colocated_step(model, work, hw, g["tp"], g["ep"], b_).t_total,

@@ -134,14 +134,19 @@ def _unit_facts(model: ModelSpec, atoms: Atoms, i: int) -> dict:
 
 
 def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, atoms: Atoms, counts: np.ndarray,
-                    objective: str, target_rate: float | None, time_limit_s: float) -> str:
-    """Best plan of each layout alone (same ILP), which wins, by how much, and why: batch and
-    KV memory per GPU at the SLO, expert GEMM size, communication share of a layer."""
+                    objective: str, target_rate: float | None, time_limit_s: float,
+                    profile: Profile = Profile()) -> str:
+    """Best plan of each layout alone (same ILP: disaggregated, co-located single-GPU or TP,
+    co-located EP), which wins, by how much, and why: batch and KV memory per GPU at the SLO,
+    expert GEMM size, communication share of a layer; where disaggregation loses, why
+    (:func:`disaggregation_loss`)."""
     from megaserve.planner import ilp
 
     best = {}
-    for k, name in enumerate(LAYOUTS):
-        mask = atoms.layout == k
+    colocated = atoms.layout == LAYOUTS.index("colocated")
+    groups = {"disaggregated": atoms.layout == LAYOUTS.index("disaggregated"),
+              "colocated": colocated & (atoms.n_a == 1), "colocated EP": colocated & (atoms.n_a > 1)}
+    for name, mask in groups.items():
         if mask.any():
             sub = atoms.take(mask)
             try:
@@ -149,7 +154,7 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
             except InfeasibleError:
                 pass
     lines = [f"layouts compared (each alone, same inventory, objective {objective}):"]
-    for name in LAYOUTS:
+    for name in groups:
         if name not in best:
             lines.append(f"  {name}: no feasible unit (memory, SLO or inventory) after pruning")
             continue
@@ -167,7 +172,8 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
         return "\n".join(lines)
     key = (lambda s: s.throughput) if objective == "throughput" and target_rate is None else \
         (lambda s: s.throughput / max(s.cost, 1e-12))
-    (w, (ws, wsel)), (l, (ls, lsel)) = sorted(best.items(), key=lambda kv: -key(kv[1][1]))
+    ranked = sorted(best.items(), key=lambda kv: -key(kv[1][1]))
+    (w, (ws, wsel)), (l, (ls, lsel)) = ranked[0], ranked[1]
     wf, lf = _unit_facts(model, ws, wsel.atom_ids[0]), _unit_facts(model, ls, lsel.atom_ids[0])
     what = "throughput" if key(wsel) == wsel.throughput else "tokens per cost"
     lines.append(f"winner: {w}, {key(wsel) / max(key(lsel), 1e-12):.2f}x the {what} of {l}")
@@ -177,4 +183,45 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
         f"{lf['kv_gb']:.1f} GB per attention GPU; expert GEMMs of {wf['rows_per_expert']:.1f} vs "
         f"{lf['rows_per_expert']:.1f} rows per expert; communication {wf['comm_share']:.0%} vs "
         f"{lf['comm_share']:.0%} of a layer")
+    if w != "disaggregated" and "disaggregated" in best:
+        ds, dsel = best["disaggregated"]
+        lines.extend(disaggregation_loss(model, work, cluster, profile, ds.row(dsel.atom_ids[0]), w,
+                                         key(wsel) / max(key(dsel), 1e-12), what))
     return "\n".join(lines)
+
+
+def disaggregation_loss(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, r: dict,
+                        winner: str, ratio: float, what: str) -> list[str]:
+    """Why the disaggregated unit ``r`` (an Atoms row) loses: its per-GPU throughput against
+    one co-located GPU of its attention type running the same batch, and what the split adds
+    per MoE layer (dispatch + combine, the split overhead, the expert side's fixed costs)."""
+    from megaserve.planner.colocated import colocated_max_batch, colocated_step
+
+    g = cluster.gpus[r["attn_gpu"]]
+    hw = perf.Hw([g], profile)
+    batch = r["m"] * r["b"]  # sequences of one attention replica
+    one = colocated_step(model, work, hw, 1, 1, batch)
+    fits = float(colocated_max_batch(model, work, hw, 1, 1)) >= 1
+    L = model.num_moe_layers
+    t_one, t_split = float(one.t_total), r["tpot"]
+    per_layer_us = (t_split - t_one) / L * 1e6
+    unit_gpus = r["gpus"] / max(r["n_a"], 1)  # GPUs per attention replica's share of the unit
+    lines = [f"disaggregation loses here: {winner} gets {ratio:.2f}x its {what}"]
+    if fits:
+        lines.append(
+            f"  the model fits one {g.name}: a co-located GPU runs a replica's batch of {batch} in {t_one * 1e3:.2f} ms "
+            f"a step ({batch / t_one:,.0f} tok/s per GPU); the split unit spends {unit_gpus:g} GPUs per replica "
+            f"on the same batch, so per GPU its throughput is divided by {unit_gpus:g} before any cost of the split")
+    else:
+        lines.append(f"  the model does not fit one {g.name}: the co-located alternative is EP or TP over several GPUs")
+    lines.append(
+        f"  the split {'adds' if per_layer_us >= 0 else 'saves'} {abs(per_layer_us):.0f} us per MoE layer "
+        f"(step {t_split * 1e3:.2f} vs {t_one * 1e3:.2f} ms over {L} layers at m={r['m']}"
+        f"{'' if per_layer_us >= 0 else ', by overlapping the two sides'}): dispatch + combine 2 x T_c = {2 * r['t_c'] * 1e6:.0f} us (calibrated split "
+        f"overhead {float(hw.split_oh) * 1e6:.0f} us included), the expert side's fixed layer cost, and "
+        f"{'the pipeline of ' + str(r['m']) + ' micro-batches (each reads the experts again)' if r['m'] > 1 else 'no overlap (m = 1: each side waits for the other)'}")
+    lines.append(
+        f"  per GPU: {r['throughput'] / r['gpus']:,.0f} (split) vs {batch / t_one:,.0f} tok/s (one co-located GPU); "
+        f"disaggregation wins only where one GPU cannot hold the model or its KV at the SLO's batch, or where "
+        f"the split step falls below 1/{unit_gpus:g} of the co-located one ({t_one / unit_gpus * 1e3:.2f} ms here)")
+    return lines

@@ -1,0 +1,49 @@
+"""`megaserve plan --explain` on 2 x H200 for a model that fits one GPU: co-located EP is
+ranked beside single-GPU co-located and disaggregated units, and the explanation says why
+disaggregation loses (per-GPU throughput halves; what the split adds per MoE layer)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+H200X2 = "inventory:\n  H200: {count: 2, gpus_per_node: 2}\n"
+
+
+def plan(tmp_path: Path, *extra: str) -> str:
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(H200X2)
+    out = subprocess.run([sys.executable, "-m", "megaserve.cli", "plan", "--model", "qwen3-30b-a3b", "--cluster",
+                          str(cluster), "--input-len", "64", "--output-len", "256", "--top", "20", *extra],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_colocated_ep_is_a_candidate_beside_one_gpu_and_disaggregated(tmp_path):
+    table = plan(tmp_path).split("deployment units by")[1].split("\n\n")[0]
+    rows = [line for line in table.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert any(" colocated " in r and "same GPUs, ep1" in r for r in rows)
+    assert any(" colocated " in r and "same GPUs, ep2" in r for r in rows)
+    assert any(" disaggregated " in r for r in rows)
+
+
+def test_explain_says_when_and_why_disaggregation_loses(tmp_path):
+    for batch in ("256", "1024"):
+        out = plan(tmp_path, "--max-batch", batch, "--explain")
+        assert "best plan: " in out and "[disaggregated:" not in out.split("best plan:")[1].splitlines()[0]
+        text = out.split("disaggregation loses here: ")[1]
+        assert re.match(r"colocated( EP)? gets \d+\.\d\dx its throughput", text)
+        assert "the model fits one H200" in text and "per GPU its throughput is divided by 2" in text
+        split = re.search(r"the split (adds|saves) (\d+) us per MoE layer \(step (\d+\.\d+) vs (\d+\.\d+) ms", text)
+        assert split, text
+        added = (1 if split[1] == "adds" else -1) * int(split[2])
+        assert abs(added - (float(split[3]) - float(split[4])) * 1e3 / 48) <= 1  # 48 MoE layers
+        per_gpu = re.search(r"per GPU: ([\d,]+) \(split\) vs ([\d,]+) tok/s \(one co-located GPU\)", text)
+        assert per_gpu and int(per_gpu[1].replace(",", "")) < int(per_gpu[2].replace(",", ""))
+    # at batch 256, m = 1 (as measured): the split adds time per layer, it does not save it
+    out = plan(tmp_path, "--max-batch", "256", "--explain")
+    assert re.search(r"the split adds \d+ us per MoE layer \(step [\d.]+ vs [\d.]+ ms over 48 layers at m=1", out)
