@@ -54,14 +54,14 @@ def expert_worker(index: int, expert_ids: list[int], workers: int, ticks: list[t
         incoming, outgoing = Mailboxes(dispatch, M), Mailboxes(combine, M)
         endpoint = create_endpoint(provider, 1 + index, 1 + workers)
         endpoint.connect(exchange(rdv, 1 + index, 1 + workers, endpoint.address), send_to=[0])
-        Relay.warm_up(endpoint, [0], timeout_s=60)  # what the device plane does first
+        Relay.warm_up(endpoint, [0], timeout_s=240)  # what the device plane does first
         routes = [Route(local=i, dst=0, remote=index * M + i) for i in range(M)]
         relay = Relay(endpoint, outgoing, routes, incoming)
         for layer, i in ticks:
             take(incoming, i, inbox.counts[0, i: i + 1], [inbox.rows[0, i], inbox.ids[0, i]], C)
             server._tick(layer, i, C, use_flags=False)
             put(outgoing, i, inbox.counts[0, i: i + 1], [staging.out[i, index]], C)
-        relay.wait_sent(len(ticks), timeout_s=60)
+        relay.wait_sent(len(ticks), timeout_s=240)
         results.put({"index": index, "ok": True, "sent": relay.frames_sent,
                      "received": relay.frames_received})
         stop.wait(60)
