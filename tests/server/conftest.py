@@ -82,7 +82,7 @@ class ServerProcess:
         assert status == 200
         return parse_text(body.decode())
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 120.0) -> dict[str, float]:
         """Polls /metrics until nothing runs, waits or holds KV blocks; returns them."""
         deadline = time.monotonic() + timeout
         while True:
