@@ -140,7 +140,10 @@ class DisaggregatedEngine(EngineClient):
         world = comm_world(self.config)
         if self._rendezvous is not None:
             self._rendezvous.close()
-        self._rendezvous = (RendezvousServer(world, host=self._launcher.rendezvous_host)
+        # The round stays open as long as workers may take to start (STARTUP_TIMEOUT_S):
+        # its 60 s default closed it under a late Ray actor on a loaded host.
+        self._rendezvous = (RendezvousServer(world, host=self._launcher.rendezvous_host,
+                                             timeout_s=STARTUP_TIMEOUT_S)
                             if world else None)
         address = self._rendezvous.address if world else ""
         return worker_specs(self.config, self.resolved_model, self.placement, address,

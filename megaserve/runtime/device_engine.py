@@ -126,7 +126,8 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     world = 1 + shape.num_workers
     endpoint = create_endpoint(spec.transport, 1 + spec.index, world, spec.channel,
                                **_endpoint_options(spec.transport, spec.device))
-    endpoint.connect(exchange(spec.rendezvous, 1 + spec.index, world, endpoint.address),
+    endpoint.connect(exchange(spec.rendezvous, 1 + spec.index, world, endpoint.address,
+                              timeout_s=STARTUP_TIMEOUT_S),
                      send_to=[0])
     Relay.warm_up(endpoint, [0], timeout_s=STARTUP_TIMEOUT_S)
     dispatch, combine = RelaySlots.layouts(shape)

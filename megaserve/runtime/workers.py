@@ -133,7 +133,9 @@ def _connect(spec: WorkerSpec) -> Endpoint:
         options["device"] = spec.device
         options["backend"] = "gloo" if spec.device == "cpu" else "nccl"
     endpoint = create_endpoint(spec.transport, spec.rank, spec.world_size, spec.channel, **options)
-    addresses = exchange(spec.rendezvous, spec.rank, spec.world_size, endpoint.address)
+    # Every rank of the round waits for the slowest to start (a loaded host, Ray actors).
+    addresses = exchange(spec.rendezvous, spec.rank, spec.world_size, endpoint.address,
+                         timeout_s=spec.channel.connect_timeout_s)
     if spec.role == "attention":
         endpoint.connect(addresses, send_to=spec.expert_ranks)
     else:
