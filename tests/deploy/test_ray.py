@@ -86,6 +86,7 @@ def _reference():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two recoveries of Ray actors: 10 min under two CPU hogs here
 def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, tmp_path):
     expected = _reference()
     plan = tmp_path / "plan.yaml"
