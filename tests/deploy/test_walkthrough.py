@@ -104,6 +104,7 @@ def test_walkthrough_commands_are_the_documented_ones():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a Ray cluster, a server and its drain: minutes on a loaded box
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the walk-through uses curl")
 def test_ray_walkthrough_runs_as_documented(tmp_path):
     commands = walkthrough_commands((REPO / "docs/deploy.md").read_text())
