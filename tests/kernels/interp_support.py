@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,3 +119,24 @@ def child_results(test_file: str, timeout: int = 540) -> dict[str, dict]:
     if not results:
         raise RuntimeError(f"interpreter child failed: {proc.stderr[-3000:]}")
     return results
+
+
+def results_fixture(test_file: str):
+    """A module-scoped ``interp_results`` fixture for ``test_file``: its interpreter child
+    runs once (:func:`child_results`); a child that reported nothing fails the tests."""
+
+    @pytest.fixture(scope="module")
+    def interp_results() -> dict[str, dict]:
+        try:
+            return child_results(test_file)
+        except RuntimeError as e:
+            pytest.fail(str(e))
+
+    return interp_results
+
+
+def assert_check_passed(results: dict[str, dict], name: str) -> None:
+    """The child ran check ``name`` and it passed (else its error is the message)."""
+    r = results.get(name)
+    assert r is not None, f"check {name} did not run"
+    assert r["ok"], r.get("error")

@@ -119,19 +119,12 @@ def _child() -> None:
     interp_support.run_checks(globals(), CHECKS)
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    try:
-        return interp_support.child_results(__file__)
-    except RuntimeError as e:
-        pytest.fail(str(e))
+interp_results = interp_support.results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_fp8_kernel_under_interpreter(interp_results: dict[str, dict], name: str) -> None:
-    r = interp_results.get(name)
-    assert r is not None, f"check {name} did not run"
-    assert r["ok"], r.get("error")
+    interp_support.assert_check_passed(interp_results, name)
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

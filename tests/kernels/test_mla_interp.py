@@ -76,19 +76,12 @@ def _child() -> None:
     interp_support.run_checks(globals(), CHECKS)
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    try:
-        return interp_support.child_results(__file__)
-    except RuntimeError as e:
-        pytest.fail(str(e))
+interp_results = interp_support.results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_mla_kernel_under_interpreter(interp_results: dict[str, dict], name: str) -> None:
-    r = interp_results.get(name)
-    assert r is not None, f"check {name} did not run"
-    assert r["ok"], r.get("error")
+    interp_support.assert_check_passed(interp_results, name)
 
 
 def test_mla_attention_cpu_path_matches_float64():
