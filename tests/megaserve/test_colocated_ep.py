@@ -10,26 +10,13 @@ from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine
 from megaserve.runtime.factory import uses_device_plane
 from megaserve.runtime.layout import worker_devices
+from tests.megaserve.layout_workload import PARAMS, PROMPTS, signature, single_engine_signature
 from tests.processes import alive, comm
-
-PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
-PARAMS = [
-    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True, logprobs=1),
-    SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=1),  # seed derived
-    SamplingParams(max_tokens=6, temperature=0.8, seed=9, top_k=20, ignore_eos=True),
-    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-]
-
-
-def _signature(outs):
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def single_engine():
-    with LLM(dtype="float32") as llm:
-        return _signature(llm.generate(PROMPTS, PARAMS))
+    return single_engine_signature()
 
 
 # (transport, N, micro-batches, aggregation); nccl on the CPU is its gloo data plane.
@@ -45,7 +32,7 @@ def test_colocated_ep_equals_one_engine_bitwise(single_engine, transport, size, 
     with LLM(dtype="float32", data_parallel_size=size, enable_expert_parallel=True,
              microbatches=microbatches, transport=transport, aggregation=aggregation) as llm:
         engine = llm.engine
-        got = _signature(llm.generate(PROMPTS, PARAMS))
+        got = signature(llm.generate(PROMPTS, PARAMS))
         if transport != "inproc":  # one process per rank pair, named for ps
             pids = [w.pid for w in engine._workers]
             assert len(pids) == size and all(alive(p) for p in pids)
@@ -61,14 +48,14 @@ def test_colocated_ep_equals_one_engine_bitwise(single_engine, transport, size, 
 def test_colocated_ep_uneven_placement_equals_one_engine(single_engine):
     with LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
              expert_placement=((0, 5), (1, 2, 3, 4, 6, 7))) as llm:
-        assert _signature(llm.generate(PROMPTS, PARAMS)) == single_engine
+        assert signature(llm.generate(PROMPTS, PARAMS)) == single_engine
 
 
 def test_data_parallel_without_ep_runs_whole_engines_bitwise(single_engine):
     with LLM(dtype="float32", data_parallel_size=2, transport="tcp") as llm:
         engine = llm.engine
         assert [comm(w.pid) for w in engine._workers] == ["megaserve-DP0", "megaserve-DP1"]
-        got = _signature(llm.generate(PROMPTS, PARAMS))
+        got = signature(llm.generate(PROMPTS, PARAMS))
         assert engine.expert_stats == {}  # no expert workers: experts inside each engine
         served = [s for s in engine._stats if s is not None]
         assert len(served) == 2  # both replicas took requests
@@ -151,10 +138,10 @@ def test_speculative_decoding_through_colocated_ep_equals_one_engine():
                for i in range(4)]
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
     with LLM(dtype="float32") as llm:
-        reference = _signature(llm.generate(prompts, params))
+        reference = signature(llm.generate(prompts, params))
     with LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
-        got = _signature(llm.generate(prompts, params))
+        got = signature(llm.generate(prompts, params))
         stats = llm.engine.stats()
     assert got == reference
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0

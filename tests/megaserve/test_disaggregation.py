@@ -16,26 +16,13 @@ from megaserve.runtime.cluster import DisaggregatedEngine, WorkerError
 from megaserve.runtime.layout import nccl_gpu_clash
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.recovery import RestartPolicy
+from tests.megaserve.layout_workload import PARAMS, PROMPTS, signature, single_engine_signature
 from tests.processes import alive
-
-PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 500 for j in range(3 + 9 * i)]} for i in range(5)]
-PARAMS = [
-    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True, logprobs=1),
-    SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True, logprobs=1),  # seed derived
-    SamplingParams(max_tokens=6, temperature=0.8, seed=9, top_k=20, ignore_eos=True),
-    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-]
-
-
-def _signature(outs):
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def single_worker():
-    with LLM(dtype="float32") as llm:
-        return _signature(llm.generate(PROMPTS, PARAMS))
+    return single_engine_signature()
 
 
 LAYOUTS = list(itertools.product(["inproc", "tcp"], [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]))
@@ -50,7 +37,7 @@ LAYOUTS += [("tcp", 1, 1, 3), ("tcp", 2, 1, 3), ("tcp", 1, 2, 3), ("tcp", 3, 2, 
 def test_outputs_equal_single_worker_bitwise(single_worker, transport, replicas, experts, microbatches):
     with LLM(dtype="float32", attention_replicas=replicas, expert_workers=experts,
              microbatches=microbatches, transport=transport) as llm:
-        got = _signature(llm.generate(PROMPTS, PARAMS))
+        got = signature(llm.generate(PROMPTS, PARAMS))
     assert got == single_worker
 
 
@@ -203,7 +190,7 @@ def test_lockstep_outputs_equal_single_worker_bitwise(single_worker, transport, 
                                                       microbatches):
     with LLM(dtype="float32", attention_replicas=replicas, expert_workers=experts,
              microbatches=microbatches, transport=transport, aggregation="lockstep") as llm:
-        got = _signature(llm.generate(PROMPTS, PARAMS))
+        got = signature(llm.generate(PROMPTS, PARAMS))
     assert got == single_worker
 
 
