@@ -329,6 +329,13 @@ class _Handle:
     positions: torch.Tensor | None  # [E, T] row of token t in worker e's slot (E > 1)
 
 
+def plane_pack():
+    """The data plane's Triton kernels (CUDA only; imported on first use)."""
+    from megaserve.kernels.triton_impl import plane_pack as module
+
+    return module
+
+
 def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
          owners: torch.Tensor | None, worker: int, only_worker: bool,
          topk_weights: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -342,6 +349,11 @@ def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Ten
     """
     num_tokens = x.shape[0]
     slot_rows, slot_ids = inbox.rows[microbatch], inbox.ids[microbatch]
+    if only_worker and x.is_cuda:  # one launch: rows, ids, weights and count
+        plane_pack().pack_rows(x, topk_ids, topk_weights, slot_rows, slot_ids,
+                               inbox.weights[microbatch],
+                               inbox.counts[microbatch: microbatch + 1])
+        return None
     if only_worker:  # every token goes to the one worker: a plain copy
         slot_rows[:num_tokens].copy_(x)
         slot_ids[:num_tokens].copy_(topk_ids)
@@ -736,7 +748,7 @@ class ExpertServer:
         lookup[torch.tensor(part.expert_ids, dtype=torch.int64)] = torch.arange(len(part.expert_ids))
         self._lookup = lookup.to(self.device)
         self._rows = torch.arange(shape.capacity, device=self.device, dtype=torch.int32)
-        self._selectors: dict[tuple[int, ...], torch.Tensor] = {}
+        self._replica_ids: dict[tuple[int, ...], torch.Tensor] = {}  # [P] int64 each
         self._graphs: dict[tuple[int, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.ticks = 0
@@ -749,11 +761,12 @@ class ExpertServer:
 
     def _select(self, replicas: tuple[int, ...]) -> torch.Tensor | slice:
         """Index of the replicas ``replicas`` in the inbox's first dimension."""
+        if replicas not in self._replica_ids:  # made before any capture uses it
+            self._replica_ids[replicas] = torch.tensor(replicas, dtype=torch.int64,
+                                                       device=self.device)
         if replicas == tuple(range(self.shape.num_replicas)):
             return slice(None)  # all of them: views, no copy
-        if replicas not in self._selectors:
-            self._selectors[replicas] = torch.tensor(replicas, device=self.device)
-        return self._selectors[replicas]
+        return self._replica_ids[replicas]
 
     def _tick(self, layer: int, i: int, c: int, use_flags: bool,
               replicas: tuple[int, ...] = (0,)) -> None:
@@ -774,17 +787,17 @@ class ExpertServer:
             timed.end()
         p = len(replicas)
         select = self._select(replicas)
-        counts = self.inbox.counts[select, i]  # [P]
-        valid = self._rows[None, :c] < counts[:, None]  # [P, c] rows this tick really holds
-        ids = torch.where(valid[..., None], self.inbox.ids[select, i, :c], -1)  # [P, c, k]
-        local = self._lookup[ids.long()].reshape(-1)  # [P*c*k]; sentinel → never computed
+        local = self._local_ids(replicas, select, i, c)  # [P*c*k]; sentinel → never computed
         rows = self.inbox.rows[select, i, :c].reshape(p * c, d)  # routed row r: x row r // k
         out = kernels.expert_ffn(rows, local, self.part.w_gate_up[layer],
                                  self.part.w_down[layer],
                                  rows_per_token=k).view(p, c, k, d)  # [P, c, k, D]
         for j, r in enumerate(replicas):
             replica = self.replicas[r]
-            if self.shape.reduce_on_workers:  # the attention side's combine (module NOTE)
+            if self.shape.reduce_on_workers and out.is_cuda:  # module NOTE; one launch,
+                plane_pack().combine_into(out[j], self.inbox.weights[r, i, :c],  # straight
+                                          replica.out[i, self.index, :c, 0])  # into its inbox
+            elif self.shape.reduce_on_workers:  # the attention side's combine (module NOTE)
                 combined = kernels.combine(out[j], self.inbox.weights[r, i, :c])  # [c, D]
                 replica.out[i, self.index, :c, 0].copy_(combined)
             else:
@@ -794,6 +807,18 @@ class ExpertServer:
                        self.inbox.counts[r, i: i + 1], [replica.out[i, self.index]], c)
             elif use_flags:
                 sf.write(replica.flags[i, self.index: self.index + 1], sf.SET)
+
+    def _local_ids(self, replicas: tuple[int, ...], select, i: int, c: int) -> torch.Tensor:
+        """`[P*c*k]` int64: the local expert of each routed row of micro-batch ``i``'s first
+        ``c`` rows of ``replicas``; rows past a replica's count and ids routed elsewhere
+        get the sentinel (:func:`plane_pack.local_ids`'s contract; CUDA: one launch)."""
+        if self.device.type == "cuda":
+            return plane_pack().local_ids(self.inbox.ids[:, i], self.inbox.counts[:, i],
+                                          self._replica_ids[replicas], self._lookup, c)
+        counts = self.inbox.counts[select, i]  # [P]
+        valid = self._rows[None, :c] < counts[:, None]  # [P, c] rows this tick really holds
+        ids = torch.where(valid[..., None], self.inbox.ids[select, i, :c], -1)  # [P, c, k]
+        return self._lookup[ids.long()].reshape(-1)
 
     def rows_per_gemm(self) -> float:
         """(token, expert) rows per expert GEMM of the ticks now in the slots (the last

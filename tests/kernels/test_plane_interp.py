@@ -1,0 +1,160 @@
+"""The device data plane's exchange kernels (kernels/triton_impl/plane_pack.py) under the
+Triton interpreter (CPU, CI): pack_rows, local_ids and combine_into.
+
+Each is checked against the torch operations it replaces in the data plane (the CPU path
+of megaserve.runtime.device_plane: copies, a masked lookup, kernels.combine) and, where it
+computes, a float64 reference; slots start poisoned (NaN, or a sentinel integer) so a
+store outside the contract shows; row subsets give the same bits (torch.equal). The same
+checks run on a GPU in bfloat16 in tests/kernels/test_plane_gpu.py (the interpreter
+mis-reads bfloat16 loads: here float32 and float16). TRITON_INTERPRET=1 must be set before
+kernels are defined, so the checks run in a child process (this file run as a script).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.kernels import interp_support
+
+CHECKS = ["pack_rows", "local_ids", "combine_into", "bad_input"]
+POISON_ID = -7  # an int32 no pack writes
+
+
+def _bits(torch, t):
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_pack_rows(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
+    """Rows, int32 ids, weights and the count of every token; rows past T untouched."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    dtypes = dtypes or [torch.float32, torch.float16]
+    for dtype in dtypes:
+        for t, d, k, slots in shapes or [(5, 40, 8, 9), (1, 64, 2, 1), (13, 1500, 3, 16)]:
+            for with_weights in (True, False):
+                x = torch.randn(t, d, device=device).to(dtype)
+                topk_ids = torch.randint(0, 128, (t, k), device=device)
+                topk_w = torch.rand(t, k, device=device)
+                rows = torch.full((slots + 1, d), float("nan"), device=device).to(dtype)
+                ids = torch.full((slots + 1, k), POISON_ID, dtype=torch.int32, device=device)
+                weights = torch.full((slots + 1, k), float("nan"), device=device)
+                count = torch.full((1,), POISON_ID, dtype=torch.int32, device=device)
+                plane_pack.pack_rows(x, topk_ids, topk_w if with_weights else None, rows, ids,
+                                     weights, count)
+                assert int(count) == t, f"count {int(count)} != {t}"
+                assert torch.equal(_bits(torch, rows[:t]), _bits(torch, x)), "rows differ"
+                assert torch.isnan(rows[t:].float()).all(), "rows past T were written"
+                assert torch.equal(ids[:t], topk_ids.to(torch.int32)), "ids differ"
+                assert (ids[t:] == POISON_ID).all(), "ids past T were written"
+                if with_weights:
+                    assert torch.equal(weights[:t], topk_w), "weights differ"
+                    assert torch.isnan(weights[t:]).all(), "weights past T were written"
+                else:
+                    assert torch.isnan(weights).all(), "weights written without topk_weights"
+
+
+def _local_ids_ref(torch, ids, counts, replicas, lookup, rows):
+    """The data plane's CPU path: mask rows past the count, look every id up."""
+    counts = counts[replicas]
+    valid = torch.arange(rows, device=ids.device)[None, :] < counts[:, None]
+    masked = torch.where(valid[..., None], ids[replicas, :rows], -1)
+    return lookup[masked.long()].reshape(-1)
+
+
+def check_local_ids(torch, ti, device="cpu", shapes=None) -> None:
+    """Equal to the masked lookup for every replica subset and row count; a subset of the
+    replicas gives that subset's rows of the full call (row invariance)."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    for r, s, k, num_experts, mine in shapes or [(1, 7, 8, 16, 5), (3, 300, 8, 128, 40),
+                                                  (2, 5, 1, 4, 4)]:
+        ids = torch.randint(-1, num_experts, (r, s, k), dtype=torch.int32, device=device)
+        counts = torch.randint(0, s + 1, (r,), dtype=torch.int32, device=device)
+        experts = torch.randperm(num_experts)[:mine].sort().values
+        lookup = torch.full((num_experts + 1,), mine, dtype=torch.int64)
+        lookup[experts] = torch.arange(mine)
+        lookup = lookup.to(device)
+        full = list(range(r))
+        for replicas in (full, full[::-1], full[-1:]):
+            sel = torch.tensor(replicas, dtype=torch.int64, device=device)
+            for rows in (s, max(1, s // 2), 0):
+                got = plane_pack.local_ids(ids, counts, sel, lookup, rows)
+                ref = _local_ids_ref(torch, ids, counts, sel, lookup, rows)
+                assert got.dtype == torch.int64 and torch.equal(got, ref), \
+                    f"local_ids differ: replicas {replicas}, rows {rows}"
+        sel = torch.arange(r, dtype=torch.int64, device=device)
+        whole = plane_pack.local_ids(ids, counts, sel, lookup, s).view(r, s * k)
+        for p in range(r):
+            one = plane_pack.local_ids(ids, counts, sel[p: p + 1], lookup, s)
+            assert torch.equal(one, whole[p]), f"replica {p} alone differs from the batch"
+
+
+def check_combine_into(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
+    """Bitwise kernels.combine, within the float64 reference's tolerance, into a strided
+    slice of a larger buffer (the replica's inbox), nothing else written."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    for dtype in dtypes or [torch.float32, torch.float16]:
+        for t, k, d in shapes or [(6, 8, 40), (1, 2, 2048), (9, 3, 1100)]:
+            eo = torch.randn(t, k, d, device=device).to(dtype)
+            w = torch.rand(t, k, device=device)
+            inbox = torch.full((2, t + 3, 1, d), float("nan"), device=device)
+            out = inbox[1, :t, 0]
+            plane_pack.combine_into(eo, w, out)
+            assert torch.equal(_bits(torch, out), _bits(torch, ti.combine(eo, w))), \
+                f"{dtype} {t}x{k}x{d}: differs from kernels.combine"
+            ref = (eo.double() * w.double()[..., None]).sum(1)
+            err = float((out.double() - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, f"{dtype} {t}x{k}x{d}: error {err}"
+            assert torch.isnan(inbox[0]).all() and torch.isnan(inbox[1, t:]).all(), \
+                "combine_into wrote outside its rows"
+            if t > 1:
+                sub = torch.full((t - 1, d), float("nan"), device=device)
+                plane_pack.combine_into(eo[1:], w[1:], sub)
+                assert torch.equal(_bits(torch, sub), _bits(torch, out[1:])), "not row-invariant"
+
+
+def check_bad_input(torch, ti, device="cpu") -> None:
+    """Shapes and dtypes that do not fit are refused with ValueError."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    x = torch.randn(4, 8, device=device)
+    ids = torch.zeros(4, 2, dtype=torch.int64, device=device)
+    rows = torch.empty(3, 8, device=device)  # too few rows
+    slot_ids = torch.empty(5, 2, dtype=torch.int32, device=device)
+    count = torch.empty(1, dtype=torch.int32, device=device)
+    cases = [
+        lambda: plane_pack.pack_rows(x, ids, None, rows, slot_ids, None, count),
+        lambda: plane_pack.pack_rows(x, ids, None, torch.empty(5, 8, device=device),
+                                     slot_ids.long(), None, count),
+        lambda: plane_pack.local_ids(slot_ids[None], torch.zeros(1, dtype=torch.int32),
+                                     torch.zeros(1, dtype=torch.int64),
+                                     torch.zeros(3, dtype=torch.int32), 2),
+        lambda: plane_pack.combine_into(torch.randn(2, 2, 8), torch.rand(2, 2),
+                                        torch.empty(2, 8, dtype=torch.float16)),
+    ]
+    for i, case in enumerate(cases):
+        try:
+            case()
+        except ValueError:
+            continue
+        raise AssertionError(f"bad input {i} was accepted")
+
+
+def _child() -> None:
+    interp_support.install()  # scalar kernel arguments as loop bounds (numpy >= 2.4)
+    interp_support.run_checks(globals(), CHECKS)
+
+
+interp_results = interp_support.results_fixture(__file__)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_plane_kernel_under_interpreter(interp_results: dict[str, dict], name: str) -> None:
+    interp_support.assert_check_passed(interp_results, name)
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child()
