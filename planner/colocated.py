@@ -27,7 +27,7 @@ from megaserve.planner import perf
 from megaserve.planner.catalog import Cluster
 from megaserve.planner.model_spec import ModelSpec
 from megaserve.planner.profile import Profile
-from megaserve.planner.search import TP_CHOICES, Atoms, binary_search_batch
+from megaserve.planner.atoms import TP_CHOICES, Atoms, binary_search_batch
 
 EP_CHOICES = (1, 2, 4, 8)
 

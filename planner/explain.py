@@ -9,7 +9,7 @@ from megaserve.planner.catalog import Cluster
 from megaserve.planner.errors import InfeasibleError
 from megaserve.planner.model_spec import ModelSpec
 from megaserve.planner.profile import Profile
-from megaserve.planner.search import LAYOUTS, Atoms
+from megaserve.planner.atoms import LAYOUTS, Atoms
 
 
 def _fmt_bytes(x: float) -> str:

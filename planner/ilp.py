@@ -28,7 +28,7 @@ import numpy as np
 import pulp
 
 from megaserve.planner.errors import InfeasibleError
-from megaserve.planner.search import Atoms
+from megaserve.planner.atoms import Atoms
 
 logger = logging.getLogger(__name__)
 

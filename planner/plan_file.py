@@ -28,7 +28,7 @@ from megaserve.planner.errors import InputError
 from megaserve.planner.ilp import Selection
 from megaserve.planner.model_spec import ModelSpec
 from megaserve.planner.perf import Workload
-from megaserve.planner.search import Atoms
+from megaserve.planner.atoms import Atoms
 
 PLAN_VERSION = 1
 

@@ -10,7 +10,7 @@ from megaserve.planner import perf
 from megaserve.planner.catalog import Cluster
 from megaserve.planner.ilp import Selection
 from megaserve.planner.model_spec import ModelSpec
-from megaserve.planner.search import Atoms
+from megaserve.planner.atoms import Atoms
 
 
 def rank(atoms: Atoms, objective: str) -> list[int]:

@@ -35,9 +35,6 @@ KNOWN_CYCLES = {
         "api forwards fp8_linear / fp8_expert_ffn to kernels.fp8, whose CPU path "
         "(dequantize) calls api.linear / api.expert_ffn back; just landed, for its owner "
         "to break (the CPU path can call kernels.cpu directly)",
-    frozenset({"megaserve.planner.colocated", "megaserve.planner.search"}):
-        "the planner's search ranks co-located candidates, which reuse its atom search; "
-        "planner/ belongs to another change in flight",
 }
 
 # Private names taken across modules: "path: the import or attribute" -> why.
