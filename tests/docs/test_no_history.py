@@ -24,7 +24,6 @@ HISTORY = re.compile(
 KNOWN_FILES = {
     "docs/planner.md": "the calibration tables name the kernel runs they came from; "
                        "owned by the planner/deploy change in flight",
-    "scripts/multi_gpu_runs.sh": "a device script other changes still call by this path",
 }
 
 # Lines where the words mean something else: (path, text on the line) -> meaning.

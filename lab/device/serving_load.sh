@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # A server streaming to many clients against the offline engine, on one GPU, one call:
-#   bash scripts/serving_load.sh [CLIENTS] [LAYERS] [server flags...]   (results under $OUT)
+#   bash lab/device/serving_load.sh [CLIENTS] [LAYERS] [server flags...]   (results under $OUT)
 # The server (`megaserve serve`, default settings) gets CLIENTS concurrent greedy gRPC
 # streams of 64-token random prompts, 128 tokens each (megaserve.server.loadtest
 # --no-baseline: a GPU holding the server's engine has no room for a second one); then,
 # with the server gone, the same shape through LLM.generate (megaserve bench throughput).
-# OFFLINE=0 skips the offline run. The device image lacks some of the server's packages: carry them as wheels (.whl,
-# /work/.library/device/README.md) and install them before running this.
+# OFFLINE=0 skips the offline run. A GPU image without the server's packages needs them
+# installed first (from wheels carried with the run).
 set -uo pipefail
-source scripts/device_setup.sh
+cd "$(dirname "$0")/../.."
+source lab/device/setup.sh
 CLIENTS=${1:-1024}
 LAYERS=${2:-48}
 shift $(( $# < 2 ? $# : 2 ))

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU test files and the issue-16 benchmark in one device call (results under $OUT):
-#   bash scripts/gpu_checks.sh [pytest files...]
+# GPU test files in one device call, one log each (results under $OUT, default /tmp/out):
+#   bash lab/device/gpu_tests.sh [pytest files...]
+# With no files: the single-GPU engine tests (device plane, prefix cache, speculative
+# decoding, KV sizing, the CUDA engine). summary.txt has one line per file: rc and pytest's
+# last line.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-source scripts/device_setup.sh
+cd "$(dirname "$0")/../.."
+source lab/device/setup.sh
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 files=("$@")
