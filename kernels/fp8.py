@@ -1,6 +1,7 @@
 """Block-FP8 GEMMs (kernel API): CUDA runs the batch-invariant Triton kernels of
-:mod:`kernels.triton_impl.fp8_gemm`; other devices dequantize the weights and run the
-backend's float kernels (the bits differ from CUDA's, as everywhere between devices).
+:mod:`kernels.triton_impl.fp8_gemm` (linears) and :mod:`kernels.triton_impl.fp8_moe`
+(experts); other devices dequantize the weights and run the backend's float kernels
+(the bits differ from CUDA's, as everywhere between devices).
 
 Weights are e4m3 `[N, K]` (experts `[E, N, K]`) with float32 ``scale_inv`` of one value per
 128 x 128 block, the DeepSeek-V3 / Qwen3-FP8 checkpoint format.
@@ -87,7 +88,7 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     `[E, D, I]` e4m3 with their scales). Returns `[R, D]` in x.dtype; each routed row's
     result is independent of the other rows."""
     if x.is_cuda:
-        from .triton_impl.fp8_gemm import fp8_expert_ffn as gpu_ffn
+        from .triton_impl.fp8_moe import fp8_expert_ffn as gpu_ffn
 
         return gpu_ffn(x, expert_ids, w_gate_up, s_gate_up, w_down, s_down, rows_per_token)
     from .api import expert_ffn

@@ -1,29 +1,36 @@
-"""Batch-invariant block-FP8 GEMMs on CUDA (Hopper): linears and the grouped expert GEMM.
+"""Batch-invariant block-FP8 linear on CUDA (Hopper), and the activation quantization that
+every FP8 GEMM here shares (the grouped expert GEMM is in :mod:`fp8_moe`).
 
-Shape legend: M = rows (tokens), R = routed rows, K = reduction, N = output features,
-E = experts, G = K / 128 groups.
+Shape legend: M = rows (tokens), K = reduction, N = output features, G = cdiv(K, 128)
+groups, S = K splits.
 
 NOTE: the arithmetic of one output element is fixed by (N, K) alone:
 
     x row m ──quantize──▶ xq[m, :] e4m3, xs[m, g] = amax(|x[m, 128g:128g+128]|) / 448
                           (per token, per group of 128: a function of the row alone)
-    acc = 0
-    for g = 0 .. G-1 (ascending):     d = dot(xq[m, group g], wq[n, group g])   fp32 (tensor cores)
-                                      acc = acc + d * xs[m, g] * ws[n / 128, g]
-    out = cast(acc)
+    split s covers groups [s * SG, (s + 1) * SG)        SG = split_groups(N, K)
+    part_s = 0;  for g in split s (ascending):
+                     d = dot(xq[m, group g], wq[n, group g])   fresh fp32 tensor-core chain
+                     part_s = part_s + (d * xs[m, g]) * ws[n // 128, g]
+    total = 0;   for s = 0 .. S-1 (ascending): total = total + part_s
+    out = cast(total)
 
-One tile shape for every M (``BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 128``, 4 warps, no
-split-K): a row's dot chain, its scales and its accumulation order never depend on how
-many rows share the launch or where the row sits in its tile. The grouped expert GEMM
-runs the same per-row chain over the rows of each expert, so a routed row's result is
-independent of how many rows each expert received.
+What may depend on M (a launch, :class:`LinearLaunch`) never changes a bit: the row and
+column tile (64 or 128 rows, 64 or 128 columns: the same per-element chain of wgmma k32
+steps, whatever the instruction's N and the row's place in the tile), whether the
+activation is quantized inside the GEMM's K loop or by :func:`quantize_rows` before it
+(one jitted helper, :func:`quantize_tile`, the same fp32 operations either way), and
+whether a program folds the splits in registers or stores part_s to a workspace that
+:func:`_fold_kernel` folds in the same order (decode: S programs per tile instead of one).
+tests/kernels/test_fp8_gpu.py checks every launch bitwise against the others.
 
-Weights: e4m3 `[N, K]` (`[E, N, K]`) with float32 ``scale_inv`` `[ceil(N/128), ceil(K/128)]`
-(`[E, ...]`): DeepSeek-V3's and the Qwen3 FP8 checkpoints' 128 x 128 block format.
+Weights: e4m3 `[N, K]` with float32 ``scale_inv`` `[ceil(N/128), ceil(K/128)]`:
+DeepSeek-V3's and the Qwen3 FP8 checkpoints' 128 x 128 block format.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,32 +39,48 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GROUP = 128  # activation group = weight block = BLOCK_K = BLOCK_N
-BLOCK_M = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
+GROUP = 128  # activation group = weight block = the K step of every FP8 GEMM
+_TARGET_PROGRAMS = 132  # one per SM of an H100/H200: the decode split rule's budget
+_MIN_SPLIT_GROUPS = 4
+DECODE_MAX_M = 64  # rows up to which a linear quantizes in its K loop and splits K
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                     SWIGLU: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
-    """One (row, 128-column group): amax (exact in any order), scale = amax / 448 (1 for
-    an all-zero group), e4m3 values. SWIGLU: the row is ``[gate | up]`` of width 2K and the
-    quantized value is ``silu(gate) * up`` computed in fp32."""
-    row = tl.program_id(0).to(tl.int64)
+def quantize_tile(x, FP8_MAX: tl.constexpr):
+    """x fp32 `[ROWS, 128]` (one group per row; masked columns 0) → (q fp32 `[ROWS, 128]`
+    with e4m3-representable range, scale `[ROWS]`): scale = amax / 448 (1 for an all-zero
+    group), q = clamp(x / scale). The caller casts q to e4m3 (round to nearest even).
+    Every FP8 GEMM and :func:`quantize_rows` quantize through this one helper."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)
+    return q, scale
+
+
+@triton.jit
+def swiglu(gate, up):
+    """``silu(gate) * up`` in fp32 (gate and up already rounded to the GEMM's dtype)."""
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                     SWIGLU: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    """Rows [BLOCK_R * pid0, +BLOCK_R), group pid1 of x (SWIGLU: x is ``[gate | up]`` of
+    width 2K and the quantized value is :func:`swiglu` of them)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
-    ok = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    ok = (rows < M)[:, None] & (cols < K)[None, :]
+    at = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    x = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     if SWIGLU:
-        up = tl.load(x_ptr + row * stride_xm + K + cols, mask=ok, other=0.0).to(tl.float32)
-        x = x * tl.sigmoid(x) * up
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-             mask=ok)
-    tl.store(s_ptr + row * stride_sm + g, scale)
+        x = swiglu(x, tl.load(at + K, mask=ok, other=0.0).to(tl.float32))
+    q, scale = quantize_tile(x, FP8_MAX)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
+             q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g, scale, mask=rows < M)
 
 
 def _quantize(x: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +90,10 @@ def _quantize(x: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor
     scale = torch.empty(m, triton.cdiv(k, GROUP), dtype=torch.float32, device=x.device)
     if m:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        _quantize_kernel[(m, scale.shape[1])](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0),
-                                              SWIGLU=swiglu, FP8_MAX=FP8_MAX, GROUP=GROUP, num_warps=1)
+        block_r = 16
+        _quantize_kernel[(triton.cdiv(m, block_r), scale.shape[1])](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), SWIGLU=swiglu,
+            FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_R=block_r, num_warps=4)
     return q, scale
 
 
@@ -85,84 +110,139 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return _quantize(gate_up, swiglu=True)
 
 
-@dataclass(frozen=True)
-class ExpertGroups:
-    """Routed rows grouped by expert on the device (no host synchronisation), computed
-    once per layer and shared by the gate/up and down GEMMs."""
-
-    order: torch.Tensor  # [R] int64, routed rows sorted by expert id (stable)
-    counts: torch.Tensor  # [E] int64, rows per expert (rows routed to E excluded)
-    tile_start: torch.Tensor  # [E] int64, first BLOCK_M tile of each expert
-    row_start: torch.Tensor  # [E] int64, first position of each expert in ``order``
-    max_tiles: int  # an upper bound on the tiles (the grid)
-
-
-def group_rows(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """:class:`ExpertGroups` of expert_ids `[R]` int64 in [0, E]."""
-    order = torch.sort(expert_ids, stable=True).indices
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
-    counts = counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))[:num_experts]
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    return ExpertGroups(order, counts, torch.cumsum(tiles, 0) - tiles,
-                        torch.cumsum(counts, 0) - counts,
-                        triton.cdiv(expert_ids.shape[0], BLOCK_M) + num_experts)
+@triton.jit
+def load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
+               QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+    """Group g of the A rows ``rows`` as an FP8 GEMM operand: (e4m3 `[ROWS, 128]`, scale
+    `[ROWS]`). QUANT_A: a holds float rows, quantized here (:func:`quantize_tile`); else a
+    holds e4m3 rows and as their scales (:func:`quantize_rows`). The same bits either way."""
+    kk = g * GROUP + tl.arange(0, GROUP)
+    ok = row_ok[:, None] & (kk < K)[None, :]
+    at = a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
+    if QUANT_A:
+        q, scale = quantize_tile(tl.load(at, mask=ok, other=0.0).to(tl.float32), FP8_MAX)
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
+    else:
+        a = tl.load(at, mask=ok, other=0.0)
+        scale = tl.load(as_ptr + rows.to(tl.int64) * stride_asm + g, mask=row_ok, other=0.0)
+        return a, scale
 
 
 @triton.jit
-def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, rows_ptr, tile_start_ptr, row_start_ptr, count_ptr,
-    M, N, K, NUM_EXPERTS,
-    stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
-    ROWS_PER_TOKEN: tl.constexpr, GROUPED: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp8_linear_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr,
+    M, N, K,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+    SPLIT_GROUPS: tl.constexpr, PARTS: tl.constexpr, QUANT_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    lanes = tl.arange(0, BLOCK_M)
-    if GROUPED:
-        # Tile pid_t belongs to the last expert whose first tile is <= pid_t.
-        experts = tl.arange(0, E_PAD)
-        starts = tl.load(tile_start_ptr + experts, mask=experts < NUM_EXPERTS, other=2**30)
-        e = tl.max(tl.where(starts <= pid_t, experts, -1), axis=0)
-        local = pid_t - tl.load(tile_start_ptr + e)
-        count = tl.load(count_ptr + e)
-        if local * BLOCK_M >= count:
-            return  # past the last tile: the grid is an upper bound
-        in_tile = local * BLOCK_M + lanes
-        row_ok = in_tile < count
-        routed = tl.load(rows_ptr + tl.load(row_start_ptr + e) + in_tile, mask=row_ok, other=0)
-        a_rows = routed // ROWS_PER_TOKEN
-        c_rows = routed
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        bs_base = bs_ptr + e.to(tl.int64) * stride_bse
+    """One (BLOCK_M rows, BLOCK_N columns) tile; PARTS: split pid2 only, its part stored
+    to ws `[S, M, N]` fp32; else every split, folded here (module NOTE)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    num_groups = tl.cdiv(K, GROUP)
+    if PARTS:
+        s_lo = tl.program_id(2)
+        s_hi = s_lo + 1
     else:
-        a_rows = pid_t * BLOCK_M + lanes
-        row_ok = a_rows < M
-        c_rows = a_rows
-        b_base = b_ptr
-        bs_base = bs_ptr
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_base + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]
-    as_ptrs = as_ptr + a_rows.to(tl.int64) * stride_asm
-    bs_ptrs = bs_base + pid_n * stride_bsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - g * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_n[None, :] < N) & k_ok[:, None], other=0.0)
-        a_s = tl.load(as_ptrs + g, mask=row_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + g)
-        d = tl.dot(a, b)
-        acc = acc + (d * a_s[:, None]) * b_s
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
+        s_lo = 0
+        s_hi = tl.cdiv(num_groups, SPLIT_GROUPS)
+    b_rows = b_ptr + cols.to(tl.int64)[:, None] * stride_bn
+    bs_rows = bs_ptr + (cols // GROUP) * stride_bsn
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(s_lo, s_hi):
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in range(s * SPLIT_GROUPS, tl.minimum((s + 1) * SPLIT_GROUPS, num_groups)):
+            a, a_s = load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
+                                QUANT_A, FP8_MAX, GROUP)
+            kk = g * GROUP + tl.arange(0, GROUP)
+            b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :],
+                        other=0.0)
+            b_s = tl.load(bs_rows + g, mask=col_ok, other=0.0)
+            d = tl.dot(a, tl.trans(b))
+            part = part + (d * a_s[:, None]) * b_s[None, :]
+        if PARTS:
+            at = ws_ptr + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            tl.store(at, part, mask=row_ok[:, None] & col_ok[None, :])
+        else:
+            total = total + part
+    if not PARTS:
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+                 total.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, k: int) -> None:
+@triton.jit
+def _fold_kernel(ws_ptr, c_ptr, M, N, stride_cm, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """c = cast(((0 + ws[0]) + ws[1]) + ...): the module NOTE's fold of the parts."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        total = total + tl.load(ws_ptr + s * M * N + offs, mask=ok, other=0.0)
+    row = offs // N
+    tl.store(c_ptr + row.to(tl.int64) * stride_cm + offs % N, total.to(c_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def split_groups(n: int, k: int) -> int:
+    """Groups of 128 per K split for `[n, k]` weights (a function of (N, K) alone): as
+    many splits as keep the decode launch's (64-column tile, split) programs within one
+    per SM, each at least ``_MIN_SPLIT_GROUPS`` groups."""
+    groups = triton.cdiv(k, GROUP)
+    per_tile = _TARGET_PROGRAMS // triton.cdiv(n, 64)
+    splits = max(1, min(per_tile, groups // _MIN_SPLIT_GROUPS))
+    return triton.cdiv(groups, splits)
+
+
+@dataclass(frozen=True)
+class LinearLaunch:
+    """How one FP8 linear runs; never changes a bit (module NOTE). parts: one program per
+    (tile, split) with a fold launch after (else a program folds its tile's splits);
+    quant_a: quantize the activation inside the K loop (else one :func:`quantize_rows`
+    launch before)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    parts: bool = False
+    quant_a: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128) or self.block_n not in (32, 64, 128, 256):
+            raise ValueError(f"LinearLaunch: block_m {self.block_m} must be 64 or 128 and "
+                             f"block_n {self.block_n} one of 32, 64, 128, 256 (wgmma tiles)")
+        if self.num_warps not in (4, 8) or self.num_stages < 1:
+            raise ValueError(f"LinearLaunch: num_warps {self.num_warps} must be 4 or 8, "
+                             f"num_stages {self.num_stages} >= 1")
+
+
+_LAUNCH_ENV = "MEGASERVE_FP8_LINEAR"  # tuning runs: "m,n,warps,stages,parts,quant_a" (decode)
+
+
+def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
+    """The launch for an `[m, k] x [n, k]^T` product (a speed choice, bit-neutral).
+
+    Decode (M <= DECODE_MAX_M): 64-column tiles, activation quantized in the K loop, one
+    program per split where the weight has more than one; larger M: one quantize launch,
+    64 x 128 tiles (128 x 128, 8 warps, from 1024 rows), splits folded in registers."""
+    if m <= DECODE_MAX_M:
+        text = os.environ.get(_LAUNCH_ENV)
+        if text:
+            v = [int(t) for t in text.split(",")]
+            return LinearLaunch(*v[:4], *(bool(f) for f in v[4:]))
+        return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP),
+                            quant_a=True)
+    if m < 1024:
+        return LinearLaunch(64, 128, 4, 3)
+    return LinearLaunch(128, 128, 8, 3)
+
+
+def check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, k: int) -> None:
+    """ValueError unless weight is contiguous e4m3 `[..., N, k]` with float32 128 x 128
+    block scales."""
     n = weight.shape[-2]
     expected = (*weight.shape[:-2], triton.cdiv(n, GROUP), triton.cdiv(k, GROUP))
     if weight.dtype != FP8 or weight.shape[-1] != k or not weight.is_contiguous():
@@ -174,69 +254,38 @@ def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, k: int) -> None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None,
+               launch: LinearLaunch | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T`` with x quantized per token and 128-group: x `[M, K]`
     bf16/fp16/fp32; weight `[N, K]` e4m3; scale_inv `[ceil(N/128), ceil(K/128)]` float32.
-    Returns `[M, N]` in ``out_dtype`` (default x.dtype). Batch-invariant (module NOTE)."""
+    Returns `[M, N]` in ``out_dtype`` (default x.dtype). Batch-invariant (module NOTE);
+    ``launch`` forces a launch (tests, tuning; default :func:`plan_linear`), the same bits.
+    """
     m, k = x.shape
-    _check_weight(weight, scale_inv, k)
+    check_weight(weight, scale_inv, k)
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    xq, xs = quantize_rows(x)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, GROUP))
-    _fp8_gemm_kernel[grid](
-        xq, xs, weight, scale_inv, out, xq, xq, xq, xq, m, n, k, 1,
-        xq.stride(0), xs.stride(0), 0, weight.stride(0), 0, scale_inv.stride(0), out.stride(0),
-        ROWS_PER_TOKEN=1, GROUPED=False, E_PAD=1, BLOCK_M=BLOCK_M, BLOCK_N=GROUP, BLOCK_K=GROUP,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    lp = launch or plan_linear(m, n, k)
+    sg = split_groups(n, k)
+    splits = triton.cdiv(triton.cdiv(k, GROUP), sg)
+    if lp.quant_a:
+        a = x if x.stride(1) == 1 else x.contiguous()
+        a_s = a
+    else:
+        a, a_s = quantize_rows(x)
+    parts = lp.parts and splits > 1
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parts else out
+    grid = (triton.cdiv(m, lp.block_m), triton.cdiv(n, lp.block_n), splits if parts else 1)
+    _fp8_linear_kernel[grid](
+        a, a_s, weight, scale_inv, out, ws, m, n, k,
+        a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+        SPLIT_GROUPS=sg, PARTS=parts, QUANT_A=lp.quant_a, BLOCK_M=lp.block_m,
+        BLOCK_N=lp.block_n, GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=lp.num_warps,
+        num_stages=lp.num_stages)
+    if parts:
+        block = 1024
+        _fold_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
+                                                   NUM_SPLITS=splits, BLOCK=block, num_warps=4)
     return out
-
-
-def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tensor,
-                     weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                     rows_per_token: int = 1, groups: ExpertGroups | None = None) -> torch.Tensor:
-    """Routed row r: ``dequant(xq[r // rows_per_token]) @ dequant(weight[expert_ids[r]]).T``.
-
-    xq `[R / rows_per_token, K]` e4m3 and xs `[.., G]` float32 (:func:`quantize_rows`);
-    expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified);
-    weight `[E, N, K]` e4m3, scale_inv `[E, ceil(N/128), ceil(K/128)]`. Returns `[R, N]`.
-    Rows are grouped by expert on the device (stable sort, no host synchronisation;
-    ``groups``: :func:`group_rows` of these expert_ids, computed by the caller once);
-    each row's arithmetic is the module NOTE's chain, whatever the grouping.
-    """
-    num_rows = expert_ids.shape[0]
-    num_experts, n, k = weight.shape
-    _check_weight(weight, scale_inv, k)
-    out = torch.empty(num_rows, n, dtype=out_dtype, device=xq.device)
-    if num_rows == 0:
-        return out
-    g = groups or group_rows(expert_ids, num_experts)
-    grid = (g.max_tiles, triton.cdiv(n, GROUP))
-    _fp8_gemm_kernel[grid](
-        xq, xs, weight, scale_inv, out, g.order, g.tile_start, g.row_start, g.counts,
-        num_rows, n, k, num_experts,
-        xq.stride(0), xs.stride(0), weight.stride(0), weight.stride(1), scale_inv.stride(0),
-        scale_inv.stride(1), out.stride(0),
-        ROWS_PER_TOKEN=rows_per_token, GROUPED=True, E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_M=BLOCK_M, BLOCK_N=GROUP, BLOCK_K=GROUP, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
-    return out
-
-
-def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
-                   s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
-                   rows_per_token: int = 1) -> torch.Tensor:
-    """SwiGLU experts on block-FP8 weights: ``down_e(silu(gate_e x) * up_e x)`` per routed
-    row (arguments as ``kernels.expert_ffn``; weights e4m3 with their 128 x 128 scales).
-    The intermediate ``silu(gate) * up`` is computed in fp32 from the gate/up GEMM's
-    output (in x.dtype) and quantized per row and group in the same pass. Five launches:
-    quantize, grouping, two GEMMs and the fused activation. Returns `[R, D]` in x.dtype."""
-    groups = group_rows(expert_ids, w_gate_up.shape[0])
-    xq, xs = quantize_rows(x)
-    gate_up = fp8_grouped_gemm(xq, xs, expert_ids, w_gate_up, s_gate_up, x.dtype, rows_per_token,
-                               groups)
-    hq, hs = silu_mul_quantize_rows(gate_up)
-    return fp8_grouped_gemm(hq, hs, expert_ids, w_down, s_down, x.dtype, 1, groups)

@@ -17,7 +17,7 @@ import pytest
 from tests.kernels import interp_support
 from tests.kernels.poison import poisoned_empty
 
-CHECKS = ["fp8_linear", "fp8_grouped", "fp8_expert_ffn"]
+CHECKS = ["fp8_linear", "fp8_linear_launches", "fp8_grouped", "fp8_expert_ffn"]
 
 
 def _weights(torch, n, k, experts=None):
@@ -62,8 +62,29 @@ def check_fp8_linear(torch, ti) -> None:
         assert torch.equal(fp8_linear(x[perm], q, s), full[perm]), "row order"
 
 
+def check_fp8_linear_launches(torch, ti) -> None:
+    """Every launch (tiles, K splits folded in registers or through the workspace, the
+    activation quantized in the K loop or before) gives the same bits; the split rule
+    splits a small-N, long-K weight."""
+    from megaserve.kernels.triton_impl.fp8_gemm import LinearLaunch, fp8_linear, split_groups
+
+    n, k = 130, 1100  # 9 groups, ragged N and K
+    assert split_groups(n, k) < 9, "the split rule does not split this weight"
+    q, s = _weights(torch, n, k)
+    x = torch.randn(5, k).bfloat16()
+    ref = fp8_linear(x, q, s, launch=LinearLaunch())
+    assert _close(fp8_linear(x, q, s, out_dtype=torch.float32),
+                  *_reference(torch, x, q, s)), "values"
+    for lp in (LinearLaunch(64, 64, parts=True, quant_a=True), LinearLaunch(128, 32, 8, 2),
+               LinearLaunch(64, 256, parts=True), LinearLaunch(128, 128, quant_a=True)):
+        with poisoned_empty():
+            got = fp8_linear(x, q, s, launch=lp)
+        assert torch.equal(got, ref), f"launch {lp}"
+
+
 def check_fp8_grouped(torch, ti) -> None:
-    from megaserve.kernels.triton_impl.fp8_gemm import fp8_grouped_gemm, quantize_rows
+    from megaserve.kernels.triton_impl.fp8_gemm import quantize_rows
+    from megaserve.kernels.triton_impl.fp8_moe import fp8_grouped_gemm
 
     experts, top_k, tokens = 5, 2, 70
     q, s = _weights(torch, 200, 160, experts)
@@ -77,9 +98,11 @@ def check_fp8_grouped(torch, ti) -> None:
     for r in (0, 1, 77, 139):
         e = int(ids[r])
         assert _close(full32[r][None], *_reference(torch, x[r // top_k][None], q[e], s[e])), f"row {r}"
-    for m in (1, 2, 33):
+    for m in (1, 2, 33):  # 2 and 4 rows: inline grouping; 66: the align launch
         part = fp8_grouped_gemm(xq[:m], xs[:m], ids[: m * top_k], q, s, torch.bfloat16, top_k)
         assert torch.equal(part, full[: m * top_k]), f"tokens={m}"
+    tiles = fp8_grouped_gemm(xq, xs, ids, q, s, torch.bfloat16, top_k, block_m=128, block_n=64)
+    assert torch.equal(tiles, full), "tile shape"
     dropped = ids.clone()
     dropped[::3] = experts  # routed nowhere
     part = fp8_grouped_gemm(xq, xs, dropped, q, s, torch.bfloat16, top_k)
@@ -89,7 +112,8 @@ def check_fp8_grouped(torch, ti) -> None:
 
 def check_fp8_expert_ffn(torch, ti) -> None:
     from megaserve.kernels.fp8 import dequantize
-    from megaserve.kernels.triton_impl.fp8_gemm import fp8_expert_ffn
+    from megaserve.kernels.triton_impl.fp8_gemm import quantize_rows, silu_mul_quantize_rows
+    from megaserve.kernels.triton_impl.fp8_moe import Fp8MoeLaunch, fp8_expert_ffn, fp8_grouped_gemm
 
     experts, d, inter, top_k = 4, 256, 128, 2
     wgu, sgu = _weights(torch, 2 * inter, d, experts)
@@ -112,6 +136,18 @@ def check_fp8_expert_ffn(torch, ti) -> None:
     for m in (1, 7):
         part = fp8_expert_ffn(x[:m], ids[: m * top_k], wgu, sgu, wd, sd, top_k)
         assert torch.equal(part, full[: m * top_k]), f"tokens={m}"
+    # The fused launches equal the unfused chain: quantize, grouped GEMM, SwiGLU and
+    # quantize, grouped GEMM; and each other (quantization in the K loops or in the
+    # epilogue, other tiles).
+    xq, xs = quantize_rows(x)
+    gate_up = fp8_grouped_gemm(xq, xs, ids, wgu, sgu, torch.bfloat16, top_k)
+    hq, hs = silu_mul_quantize_rows(gate_up)
+    down = fp8_grouped_gemm(hq, hs.contiguous(), ids, wd, sd, torch.bfloat16, 1)
+    assert torch.equal(down, full), "fused chain differs from the unfused one"
+    for lp in (Fp8MoeLaunch(128, 128, 64, 8, 2, quant_in_loop=False), Fp8MoeLaunch(64, 32, 256)):
+        with poisoned_empty():
+            got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
+        assert torch.equal(got, full), f"launch {lp}"
 
 
 def _child() -> None:

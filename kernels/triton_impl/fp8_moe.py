@@ -1,0 +1,255 @@
+"""Batch-invariant grouped expert GEMMs on block-FP8 weights (CUDA, Hopper): the SwiGLU
+expert FFN of :func:`kernels.fp8_expert_ffn`.
+
+Shape legend: T = tokens, R = routed rows, E = experts, D = hidden, I = expert
+intermediate, G = 128-groups along K.
+
+NOTE: a routed row's arithmetic is fp8_gemm's NOTE (one split: S = 1) with its expert's
+weights, wherever the row sits:
+
+    x [T, D] ─ gate_up GEMM (x quantized per row and group) ─▶ gate, up   fp32 chains
+             ─ epilogue: h = silu(round(gate)) * round(up) in fp32 (round: x.dtype)
+    h [R, I] ─ quantized per row and group ─ down GEMM ─▶ out [R, D]      row order
+
+The rows are grouped by expert as :mod:`moe` groups them (its align pass, or with at most
+``moe.INLINE_ALIGN_MAX_ROWS`` rows its inline grouping in every program; the same
+integers) and the tiles numbered the same way (moe's NOTE): each program is one (expert,
+BLOCK_M grouped positions, BLOCK_N columns) tile, the grid a bound from (R, E) alone.
+
+Launch choices, none of which changes a bit (:class:`Fp8MoeLaunch`): tile shapes and
+warps; whether x and h are quantized inside the GEMMs' K loops (:func:`fp8_gemm.load_group`,
+decode: one launch less each and h stays fp32 in memory) or x by one quantize launch and
+h in the gate_up epilogue (128-column tiles hold whole groups): the same helper on the
+same fp32 values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import FP8, FP8_MAX, GROUP, check_weight, load_group, quantize_rows, quantize_tile, swiglu
+from .moe import INLINE_ALIGN_MAX_ROWS, _align, _max_tiles, _rows_at, _tile_of
+
+
+@triton.jit
+def _fp8_expert_kernel(
+    # Pointers
+    a_ptr, as_ptr, w_ptr, wsc_ptr, c_ptr, cs_ptr, ids_ptr, order_ptr, offsets_ptr,
+    # Shapes
+    R, num_experts, N, K,
+    # Strides
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_csm,
+    # Meta-parameters
+    QUANT_A: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
+    INLINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ dequant(w[e]).T``.
+
+    GATHER: position p reads row ``order[p] // ROWS_PER_TOKEN`` of a (else row p);
+    SCATTER: writes row ``order[p]`` of c (else row p). SWIGLU: N is I; the tile
+    accumulates gate columns n and up columns N + n and stores :func:`swiglu` of the two
+    rounded to ROUND (1 bf16, 2 fp16, 0 none): fp32 at c, or with QUANT_OUT (BLOCK_N ==
+    128: one group) quantized, e4m3 at c and the scales at cs. Else c gets the cast fp32.
+    """
+    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
+                                            num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
+                                            BLOCK_R, INLINE, False)
+    if expert >= num_experts:
+        return
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    pos = start + tl.arange(0, BLOCK_M)  # positions in the grouped order
+    row_ok = pos < end
+    col_ok = cols < N
+    if GATHER or SCATTER:
+        rows = _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
+    if GATHER:
+        src = rows // ROWS_PER_TOKEN
+    else:
+        src = pos
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = wsc_ptr + expert.to(tl.int64) * stride_wse
+    g_rows = w_base + cols.to(tl.int64)[:, None] * stride_wn
+    u_rows = g_rows + N * stride_wn
+    g_scales = s_base + (cols // GROUP) * stride_wsn
+    u_scales = s_base + ((cols + N) // GROUP) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP)):
+        a, a_s = load_group(a_ptr, as_ptr, src, row_ok, g, K, stride_am, stride_asm, QUANT_A,
+                            FP8_MAX, GROUP)
+        kk = g * GROUP + tl.arange(0, GROUP)
+        w_ok = col_ok[:, None] & (kk < K)[None, :]
+        b = tl.load(g_rows + kk[None, :], mask=w_ok, other=0.0)
+        b_s = tl.load(g_scales + g, mask=col_ok, other=0.0)
+        acc = acc + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * b_s[None, :]
+        if SWIGLU:
+            b_up = tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0)
+            u_s = tl.load(u_scales + g, mask=col_ok, other=0.0)
+            acc_up = acc_up + (tl.dot(a, tl.trans(b_up)) * a_s[:, None]) * u_s[None, :]
+    dst = rows if SCATTER else pos
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    c_at = c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    if SWIGLU:
+        if ROUND == 1:
+            acc = acc.to(tl.bfloat16).to(tl.float32)
+            acc_up = acc_up.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            acc = acc.to(tl.float16).to(tl.float32)
+            acc_up = acc_up.to(tl.float16).to(tl.float32)
+        h = tl.where(col_ok[None, :], swiglu(acc, acc_up), 0.0)
+        if QUANT_OUT:
+            q, scale = quantize_tile(h, FP8_MAX)
+            tl.store(c_at, q.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=out_ok)
+            tl.store(cs_ptr + dst.to(tl.int64) * stride_csm + col_tile, scale, mask=row_ok)
+        else:
+            tl.store(c_at, h, mask=out_ok)
+    else:
+        tl.store(c_at, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
+
+
+@dataclass(frozen=True)
+class Fp8MoeLaunch:
+    """The two launches of one FP8 expert FFN; never changes a bit (module NOTE).
+
+    block_m, up_n (I columns of the gate_up tile; 2 * up_n weight rows), down_n, warps,
+    stages. quant_in_loop: x and h quantized in the GEMMs' K loops (h stays fp32), else x
+    by one quantize launch and h in the gate_up epilogue (needs up_n == 128)."""
+
+    block_m: int = 64
+    up_n: int = 64
+    down_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    quant_in_loop: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128):
+            raise ValueError(f"Fp8MoeLaunch: block_m {self.block_m} must be 64 or 128 (wgmma)")
+        for v in (self.up_n, self.down_n):
+            if v not in (32, 64, 128, 256):
+                raise ValueError(f"Fp8MoeLaunch: column tile {v} must be 32, 64, 128 or 256")
+        if not self.quant_in_loop and self.up_n != GROUP:
+            raise ValueError("Fp8MoeLaunch: quantizing h in the epilogue needs up_n == 128")
+        if self.num_warps not in (4, 8) or self.num_stages < 1:
+            raise ValueError(f"Fp8MoeLaunch: num_warps {self.num_warps} must be 4 or 8, "
+                             f"num_stages {self.num_stages} >= 1")
+
+
+_LAUNCH_ENV = "MEGASERVE_FP8_MOE"  # tuning runs: "m,up_n,down_n,warps,stages,in_loop" (decode)
+
+
+def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
+    """The launch for ``num_rows`` routed rows over ``num_experts`` (bit-neutral).
+
+    Up to 64 rows an expert on average (decode batches): 64-row tiles, quantization in the
+    K loops; more: 128 x 128 tiles, 8 warps, quantize launch and epilogue quantization."""
+    if num_rows <= 64 * num_experts:
+        text = os.environ.get(_LAUNCH_ENV)
+        if text:
+            v = [int(t) for t in text.split(",")]
+            return Fp8MoeLaunch(*v[:5], *(bool(f) for f in v[5:]))
+        return Fp8MoeLaunch()
+    return Fp8MoeLaunch(128, 128, 128, 8, 3, quant_in_loop=False)
+
+
+_ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+
+
+def _grouped(a, a_s, w, w_s, out, out_s, ids, grouping, *, n: int, quant_a: bool, swiglu: bool,
+             quant_out: bool, round_ty: torch.dtype, gather: bool, scatter: bool,
+             rows_per_token: int, block_m: int, block_n: int, num_warps: int,
+             num_stages: int) -> None:
+    r = ids.shape[0]
+    num_experts, _, k = w.shape
+    offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
+    grid = (_max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
+    _fp8_expert_kernel[grid](
+        a, a_s, w, w_s, out, out_s, ids, order, offsets, r, num_experts, n, k,
+        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
+        out.stride(0), out_s.stride(0),
+        QUANT_A=quant_a, SWIGLU=swiglu, QUANT_OUT=quant_out, ROUND=_ROUND[round_ty],
+        GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
+        INLINE=grouping is None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_R=max(16, triton.next_power_of_2(r)) if grouping is None else 16,
+        GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages)
+
+
+def _grouping(ids: torch.Tensor, num_experts: int):
+    """moe's grouping of the routed rows: None (inline, few rows) or (offsets, order)."""
+    return None if ids.shape[0] <= INLINE_ALIGN_MAX_ROWS else _align(ids, num_experts)
+
+
+def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tensor,
+                     weight: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                     rows_per_token: int = 1, block_m: int = 64,
+                     block_n: int = 128) -> torch.Tensor:
+    """Routed row r: ``dequant(xq[r // rows_per_token]) @ dequant(weight[expert_ids[r]]).T``.
+
+    xq `[R / rows_per_token, K]` e4m3 and xs `[.., G]` float32 (:func:`quantize_rows`);
+    expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified);
+    weight `[E, N, K]` e4m3, scale_inv `[E, ceil(N/128), ceil(K/128)]`. Returns `[R, N]`
+    in out_dtype; each row's bits are independent of the other rows and of the tiles.
+    """
+    num_rows = expert_ids.shape[0]
+    num_experts, n, k = weight.shape
+    check_weight(weight, scale_inv, k)
+    out = torch.empty(num_rows, n, dtype=out_dtype, device=xq.device)
+    if num_rows == 0:
+        return out
+    ids = expert_ids.contiguous()
+    _grouped(xq, xs, weight, scale_inv, out, out, ids, _grouping(ids, num_experts), n=n,
+             quant_a=False, swiglu=False, quant_out=False, round_ty=out_dtype, gather=True,
+             scatter=True, rows_per_token=rows_per_token, block_m=block_m, block_n=block_n,
+             num_warps=4, num_stages=3)
+    return out
+
+
+def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
+                   s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
+                   rows_per_token: int = 1, launch: Fp8MoeLaunch | None = None) -> torch.Tensor:
+    """SwiGLU experts on block-FP8 weights: ``down_e(silu(gate_e x) * up_e x)`` per routed
+    row r of token ``r // rows_per_token`` (module NOTE). x `[T, D]` bf16/fp16/fp32,
+    expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified),
+    w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` e4m3 with their 128 x 128 scales. Returns
+    `[R, D]` in x.dtype. Two launches at decode sizes (grouping inline or one align
+    launch more), four above; ``launch`` forces one (tests, tuning), the same bits."""
+    r = expert_ids.shape[0]
+    num_experts, two_i, d = w_gate_up.shape
+    inter = two_i // 2
+    if rows_per_token < 1 or x.shape[0] * rows_per_token != r:
+        raise ValueError(f"fp8_expert_ffn: x has {x.shape[0]} rows, expert_ids {r}; need "
+                         f"x rows * rows_per_token ({rows_per_token}) == expert_ids rows")
+    check_weight(w_gate_up, s_gate_up, d)
+    check_weight(w_down, s_down, inter)
+    out = torch.empty(r, w_down.shape[1], dtype=x.dtype, device=x.device)
+    if r == 0:
+        return out
+    lp = launch or plan_moe(r, num_experts)
+    ids = expert_ids.contiguous()
+    grouping = _grouping(ids, num_experts)
+    common = dict(round_ty=x.dtype, rows_per_token=rows_per_token, block_m=lp.block_m,
+                  num_warps=lp.num_warps, num_stages=lp.num_stages)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if lp.quant_in_loop:
+        a, a_s = x, x
+        h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # grouped order
+        h_s = h
+    else:
+        a, a_s = quantize_rows(x)
+        h = torch.empty(r, inter, dtype=FP8, device=x.device)
+        h_s = torch.empty(r, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
+    _grouped(a, a_s, w_gate_up, s_gate_up, h, h_s, ids, grouping, n=inter,
+             quant_a=lp.quant_in_loop, swiglu=True, quant_out=not lp.quant_in_loop,
+             gather=True, scatter=False, block_n=lp.up_n, **common)
+    _grouped(h, h_s, w_down, s_down, out, out, ids, grouping, n=w_down.shape[1],
+             quant_a=lp.quant_in_loop, swiglu=False, quant_out=False, gather=False,
+             scatter=True, block_n=lp.down_n, **common)
+    return out
