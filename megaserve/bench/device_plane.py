@@ -173,22 +173,6 @@ def _pong_process(handle: bytes, go, done) -> None:
         done.put("done")
 
 
-def _bounded_sync(stream, flags: list, peer_alive, timeout_s: float = 60.0) -> None:
-    """Wait for ``stream``; if a peer dies or ``timeout_s`` passes, raise ``flags`` (what
-    the stream waits on) to ABORT until it drains, then raise RuntimeError."""
-    from megaserve.comm import stream_flags as sf
-
-    deadline = time.monotonic() + timeout_s
-    while not stream.query():
-        if time.monotonic() > deadline or not peer_alive():
-            releaser = sf.Releaser(flags[0].device)
-            while not stream.query():
-                releaser.release(flags)
-                time.sleep(0.001)
-            raise RuntimeError("a peer process stopped answering")
-        time.sleep(0.0005)
-
-
 def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
     """Round-trip times (us) of a stream flag between two streams of one process and
     between two processes on this GPU (CUDA IPC), each side a replayed CUDA graph."""
@@ -196,6 +180,7 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
 
     import torch
 
+    from megaserve.bench.plane_tick import bounded_sync
     from megaserve.comm.cuda_ipc import open_tensor, share_tensor
 
     results: dict[str, list[float]] = {}
@@ -230,7 +215,7 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
             go.put("go")
             with torch.cuda.stream(a):
                 ping.replay()
-            _bounded_sync(a, [flags[1:2]], peer.is_alive)
+            bounded_sync(a, [flags[1:2]], peer.is_alive)
             done.get(timeout=60)
             times += [s.elapsed_time(e) * 1e3 for s, e in events]
         results["2 processes (cuda_ipc)"] = times
@@ -240,146 +225,6 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
         if peer.is_alive():
             peer.kill()
     return results
-
-
-TICKS = 50  # dispatch+combine round trips per captured graph
-
-
-def _tick_shape(workers: int, tokens: int, hidden: int, top_k: int, experts: int):
-    import torch
-
-    from megaserve.runtime.device_plane import PlaneShape
-
-    return PlaneShape(num_workers=workers, microbatches=1, capacity=tokens, hidden=hidden,
-                      top_k=top_k, num_experts=experts, dtype=torch.bfloat16)
-
-
-def _echo_graph(shape, index: int, inbox, replica, stream):
-    """The expert side of :data:`TICKS` ticks without the GEMM: wait for the dispatch,
-    write each packed row back k times into the replica's inbox (the combine's bytes),
-    raise the combine flag."""
-    import torch
-
-    from megaserve.comm import stream_flags as sf
-
-    c, k, d = shape.capacity, shape.top_k, shape.hidden
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        for _ in range(TICKS):
-            sf.wait_and_clear(inbox.flags[0, 0:1])
-            replica.out[0, index, :c].copy_(inbox.rows[0, 0, :c, None, :].expand(c, k, d))
-            sf.write(replica.flags[0, index: index + 1], sf.SET)
-        graph.capture_end()
-    return graph
-
-
-def _echo_process(spec: tuple, index: int, replica_handle: bytes, replies, go) -> None:
-    """An expert worker process that echoes ticks (cuda_ipc)."""
-    import torch
-
-    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
-    from megaserve.runtime.device_plane import ExpertInbox, ReplicaInbox
-
-    shape = _tick_shape(*spec)
-    inbox = ExpertInbox(shape, "cuda")
-    replica = ReplicaInbox(shape, storage=open_tensor(replica_handle))
-    stream = torch.cuda.Stream()
-    graph = _echo_graph(shape, index, inbox, replica, stream)
-    torch.cuda.synchronize()
-    replies.put((index, share_tensor(inbox.storage)))
-    while go.get() == "go":
-        with torch.cuda.stream(stream):
-            graph.replay()
-        stream.synchronize()
-        replies.put((index, None))
-
-
-def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int = 2048,
-                 top_k: int = 8, experts: int = 128, repeats: int = 10) -> list[float]:
-    """Dispatch+combine times (us) of one tick, the replica's side as the data plane runs
-    it in a graph: route-owner lookup, pack per expert worker, dispatch flags, wait for the
-    combine flags, gather; ``workers`` expert workers that echo the rows instead of
-    computing (threads' streams, or processes over CUDA IPC when ``processes``)."""
-    import multiprocessing
-
-    import torch
-
-    from megaserve.comm import stream_flags as sf
-    from megaserve.comm.cuda_ipc import open_tensor, share_tensor
-    from megaserve.runtime.device_plane import (ExpertInbox, ReplicaInbox, gather, pack,
-                                                timing_event)
-
-    spec = (workers, tokens, hidden, top_k, experts)
-    shape = _tick_shape(*spec)
-    replica = ReplicaInbox(shape, "cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
-    topk_ids = torch.rand(tokens, experts, generator=g, device="cuda").argsort(1)[:, :top_k]
-    owner = torch.arange(experts, device="cuda") % workers
-    torch.cuda.synchronize()
-    echo_streams, echo_graphs, peers, go = [], [], [], None
-    if processes:
-        ctx = multiprocessing.get_context("spawn")
-        replies, go = ctx.Queue(), [ctx.Queue() for _ in range(workers)]
-        handle = share_tensor(replica.storage)
-        for e in range(workers):
-            peers.append(ctx.Process(target=_echo_process,
-                                     args=(spec, e, handle, replies, go[e]), daemon=True))
-            peers[-1].start()
-        handles = dict(replies.get(timeout=120) for _ in range(workers))
-        inboxes = [ExpertInbox(shape, storage=open_tensor(handles[e])) for e in range(workers)]
-    else:
-        inboxes = [ExpertInbox(shape, "cuda") for _ in range(workers)]
-        for e in range(workers):
-            echo_streams.append(torch.cuda.Stream())
-            echo_graphs.append(_echo_graph(shape, e, inboxes[e], replica, echo_streams[e]))
-    stream, events = torch.cuda.Stream(), []
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        for _ in range(TICKS):
-            pair = (timing_event(), timing_event())
-            pair[0].record()
-            owners = owner[topk_ids]
-            positions = []
-            for e, inbox in enumerate(inboxes):
-                pos = pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1)
-                if pos is not None:
-                    positions.append(pos)
-                sf.write(inbox.flags[0, 0:1], sf.SET)
-            for e in range(workers):
-                sf.wait_and_clear(replica.flags[0, e: e + 1])
-            gather(replica, 0, owners, torch.stack(positions) if positions else None)
-            pair[1].record()
-            events.append(pair)
-        graph.capture_end()
-    times = []
-    try:
-        for _ in range(repeats):
-            for e in range(workers):
-                if processes:
-                    go[e].put("go")
-                else:
-                    with torch.cuda.stream(echo_streams[e]):
-                        echo_graphs[e].replay()
-            with torch.cuda.stream(stream):
-                graph.replay()
-            if processes:
-                _bounded_sync(stream, [replica.flags[0, e: e + 1] for e in range(workers)],
-                              lambda: all(peer.is_alive() for peer in peers))
-                for _ in range(workers):
-                    replies.get(timeout=60)
-            torch.cuda.synchronize()
-            times += [a.elapsed_time(b) * 1e3 for a, b in events]
-    finally:
-        for e, peer in enumerate(peers):
-            go[e].put("stop")
-            peer.join(10)
-            if peer.is_alive():
-                peer.kill()
-    return times
 
 
 def main(argv: list[str]) -> int:
@@ -444,10 +289,12 @@ def main(argv: list[str]) -> int:
               f"({len(times)} round trips, graphs of {ROUND_TRIPS})", flush=True)
     ticks = {}
     if args.tick_latency:
+        from megaserve.bench.plane_tick import TICKS, tick_latency
+
         for workers in (1, 2):
             for processes in (False, True):
                 name = f"E={workers}, {'2 processes (cuda_ipc)' if processes else 'in-process'}"
-                ticks[name] = tick_latency(workers, processes)
+                ticks[name] = tick_latency(workers, processes)["plane"]
                 q = statistics.quantiles(ticks[name], n=100)
                 print(f"tick dispatch+combine, {name}: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us",
                       flush=True)
