@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rowwise import _combine_kernel
+from . import rowwise
 
 _PACK_BLOCK_D = 1024  # columns a program copies per iteration
 _IDS_BLOCK = 1024  # routed rows local_ids handles per iteration
@@ -152,8 +152,8 @@ def local_ids(ids: torch.Tensor, counts: torch.Tensor, replicas: torch.Tensor,
 
 def combine_into(expert_out: torch.Tensor, topk_weights: torch.Tensor,
                  out: torch.Tensor) -> None:
-    """``out = kernels.combine(expert_out, topk_weights)`` with no intermediate: the same
-    kernel and launch, so the same bits.
+    """``out = kernels.combine(expert_out, topk_weights)`` with no intermediate (the same
+    kernel and launch, so the same bits), after checking that ``out`` fits.
 
     expert_out: `[T, k, D]` (unit last stride); topk_weights: `[T, k]` float32; out:
     `[T, D]` float32, contiguous (may be another GPU's memory mapped here).
@@ -167,9 +167,4 @@ def combine_into(expert_out: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"combine_into: topk_weights must be float32 `[{t}, {k}]`")
     if expert_out.stride(2) != 1:
         raise ValueError("combine_into: expert_out must have unit last stride")
-    w = topk_weights.contiguous()
-    block = 1024  # rowwise.combine's launch
-    if t and d:
-        _combine_kernel[(t, triton.cdiv(d, block))](
-            expert_out, w, out, d, expert_out.stride(0), expert_out.stride(1), w.stride(0),
-            TOP_K=k, BLOCK=block, num_warps=4)
+    rowwise.combine(expert_out, topk_weights, out=out)

@@ -167,12 +167,15 @@ def _combine_kernel(eo_ptr, w_ptr, out_ptr, D, stride_et, stride_ek, stride_wt,
     tl.store(out_ptr + row * D + cols, acc, mask=mask)
 
 
-def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """expert_out `[T, k, D]`, topk_weights `[T, k]` float32 → `[T, D]` float32."""
+def combine(expert_out: torch.Tensor, topk_weights: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """expert_out `[T, k, D]`, topk_weights `[T, k]` float32 → `[T, D]` float32 (into
+    ``out``, contiguous, where given: the same bits)."""
     t, k, d = expert_out.shape
     expert_out = expert_out if expert_out.stride(2) == 1 else expert_out.contiguous()
     w = topk_weights.float().contiguous()
-    out = torch.empty(t, d, dtype=torch.float32, device=expert_out.device)
+    if out is None:
+        out = torch.empty(t, d, dtype=torch.float32, device=expert_out.device)
     block = 1024
     if t and d:
         _combine_kernel[(t, triton.cdiv(d, block))](
