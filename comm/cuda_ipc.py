@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .protocol import ChannelConfig
-from .tcp import TcpEndpoint, _InPeer
+from .tcp import InPeer, TcpEndpoint
 from .wire import Hello
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class CudaIpcEndpoint(TcpEndpoint):
         with peer.lock:
             self._notify(peer, imm, nbytes)
 
-    def _on_notify(self, peer: _InPeer, slot: int, nbytes: int) -> Any:
+    def _on_notify(self, peer: InPeer, slot: int, nbytes: int) -> Any:
         sb = self.config.slot_bytes
         return peer.storage[slot * sb: slot * sb + nbytes]
 

@@ -53,7 +53,7 @@ import numpy as np
 
 from .errors import PeerLostError, ProtocolError
 from .protocol import ChannelConfig, as_byte_views
-from .tcp import TcpEndpoint, _Eof, _InPeer, parse_address
+from .tcp import ConnectionEnded, InPeer, TcpEndpoint, parse_address
 from .wire import Hello
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class NcclEndpoint(TcpEndpoint):
         host_view = memoryview(ring.numpy()).cast("B") if self.device.type == "cpu" else None
         return (ring, host_view), f"{self._store_host}:{self._store.port}".encode()
 
-    def _register_sender(self, hello: Hello, sock: socket.socket) -> _InPeer:
+    def _register_sender(self, hello: Hello, sock: socket.socket) -> InPeer:
         peer = super()._register_sender(hello, sock)  # WELCOME is out: the sender joins now
         self._in_groups[hello.rank] = self._make_group(hello.rank, self.rank, self._store)
         return peer
@@ -224,7 +224,7 @@ class NcclEndpoint(TcpEndpoint):
                 self._break(peer, str(e))
                 raise PeerLostError(dst, f"{self.backend} send failed ({e})") from e
 
-    def _on_notify(self, peer: _InPeer, slot: int, nbytes: int) -> Any:
+    def _on_notify(self, peer: InPeer, slot: int, nbytes: int) -> Any:
         ring, host_view = peer.storage
         start = slot * self.config.slot_bytes
         if nbytes:
@@ -235,13 +235,13 @@ class NcclEndpoint(TcpEndpoint):
                 else:
                     self._wait_nccl(work, peer)
             except RuntimeError as e:
-                raise _Eof(f"{self.backend} receive failed ({e})") from e
+                raise ConnectionEnded(f"{self.backend} receive failed ({e})") from e
         if host_view is not None:
             return host_view[start:start + nbytes]
         return ring[start:start + nbytes]
 
-    def _wait_nccl(self, work: Any, peer: _InPeer) -> None:
-        """Poll a receive until it completed; _Eof if the sender is gone or silent."""
+    def _wait_nccl(self, work: Any, peer: InPeer) -> None:
+        """Poll a receive until it completed; ConnectionEnded if the sender is gone or silent."""
         begin = time.monotonic()
         deadline = begin + self.config.timeout_s
         next_check = begin + _LIVENESS_EVERY_S
@@ -249,13 +249,13 @@ class NcclEndpoint(TcpEndpoint):
         while not work.is_completed():
             now = time.monotonic()
             if self._closing.is_set():
-                raise _Eof("closing")
+                raise ConnectionEnded("closing")
             if now >= next_check:
                 if _peer_closed(peer.sock):
-                    raise _Eof("connection closed while its payload was in flight")
+                    raise ConnectionEnded("connection closed while its payload was in flight")
                 next_check = now + _LIVENESS_EVERY_S
             if now >= deadline:
-                raise _Eof(f"no payload within {self.config.timeout_s:.3g}s after its notification")
+                raise ConnectionEnded(f"no payload within {self.config.timeout_s:.3g}s after its notification")
             if now - begin > _SPIN_S:
                 sleep = min(_MAX_SLEEP_S, max(20e-6, sleep * 2))
             time.sleep(sleep)

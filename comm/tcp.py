@@ -31,8 +31,10 @@ from .wire import HEADER, Hello, Kind, pack_header, unpack_header
 log = logging.getLogger(__name__)
 
 
-class _Eof(Exception):
-    """The connection ended."""
+class ConnectionEnded(Exception):
+    """The connection ended (the peer closed it, or this endpoint is closing). Raised by the
+    receive paths of TcpEndpoint and of the providers built on it (cuda_ipc, nccl); the
+    reader loops turn it into a lost peer."""
 
 
 def _recv_exact_into(sock: socket.socket, view: memoryview, closing: threading.Event) -> None:
@@ -41,10 +43,10 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, closing: threading.E
             n = sock.recv_into(view)
         except socket.timeout:
             if closing.is_set():
-                raise _Eof("closing") from None
+                raise ConnectionEnded("closing") from None
             continue
         if n == 0:
-            raise _Eof("connection closed")
+            raise ConnectionEnded("connection closed")
         view = view[n:]
 
 
@@ -76,8 +78,9 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class _InPeer:
-    """A sender connected to us: its socket, its ring's storage and accounting."""
+class InPeer:
+    """A sender connected to us: its socket, its ring's storage and accounting. Providers
+    built on TcpEndpoint receive it in their ``_register_sender`` / ``_on_notify`` hooks."""
 
     def __init__(self, src: int, sock: socket.socket, ring: SlotRing, storage: Any) -> None:
         self.src, self.sock, self.ring, self.storage = src, sock, ring, storage
@@ -85,7 +88,7 @@ class _InPeer:
         self.said_bye = False
 
 
-class _OutPeer:
+class OutPeer:
     """A receiver we connected to: socket, credits, its ring's description."""
 
     def __init__(self, dst: int, sock: socket.socket, pool: CreditPool, welcome: Hello) -> None:
@@ -106,8 +109,8 @@ class TcpEndpoint(Endpoint):
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.1)
         self._address = f"{host}:{self._listener.getsockname()[1]}"
-        self._in: dict[int, _InPeer] = {}
-        self._out: dict[int, _OutPeer] = {}
+        self._in: dict[int, InPeer] = {}
+        self._out: dict[int, OutPeer] = {}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
         self._peers_lock = threading.Lock()
@@ -159,7 +162,7 @@ class TcpEndpoint(Endpoint):
             peer = self._register_sender(hello, sock)
             sock.settimeout(self.config.timeout_s)
             self._reader_loop(peer)
-        except (_Eof, OSError) as e:
+        except (ConnectionEnded, OSError) as e:
             if peer is not None and not peer.said_bye and not self._closing.is_set():
                 log.warning("rank %d: lost sender rank %d: %s", self.rank, peer.src, e)
                 self._cq.put_lost(peer.src, f"its connection to rank {self.rank} broke ({e})")
@@ -169,7 +172,7 @@ class TcpEndpoint(Endpoint):
         finally:
             sock.close()
 
-    def _register_sender(self, hello: Hello, sock: socket.socket) -> _InPeer:
+    def _register_sender(self, hello: Hello, sock: socket.socket) -> InPeer:
         if hello.provider != self.provider or hello.world_size != self.world_size:
             raise ProtocolError(
                 f"rank {hello.rank} speaks {hello.provider}/world {hello.world_size}, "
@@ -177,7 +180,7 @@ class TcpEndpoint(Endpoint):
             )
         cfg = self.config
         storage, extra = self._ring_storage(hello)
-        peer = _InPeer(hello.rank, sock, SlotRing(hello.rank, cfg.slots_per_peer, cfg.slot_bytes), storage)
+        peer = InPeer(hello.rank, sock, SlotRing(hello.rank, cfg.slots_per_peer, cfg.slot_bytes), storage)
         with self._peers_lock:
             if hello.rank in self._in:
                 raise ProtocolError(f"rank {hello.rank} connected twice")
@@ -193,7 +196,7 @@ class TcpEndpoint(Endpoint):
         buf = np.empty(self.config.ring_bytes, np.uint8)
         return memoryview(buf).cast("B"), b""
 
-    def _reader_loop(self, peer: _InPeer) -> None:
+    def _reader_loop(self, peer: InPeer) -> None:
         sb = self.config.slot_bytes
         while True:
             kind, imm, nbytes = self._read_frame(peer.sock)
@@ -212,7 +215,7 @@ class TcpEndpoint(Endpoint):
             peer.ring.land(slot, nbytes)
             self._cq.put(Completion(peer.src, imm, nbytes, view))
 
-    def _on_notify(self, peer: _InPeer, slot: int, nbytes: int) -> Any:
+    def _on_notify(self, peer: InPeer, slot: int, nbytes: int) -> Any:
         raise ProtocolError("tcp carries payloads inline; NOTIFY is for cuda_ipc / rdma")
 
     def _return_credit(self, src: int, slot: int) -> None:
@@ -255,14 +258,14 @@ class TcpEndpoint(Endpoint):
         except socket.timeout:
             sock.close()
             raise CommTimeoutError(f"rank {dst} at {address} did not complete the handshake") from None
-        except (_Eof, OSError) as e:
+        except (ConnectionEnded, OSError) as e:
             sock.close()
             raise PeerLostError(dst, f"handshake failed: {e}") from e
         if welcome.rank != dst:
             sock.close()
             raise ProtocolError(f"{address} is rank {welcome.rank}, expected rank {dst}: address list mismatch")
         sock.settimeout(self.config.timeout_s)
-        peer = _OutPeer(dst, sock, CreditPool(dst, welcome.slots_per_peer), welcome)
+        peer = OutPeer(dst, sock, CreditPool(dst, welcome.slots_per_peer), welcome)
         peer.remote = self._attach(welcome)
         self._out[dst] = peer
         self._remote_slot_bytes[dst] = welcome.slot_bytes
@@ -276,7 +279,7 @@ class TcpEndpoint(Endpoint):
         """Map the receiver's ring described by ``welcome.extra`` (nothing for tcp)."""
         return None
 
-    def _credit_loop(self, peer: _OutPeer) -> None:
+    def _credit_loop(self, peer: OutPeer) -> None:
         try:
             while True:
                 kind, imm, _ = self._read_frame(peer.sock)
@@ -288,7 +291,7 @@ class TcpEndpoint(Endpoint):
                     return
                 else:
                     raise ProtocolError(f"unexpected {kind.name} frame on a credit channel")
-        except (_Eof, OSError, ProtocolError) as e:
+        except (ConnectionEnded, OSError, ProtocolError) as e:
             err = PeerLostError(peer.dst, f"its connection from rank {self.rank} broke ({e})")
             peer.pool.fail(err)
             if not peer.said_bye and not self._closing.is_set():
@@ -307,7 +310,7 @@ class TcpEndpoint(Endpoint):
             self._break(peer, str(e))
             raise PeerLostError(dst, f"send failed ({e})") from e
 
-    def _notify(self, peer: _OutPeer, imm: int, nbytes: int) -> None:
+    def _notify(self, peer: OutPeer, imm: int, nbytes: int) -> None:
         """Tell ``peer`` that slot data (moved out of band) is there: a NOTIFY frame.
 
         The caller holds ``peer.lock``. PeerLostError (and a broken channel) if it fails.
@@ -318,7 +321,7 @@ class TcpEndpoint(Endpoint):
             self._break(peer, str(e))
             raise PeerLostError(peer.dst, f"notify failed ({e})") from e
 
-    def _break(self, peer: _OutPeer, why: str) -> None:
+    def _break(self, peer: OutPeer, why: str) -> None:
         """A half-sent frame desynchronises the stream: the channel is dead from here on."""
         peer.pool.fail(PeerLostError(peer.dst, why))
         try:

@@ -39,11 +39,6 @@ KNOWN_CYCLES = {
 
 # Private names taken across modules: "path: the import or attribute" -> why.
 KNOWN_PRIVATE_IMPORTS = {
-    "comm/cuda_ipc.py: from .tcp import _InPeer":
-        "cuda_ipc and nccl reuse the tcp provider's peer bookkeeping; to become a public "
-        "helper of comm",
-    "comm/nccl.py: from .tcp import _InPeer": "as above",
-    "comm/nccl.py: from .tcp import _Eof": "as above",
     "kernels/triton_impl/attention.py: from .attention_kernels import _paged_attention_kernel":
         "the jit kernels of attention_kernels are launched by attention.py's wrappers "
         "(Triton tutorials' layout: kernel, then wrapper); renaming them waits for a GPU run",
