@@ -98,10 +98,19 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 
 @triton.jit
-def _local_ids_kernel(ids_ptr, counts_ptr, replica_ptr, lookup_ptr, out_ptr, P, C,
-                      stride_ir, stride_it, stride_cr, SENTINEL,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    # one program: a tick's routed rows are few (c * k per replica)
+def _local_ids_kernel(ids_ptr, counts_ptr, replica_ptr, lookup_ptr, out_ptr, flag_ptr, P, C,
+                      stride_ir, stride_it, stride_cr, stride_fr, SENTINEL,
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr):
+    # one program: a tick's routed rows are few (c * k per replica), and the only program
+    # that waits may clear the flags it waited on
+    if WAIT:
+        for p in range(0, P):
+            flag = flag_ptr + tl.load(replica_ptr + p).to(tl.int64) * stride_fr
+            # acquire, system scope: the rows a peer GPU wrote before raising the flag
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            while seen < 1:  # SET, or ABORT (stream_flags' toggle)
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            tl.atomic_xchg(flag, 0, sem="relaxed", scope="sys")  # CLEAR
     n = P * C * TOP_K
     for start in range(0, n, BLOCK):
         flat = start + tl.arange(0, BLOCK)  # (p, t, r) in row-major order
@@ -121,7 +130,8 @@ def _local_ids_kernel(ids_ptr, counts_ptr, replica_ptr, lookup_ptr, out_ptr, P, 
 
 
 def local_ids(ids: torch.Tensor, counts: torch.Tensor, replicas: torch.Tensor,
-              lookup: torch.Tensor, rows: int) -> torch.Tensor:
+              lookup: torch.Tensor, rows: int,
+              flags: torch.Tensor | None = None) -> torch.Tensor:
     """The local expert index of each routed row of a tick, masked by the counts.
 
     ids: `[R, S, k]` int32 (one micro-batch's slots of every replica; -1: routed to
@@ -129,6 +139,12 @@ def local_ids(ids: torch.Tensor, counts: torch.Tensor, replicas: torch.Tensor,
     lookup: `[E + 1]` int64, global expert id → local index, its last entry the sentinel n;
     rows: c <= S. Returns `[P * c * k]` int64, row (p, t, r) = ``lookup[ids[replicas[p], t,
     r]]`` where t < counts[replicas[p]] and that id is >= 0, else ``lookup[E]``.
+
+    flags: `[R]` int32 or None. Where given, the kernel first waits until each replica's
+    flag of the tick holds SET or more (``megaserve.comm.stream_flags``' toggle, whose
+    producer is another GPU or process), then clears it, instead of a stream wait and a
+    stream write before the launch. HAZARD: as with a stream wait, the flag must come
+    (the producer's side bounds that wait, ``Releaser``); the program spins on one SM.
     Raises ``ValueError`` for shapes or dtypes that do not fit.
     """
     r, s, k = ids.shape
@@ -140,13 +156,16 @@ def local_ids(ids: torch.Tensor, counts: torch.Tensor, replicas: torch.Tensor,
                          f"{tuple(counts.shape)}, rows {rows}")
     if replicas.dim() != 1 or replicas.dtype != torch.int64:
         raise ValueError("local_ids: replicas must be a 1-D int64 tensor")
+    if flags is not None and (flags.dtype != torch.int32 or flags.shape != (r,)):
+        raise ValueError(f"local_ids: flags must be int32 `[{r}]`")
     lookup = lookup.contiguous()
     out = torch.empty(replicas.shape[0] * rows * k, dtype=torch.int64, device=ids.device)
-    if out.numel():
+    if out.numel() or flags is not None:
         _local_ids_kernel[(1,)](
-            ids, counts, replicas, lookup, out, replicas.shape[0], rows, ids.stride(0),
-            ids.stride(1), counts.stride(0), lookup.shape[0] - 1, TOP_K=k, BLOCK=_IDS_BLOCK,
-            num_warps=4)
+            ids, counts, replicas, lookup, out, counts if flags is None else flags,
+            replicas.shape[0], rows, ids.stride(0), ids.stride(1), counts.stride(0),
+            0 if flags is None else flags.stride(0), lookup.shape[0] - 1, TOP_K=k,
+            BLOCK=_IDS_BLOCK, WAIT=flags is not None, num_warps=4)
     return out
 
 

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import queue
 import threading
 import time
@@ -85,6 +86,9 @@ from megaserve.models.expert_part import ExpertPart
 from megaserve.runtime.messages import Stop
 
 _ALIGN = 256
+# The expert side's dispatch wait inside its first kernel (plane_pack.local_ids) instead
+# of a stream wait and a stream write before it; "0": the stream operations (A/B runs).
+KERNEL_WAITS = os.environ.get("MEGASERVE_PLANE_KERNEL_WAIT", "0") != "0"
 
 
 @dataclass(frozen=True)
@@ -773,9 +777,11 @@ class ExpertServer:
         """Tick (layer, micro-batch i) over the first ``c`` rows of the slots of
         ``replicas``: one grouped GEMM over all their rows."""
         k, d = self.shape.top_k, self.shape.hidden
-        if use_flags:
-            timed = _timed_wait(self.profile and _capturing(),
-                                self._captured_waits)
+        # IPC flags on CUDA: the ids kernel itself waits for them (plane_pack.local_ids)
+        kernel_waits = (use_flags and self.relay is None and self.device.type == "cuda"
+                        and KERNEL_WAITS)
+        timed = _timed_wait(use_flags and self.profile and _capturing(), self._captured_waits)
+        if use_flags and not kernel_waits:
             for r in replicas:
                 if self.relay is not None:  # eager: the host waits (relay.take's NOTE)
                     rl.take(self.relay.incoming, self.relay.index(r, i),
@@ -787,7 +793,10 @@ class ExpertServer:
             timed.end()
         p = len(replicas)
         select = self._select(replicas)
-        local = self._local_ids(replicas, select, i, c)  # [P*c*k]; sentinel → never computed
+        local = self._local_ids(replicas, select, i, c,  # [P*c*k]; sentinel → never computed
+                                self.inbox.flags[:, i] if kernel_waits else None)
+        if kernel_waits:
+            timed.end()  # the wait and the ids kernel
         rows = self.inbox.rows[select, i, :c].reshape(p * c, d)  # routed row r: x row r // k
         out = kernels.expert_ffn(rows, local, self.part.w_gate_up[layer],
                                  self.part.w_down[layer],
@@ -808,13 +817,15 @@ class ExpertServer:
             elif use_flags:
                 sf.write(replica.flags[i, self.index: self.index + 1], sf.SET)
 
-    def _local_ids(self, replicas: tuple[int, ...], select, i: int, c: int) -> torch.Tensor:
+    def _local_ids(self, replicas: tuple[int, ...], select, i: int, c: int,
+                   flags: torch.Tensor | None = None) -> torch.Tensor:
         """`[P*c*k]` int64: the local expert of each routed row of micro-batch ``i``'s first
         ``c`` rows of ``replicas``; rows past a replica's count and ids routed elsewhere
-        get the sentinel (:func:`plane_pack.local_ids`'s contract; CUDA: one launch)."""
+        get the sentinel (:func:`plane_pack.local_ids`'s contract; CUDA: one launch,
+        which first waits for and clears ``flags`` `[R]` where given)."""
         if self.device.type == "cuda":
             return plane_pack().local_ids(self.inbox.ids[:, i], self.inbox.counts[:, i],
-                                          self._replica_ids[replicas], self._lookup, c)
+                                          self._replica_ids[replicas], self._lookup, c, flags)
         counts = self.inbox.counts[select, i]  # [P]
         valid = self._rows[None, :c] < counts[:, None]  # [P, c] rows this tick really holds
         ids = torch.where(valid[..., None], self.inbox.ids[select, i, :c], -1)  # [P, c, k]

@@ -86,6 +86,11 @@ def check_local_ids(torch, ti, device="cpu", shapes=None) -> None:
                     f"local_ids differ: replicas {replicas}, rows {rows}"
         sel = torch.arange(r, dtype=torch.int64, device=device)
         whole = plane_pack.local_ids(ids, counts, sel, lookup, s).view(r, s * k)
+        # waiting on raised flags (SET, or ABORT) clears exactly the tick's replicas'
+        flags = torch.tensor([1, 2, 1][:r], dtype=torch.int32, device=device)
+        waited = plane_pack.local_ids(ids, counts, sel[-1:], lookup, s, flags)
+        assert torch.equal(waited, whole[-1]), "the waiting kernel's ids differ"
+        assert flags.tolist() == [1, 2, 1][:r - 1] + [0], f"flags after the wait: {flags}"
         for p in range(r):
             one = plane_pack.local_ids(ids, counts, sel[p: p + 1], lookup, s)
             assert torch.equal(one, whole[p]), f"replica {p} alone differs from the batch"
