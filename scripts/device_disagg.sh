@@ -4,6 +4,8 @@
 #   profile: nccl diagnosis, bench device-plane at batch 256 (traces) and 1024
 #   tests:   the device plane's GPU tests (bitwise across GPUs, cuda_ipc and nccl)
 #   bench:   the benchmark table of docs/results/disaggregation.md
+#   speed:   the split's cost (plane kernels, bitwise across GPUs, tick vs NCCL, batch 256 A/B)
+#   speed2:  batch 1024, m = 3 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
 # Every step has its own timeout, capped so the whole script ends within BUDGET_S; a failed
 # or timed-out step is recorded in summary.txt and the next one runs.
 set -u
@@ -56,6 +58,29 @@ check)  # tests and benchmarks of a change, one call
 tests)
   step tests_gpu tests.log 500 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
     tests/megaserve/test_device_plane_gpu.py tests/comm/test_gpu.py ;;
+speed)  # the split's cost, one call: plane kernels, bitwise across GPUs, tick vs NCCL, b256 A/B
+  KW=MEGASERVE_PLANE_KERNEL_WAIT=1
+  step tick plane_tick.log 60 python3 -m megaserve.cli bench plane-tick --tokens 1024 --reduce --nccl
+  step tick8 plane_tick.log 40 python3 -m megaserve.cli bench plane-tick --tokens 1024 --nccl --port 29572
+  step kernels tests.log 60 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
+    tests/kernels/test_plane_gpu.py
+  MEGASERVE_PLANE_KERNEL_WAIT=1 step tests_kw tests.log 90 python3 -m pytest -q -m gpu \
+    -p no:cacheprovider --timeout 80 tests/megaserve/test_device_plane_gpu.py \
+    -k "across_gpus_is_bitwise and cuda_ipc and (1-1 or 3-2)"
+  step tests tests.log 60 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 50 \
+    tests/megaserve/test_device_plane_gpu.py -k "across_gpus_is_bitwise and cuda_ipc and 1-2"
+  step bench_b256 bench.log 260 $BENCH --num-prompts 256 --max-num-seqs 256 \
+    --layouts cuda_ipc:1,cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async,cuda_ipc:1+async@$KW ;;
+speed2)  # batch 1024, m = 3, Qwen3-235B-A22B
+  KW=MEGASERVE_PLANE_KERNEL_WAIT=${KERNEL_WAIT:-1}
+  step bench_b1024 bench.log 150 $BENCH --num-prompts 1024 --max-num-seqs 1024 \
+    --layouts cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW
+  step bench_m3 bench.log 110 $BENCH --num-prompts 256 --max-num-seqs 256 \
+    --layouts cuda_ipc:3@$KW,cuda_ipc:2@$KW
+  step bench_235b bench.log 150 python3 -m megaserve.cli bench device-plane \
+    --model random:qwen3-235b-a22b:${LAYERS_235B:-20} --input-len 64 --output-len 256 \
+    --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
+    --layouts cuda_ipc:1@$KW ;;
 bench)
   step bench_b256 bench.log 250 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2,cuda_ipc:3
   step bench_b1024 bench.log 250 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1 ;;

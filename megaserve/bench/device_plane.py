@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 
 
 def _workload(vocab: int, num_prompts: int, input_len: int, seed: int) -> list[dict]:
@@ -69,8 +71,6 @@ def _steady(engine, prompts, params, batch: int, trace_path: str | None) -> dict
     torch.cuda.synchronize()
     out = {"ms_step": (time.perf_counter() - start) / steps * 1e3}
     if trace_path is not None:
-        import os
-
         from torch.profiler import ProfilerActivity, profile
 
         start_mark = os.path.join(os.path.dirname(trace_path), "start")
@@ -227,6 +227,38 @@ def flag_round_trips(repeats: int = 20) -> dict[str, list[float]]:
     return results
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """One row of the table: transport None is the co-located engine."""
+
+    name: str
+    transport: str | None
+    m: int
+    replicas: int
+    async_scheduling: bool
+    env: dict = field(default_factory=dict)  # set while the layout runs (A/B of a switch)
+
+
+def _parse_layout(spec: str, async_default: bool) -> _Layout:
+    """``transport:m[:R][+async][@KEY=VALUE...]`` (transport ``colocated``: the co-located
+    engine again, e.g. with async scheduling); raises ``ValueError`` for anything else."""
+    spec, *env_items = spec.split("@")
+    asynchronous = spec.endswith("+async")
+    spec = spec.removesuffix("+async")
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"layout {spec!r}: expected transport:m[:R][+async][@KEY=VALUE]")
+    env = dict(item.split("=", 1) for item in env_items if "=" in item)
+    if len(env) != len(env_items):
+        raise ValueError(f"layout {spec!r}: environment items must be KEY=VALUE")
+    transport, m, r = parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 1
+    name = "co-located" if transport == "colocated" else f"split {transport}"
+    name += (f" R={r}" if r > 1 else "") + (" async" if asynchronous else "")
+    name += "".join(f" {k.removeprefix('MEGASERVE_')}={v}" for k, v in env.items())
+    return _Layout(name, None if transport == "colocated" else transport, m, r,
+                   asynchronous or async_default, env)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench device-plane", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,8 +271,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=16 << 30)
     parser.add_argument("--microbatches", default="1,2")
     parser.add_argument("--layouts", default=None,
-                        help="transport:m[:R] instead of transports x microbatches, "
-                             "e.g. inproc:2,cuda_ipc:1,cuda_ipc:1:2 (R attention replicas)")
+                        help="transport:m[:R][+async][@KEY=VALUE] instead of transports x "
+                             "microbatches, e.g. inproc:2,cuda_ipc:1,cuda_ipc:1:2 (R attention "
+                             "replicas), colocated:1+async, cuda_ipc:1@MEGASERVE_X=1 (an "
+                             "environment variable set while that layout runs)")
     parser.add_argument("--expert-workers", type=int, default=1)
     parser.add_argument("--transports", default="inproc,cuda_ipc")
     parser.add_argument("--seed", type=int, default=0)
@@ -276,12 +310,10 @@ def main(argv: list[str]) -> int:
                 max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 async_scheduling=args.async_scheduling)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    layouts = [("co-located", None, 1, 1)]
-    specs = ([p.split(":") for p in args.layouts.split(",")] if args.layouts else
-             [(t, m) for t in args.transports.split(",") for m in args.microbatches.split(",")])
-    for transport, m, *replicas in specs:
-        r = int(replicas[0]) if replicas else 1
-        layouts.append((f"split {transport}" + (f" R={r}" if r > 1 else ""), transport, int(m), r))
+    layouts = [_Layout("co-located", None, 1, 1, args.async_scheduling)]
+    specs = (args.layouts.split(",") if args.layouts else
+             [f"{t}:{m}" for t in args.transports.split(",") for m in args.microbatches.split(",")])
+    layouts += [_parse_layout(spec, args.async_scheduling) for spec in specs]
     rtt = flag_round_trips() if args.flag_rtt else {}
     for name, times in rtt.items():
         q = statistics.quantiles(times, n=100)
@@ -299,7 +331,11 @@ def main(argv: list[str]) -> int:
                 print(f"tick dispatch+combine, {name}: p50 {q[49]:.1f} us, p99 {q[98]:.1f} us",
                       flush=True)
     rows = []
-    for name, transport, m, replicas in layouts:
+    for layout in layouts:
+        name, transport, m, replicas = layout.name, layout.transport, layout.m, layout.replicas
+        base["async_scheduling"] = layout.async_scheduling
+        saved_env = {key: os.environ.get(key) for key in layout.env}
+        os.environ.update(layout.env)  # expert processes start with it
         if transport is None:
             engine = LLMEngine(EngineConfig(**base))
         else:
@@ -326,23 +362,27 @@ def main(argv: list[str]) -> int:
         engine.shutdown()
         if args.trace_dir:  # expert processes' timelines (device_engine.TRACE_ENV)
             import glob
-            import os
 
             for path in glob.glob(f"{args.trace_dir}/expert*.json"):
                 os.replace(path, f"{trace[:-len('.txt')]}_{os.path.basename(path)}")
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         del engine
         gc.collect()
         torch.cuda.empty_cache()
     base_tok = rows[0]["tok_s"]
     print(f"device: {torch.cuda.get_device_name()}  model: {args.model} {args.dtype}  "
           f"{args.num_prompts} x ({args.input_len} in + {args.output_len} out), greedy")
-    print(f"{'layout':<16} {'m':>2} {'tok/s':>9} {'vs co-loc':>9} {'cpu ms/step':>11} "
+    print(f"{'layout':<36} {'m':>2} {'tok/s':>9} {'vs co-loc':>9} {'cpu ms/step':>11} "
           f"{'steady ms/step':>14} {'gpu ms/step':>11} "
           f"{'rows/GEMM':>9} {'attn wait us':>12} {'exp wait us':>11}")
     for r in rows:
         def fmt(v, f="{:.1f}"):
             return f.format(v) if v is not None else "-"
-        print(f"{r['layout']:<16} {r['m']:>2} {r['tok_s']:>9.0f} {r['tok_s'] / base_tok:>8.2f}x "
+        print(f"{r['layout']:<36} {r['m']:>2} {r['tok_s']:>9.0f} {r['tok_s'] / base_tok:>8.2f}x "
               f"{r['cpu_ms_step']:>11.2f} {fmt(r['ms_step'], '{:.2f}'):>14} "
               f"{fmt(r['gpu_ms_step'], '{:.2f}'):>11} {fmt(r['rows_per_gemm']):>9} "
               f"{fmt(r['attn_wait_us']):>12} {fmt(r['expert_wait_us']):>11}")
