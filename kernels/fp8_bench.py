@@ -8,6 +8,8 @@
    bytes it reads (HBM bandwidth measured in the same run by a device copy).
 Attention, norms, routing and the LM head are not in (2): it is a layer's GEMM time,
 not an engine's decode step.
+3. ``--sweep``: the expert FFN and the decode linears under each bit-neutral launch
+   (``Fp8MoeLaunch``, ``LinearLaunch``), to choose the defaults.
 """
 
 from __future__ import annotations
@@ -111,6 +113,56 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
         print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
 
 
+MOE_SWEEP = ((64, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1), (64, 32, 64, 4, 4, 1),
+             (64, 128, 128, 4, 3, 1), (64, 64, 64, 4, 5, 1), (128, 64, 128, 8, 3, 1),
+             (64, 64, 128, 4, 3, 0), (128, 64, 128, 8, 3, 0))
+LINEAR_SWEEP = ((64, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1), (64, 32, 4, 4, 1, 1),
+                (64, 128, 4, 3, 1, 1), (64, 64, 4, 4, 0, 1), (64, 64, 4, 4, 1, 0),
+                (64, 128, 4, 3, 0, 0))
+
+
+def sweep(batches: list[int], bandwidth: float) -> None:
+    """The expert FFN (Qwen3-30B-A3B shape) and its qkv / o_proj under each launch."""
+    from . import api as kernels
+    from .triton_impl.fp8_gemm import LinearLaunch, fp8_linear
+    from .triton_impl.fp8_moe import Fp8MoeLaunch, fp8_expert_ffn
+
+    d, inter, experts, top_k = 2048, 768, 128, 8
+    wgu, sgu = _fp8(2 * inter, d, experts)
+    wd, sd = _fp8(d, inter, experts)
+    bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
+    bd = (torch.randn(experts, d, inter, device="cuda") * 0.02).bfloat16()
+    print(f"\nexpert FFN sweep (us; roofline of the fp8 expert bytes at {bandwidth / 1e12:.2f} TB/s)")
+    print("launch (m, up_n, down_n, warps, stages, in_loop): " + " | ".join(str(c) for c in MOE_SWEEP))
+    for b in batches:
+        x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(b)]).reshape(-1)
+        hit = int(torch.unique(ids).numel())
+        roof = hit * 3 * inter * d / bandwidth * 1e6
+        t16 = _time_ms(lambda: kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)) * 1e3
+        times = []
+        for c in MOE_SWEEP:
+            lp = Fp8MoeLaunch(*c[:5], quant_in_loop=bool(c[5]))
+            times.append(_time_ms(lambda: fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, lp)) * 1e3)
+        best = min(range(len(times)), key=times.__getitem__)
+        print(f"batch {b:5d}: bf16 {t16:7.1f}  fp8 " + " ".join(f"{t:7.1f}" for t in times)
+              + f"  best {MOE_SWEEP[best]} {100 * roof / times[best]:.0f}% of roofline")
+    print("\nlinear sweep (us), launch (m, n, warps, stages, parts, quant_a): "
+          + " | ".join(str(c) for c in LINEAR_SWEEP))
+    for name, (n, k) in {"qkv": (5120, 2048), "o_proj": (2048, 4096),
+                         "ds kv_a": (576, 7168), "ds o_proj": (7168, 16384)}.items():
+        w, s = _fp8(n, k)
+        wb = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        for m in (1, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t16 = _time_ms(lambda: kernels.linear(x, wb)) * 1e3
+            times = [_time_ms(lambda: fp8_linear(x, w, s, launch=LinearLaunch(
+                *c[:4], parts=bool(c[4]), quant_a=bool(c[5])))) * 1e3 for c in LINEAR_SWEEP]
+            roof = n * k / bandwidth * 1e6
+            print(f"{name:10} M={m:3d}: bf16 {t16:6.1f} fp8 " + " ".join(f"{t:6.1f}" for t in times)
+                  + f"  roof {roof:5.1f}")
+
+
 def summarize_decode(bf16_json: str, fp8_json: str) -> None:
     """The fp8-vs-bf16 table of two ``megaserve bench decode --json-out`` files of one
     model: tok/s of each and the FP8 step against the roofline of the bytes FP8 moves
@@ -135,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gemm-sizes", type=int, nargs="+", default=[64, 256, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--sweep", action="store_true", help="also time every launch (sweep)")
     parser.add_argument("--decode-json", nargs=2, metavar=("BF16", "FP8"),
                         help="only summarise two `megaserve bench decode --json-out` files")
     args = parser.parse_args()
@@ -145,6 +198,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     bench_gemms(args.gemm_sizes)
     bench_moe_layer(args.batches, bandwidth)
+    if args.sweep:
+        sweep(args.batches, bandwidth)
 
 
 if __name__ == "__main__":

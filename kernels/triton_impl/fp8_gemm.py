@@ -129,12 +129,29 @@ def load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
 
 
 @triton.jit
+def _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok, g_lo, g_hi, K,
+                stride_am, stride_asm, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+    """part = 0; part = part + (dot_g * xs_g) * ws_g for g in [g_lo, g_hi) ascending."""
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(g_lo, g_hi):
+        a, a_s = load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
+                            QUANT_A, FP8_MAX, GROUP)
+        kk = g * GROUP + tl.arange(0, GROUP)
+        b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
+        b_s = tl.load(bs_rows + g, mask=col_ok, other=0.0)
+        part = part + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * b_s[None, :]
+    return part
+
+
+@triton.jit
 def _fp8_linear_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, ws_ptr,
     M, N, K,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
-    SPLIT_GROUPS: tl.constexpr, PARTS: tl.constexpr, QUANT_A: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+    SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
+    QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """One (BLOCK_M rows, BLOCK_N columns) tile; PARTS: split pid2 only, its part stored
     to ws `[S, M, N]` fp32; else every split, folded here (module NOTE)."""
@@ -151,23 +168,25 @@ def _fp8_linear_kernel(
         s_hi = tl.cdiv(num_groups, SPLIT_GROUPS)
     b_rows = b_ptr + cols.to(tl.int64)[:, None] * stride_bn
     bs_rows = bs_ptr + (cols // GROUP) * stride_bsn
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(s_lo, s_hi):
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(s * SPLIT_GROUPS, tl.minimum((s + 1) * SPLIT_GROUPS, num_groups)):
-            a, a_s = load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
-                                QUANT_A, FP8_MAX, GROUP)
-            kk = g * GROUP + tl.arange(0, GROUP)
-            b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :],
-                        other=0.0)
-            b_s = tl.load(bs_rows + g, mask=col_ok, other=0.0)
-            d = tl.dot(a, tl.trans(b))
-            part = part + (d * a_s[:, None]) * b_s[None, :]
+    ONE_SPLIT: tl.constexpr = SPLITS == 1
+    if PARTS or ONE_SPLIT:  # one split per program: no second accumulator
+        g_lo = s_lo * SPLIT_GROUPS
+        g_hi = tl.minimum(g_lo + SPLIT_GROUPS, num_groups) if PARTS else num_groups
+        part = _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok, g_lo, g_hi, K,
+                           stride_am, stride_asm, QUANT_A, BLOCK_M, BLOCK_N, GROUP, FP8_MAX)
         if PARTS:
-            at = ws_ptr + (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            at = ws_ptr + (s_lo * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(at, part, mask=row_ok[:, None] & col_ok[None, :])
         else:
-            total = total + part
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + part
+    else:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(s_lo, s_hi):
+            g_lo = s * SPLIT_GROUPS
+            total = total + _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok,
+                                        g_lo, tl.minimum(g_lo + SPLIT_GROUPS, num_groups), K,
+                                        stride_am, stride_asm, QUANT_A, BLOCK_M, BLOCK_N,
+                                        GROUP, FP8_MAX)
     if not PARTS:
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
                  total.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -281,7 +300,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     _fp8_linear_kernel[grid](
         a, a_s, weight, scale_inv, out, ws, m, n, k,
         a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-        SPLIT_GROUPS=sg, PARTS=parts, QUANT_A=lp.quant_a, BLOCK_M=lp.block_m,
+        SPLIT_GROUPS=sg, SPLITS=splits, PARTS=parts, QUANT_A=lp.quant_a, BLOCK_M=lp.block_m,
         BLOCK_N=lp.block_n, GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=lp.num_warps,
         num_stages=lp.num_stages)
     if parts:

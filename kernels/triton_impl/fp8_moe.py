@@ -18,9 +18,9 @@ BLOCK_M grouped positions, BLOCK_N columns) tile, the grid a bound from (R, E) a
 
 Launch choices, none of which changes a bit (:class:`Fp8MoeLaunch`): tile shapes and
 warps; whether x and h are quantized inside the GEMMs' K loops (:func:`fp8_gemm.load_group`,
-decode: one launch less each and h stays fp32 in memory) or x by one quantize launch and
-h in the gate_up epilogue (128-column tiles hold whole groups): the same helper on the
-same fp32 values.
+decode: one launch less each) or each by one :func:`quantize_rows` launch before its GEMM
+(many rows: no column tile repeats the quantization): the same helper on the same values.
+h goes through memory in fp32 (grouped order) either way.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import FP8, FP8_MAX, GROUP, check_weight, load_group, quantize_rows, quantize_tile, swiglu
+from .fp8_gemm import FP8_MAX, GROUP, check_weight, load_group, quantize_rows, swiglu
 from .moe import INLINE_ALIGN_MAX_ROWS, _align, _max_tiles, _rows_at, _tile_of
 
 
 @triton.jit
 def _fp8_expert_kernel(
     # Pointers
-    a_ptr, as_ptr, w_ptr, wsc_ptr, c_ptr, cs_ptr, ids_ptr, order_ptr, offsets_ptr,
+    a_ptr, as_ptr, w_ptr, wsc_ptr, c_ptr, ids_ptr, order_ptr, offsets_ptr,
     # Shapes
     R, num_experts, N, K,
     # Strides
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_csm,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
     # Meta-parameters
-    QUANT_A: tl.constexpr, SWIGLU: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND: tl.constexpr,
+    QUANT_A: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
     INLINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -55,8 +55,8 @@ def _fp8_expert_kernel(
     GATHER: position p reads row ``order[p] // ROWS_PER_TOKEN`` of a (else row p);
     SCATTER: writes row ``order[p]`` of c (else row p). SWIGLU: N is I; the tile
     accumulates gate columns n and up columns N + n and stores :func:`swiglu` of the two
-    rounded to ROUND (1 bf16, 2 fp16, 0 none): fp32 at c, or with QUANT_OUT (BLOCK_N ==
-    128: one group) quantized, e4m3 at c and the scales at cs. Else c gets the cast fp32.
+    rounded to ROUND (1 bf16, 2 fp16, 0 none), fp32. Else c gets the fp32 tile cast.
+    QUANT_A: a holds float rows, quantized in the K loop; else e4m3 rows, scales at as.
     """
     expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
                                             num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
@@ -103,13 +103,7 @@ def _fp8_expert_kernel(
         elif ROUND == 2:
             acc = acc.to(tl.float16).to(tl.float32)
             acc_up = acc_up.to(tl.float16).to(tl.float32)
-        h = tl.where(col_ok[None, :], swiglu(acc, acc_up), 0.0)
-        if QUANT_OUT:
-            q, scale = quantize_tile(h, FP8_MAX)
-            tl.store(c_at, q.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=out_ok)
-            tl.store(cs_ptr + dst.to(tl.int64) * stride_csm + col_tile, scale, mask=row_ok)
-        else:
-            tl.store(c_at, h, mask=out_ok)
+        tl.store(c_at, swiglu(acc, acc_up), mask=out_ok)
     else:
         tl.store(c_at, acc.to(c_ptr.dtype.element_ty), mask=out_ok)
 
@@ -119,8 +113,8 @@ class Fp8MoeLaunch:
     """The two launches of one FP8 expert FFN; never changes a bit (module NOTE).
 
     block_m, up_n (I columns of the gate_up tile; 2 * up_n weight rows), down_n, warps,
-    stages. quant_in_loop: x and h quantized in the GEMMs' K loops (h stays fp32), else x
-    by one quantize launch and h in the gate_up epilogue (needs up_n == 128)."""
+    stages. quant_in_loop: x and h quantized in the GEMMs' K loops, else each by one
+    quantize launch."""
 
     block_m: int = 64
     up_n: int = 64
@@ -135,8 +129,6 @@ class Fp8MoeLaunch:
         for v in (self.up_n, self.down_n):
             if v not in (32, 64, 128, 256):
                 raise ValueError(f"Fp8MoeLaunch: column tile {v} must be 32, 64, 128 or 256")
-        if not self.quant_in_loop and self.up_n != GROUP:
-            raise ValueError("Fp8MoeLaunch: quantizing h in the epilogue needs up_n == 128")
         if self.num_warps not in (4, 8) or self.num_stages < 1:
             raise ValueError(f"Fp8MoeLaunch: num_warps {self.num_warps} must be 4 or 8, "
                              f"num_stages {self.num_stages} >= 1")
@@ -149,21 +141,21 @@ def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
     """The launch for ``num_rows`` routed rows over ``num_experts`` (bit-neutral).
 
     Up to 64 rows an expert on average (decode batches): 64-row tiles, quantization in the
-    K loops; more: 128 x 128 tiles, 8 warps, quantize launch and epilogue quantization."""
+    K loops; more: 128-row tiles, 8 warps, quantize launches."""
     if num_rows <= 64 * num_experts:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return Fp8MoeLaunch(*v[:5], *(bool(f) for f in v[5:]))
-        return Fp8MoeLaunch()
-    return Fp8MoeLaunch(128, 128, 128, 8, 3, quant_in_loop=False)
+        return Fp8MoeLaunch(64, 64, 64, 4, 3)
+    return Fp8MoeLaunch(128, 64, 128, 8, 3, quant_in_loop=False)
 
 
 _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 
-def _grouped(a, a_s, w, w_s, out, out_s, ids, grouping, *, n: int, quant_a: bool, swiglu: bool,
-             quant_out: bool, round_ty: torch.dtype, gather: bool, scatter: bool,
+def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swiglu: bool,
+             round_ty: torch.dtype, gather: bool, scatter: bool,
              rows_per_token: int, block_m: int, block_n: int, num_warps: int,
              num_stages: int) -> None:
     r = ids.shape[0]
@@ -171,10 +163,9 @@ def _grouped(a, a_s, w, w_s, out, out_s, ids, grouping, *, n: int, quant_a: bool
     offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
     grid = (_max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
     _fp8_expert_kernel[grid](
-        a, a_s, w, w_s, out, out_s, ids, order, offsets, r, num_experts, n, k,
+        a, a_s, w, w_s, out, ids, order, offsets, r, num_experts, n, k,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
-        out.stride(0), out_s.stride(0),
-        QUANT_A=quant_a, SWIGLU=swiglu, QUANT_OUT=quant_out, ROUND=_ROUND[round_ty],
+        out.stride(0), QUANT_A=quant_a, SWIGLU=swiglu, ROUND=_ROUND[round_ty],
         GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
         INLINE=grouping is None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_E=triton.next_power_of_2(num_experts),
@@ -205,8 +196,8 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tenso
     if num_rows == 0:
         return out
     ids = expert_ids.contiguous()
-    _grouped(xq, xs, weight, scale_inv, out, out, ids, _grouping(ids, num_experts), n=n,
-             quant_a=False, swiglu=False, quant_out=False, round_ty=out_dtype, gather=True,
+    _grouped(xq, xs, weight, scale_inv, out, ids, _grouping(ids, num_experts), n=n,
+             quant_a=False, swiglu=False, round_ty=out_dtype, gather=True,
              scatter=True, rows_per_token=rows_per_token, block_m=block_m, block_n=block_n,
              num_warps=4, num_stages=3)
     return out
@@ -219,8 +210,8 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     row r of token ``r // rows_per_token`` (module NOTE). x `[T, D]` bf16/fp16/fp32,
     expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified),
     w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` e4m3 with their 128 x 128 scales. Returns
-    `[R, D]` in x.dtype. Two launches at decode sizes (grouping inline or one align
-    launch more), four above; ``launch`` forces one (tests, tuning), the same bits."""
+    `[R, D]` in x.dtype. Two launches at decode sizes (grouping inline, or one align
+    launch more), four above (and the align launch); ``launch`` forces one (tests, tuning), the same bits."""
     r = expert_ids.shape[0]
     num_experts, two_i, d = w_gate_up.shape
     inter = two_i // 2
@@ -238,18 +229,12 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     common = dict(round_ty=x.dtype, rows_per_token=rows_per_token, block_m=lp.block_m,
                   num_warps=lp.num_warps, num_stages=lp.num_stages)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if lp.quant_in_loop:
-        a, a_s = x, x
-        h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # grouped order
-        h_s = h
-    else:
-        a, a_s = quantize_rows(x)
-        h = torch.empty(r, inter, dtype=FP8, device=x.device)
-        h_s = torch.empty(r, triton.cdiv(inter, GROUP), dtype=torch.float32, device=x.device)
-    _grouped(a, a_s, w_gate_up, s_gate_up, h, h_s, ids, grouping, n=inter,
-             quant_a=lp.quant_in_loop, swiglu=True, quant_out=not lp.quant_in_loop,
-             gather=True, scatter=False, block_n=lp.up_n, **common)
-    _grouped(h, h_s, w_down, s_down, out, out, ids, grouping, n=w_down.shape[1],
-             quant_a=lp.quant_in_loop, swiglu=False, quant_out=False, gather=False,
-             scatter=True, block_n=lp.down_n, **common)
+    a, a_s = (x, x) if lp.quant_in_loop else quantize_rows(x)
+    h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # [R, I] grouped order
+    _grouped(a, a_s, w_gate_up, s_gate_up, h, ids, grouping, n=inter, quant_a=lp.quant_in_loop,
+             swiglu=True, gather=True, scatter=False, block_n=lp.up_n, **common)
+    h, h_s = (h, h) if lp.quant_in_loop else quantize_rows(h)
+    _grouped(h, h_s, w_down, s_down, out, ids, grouping, n=w_down.shape[1],
+             quant_a=lp.quant_in_loop, swiglu=False, gather=False, scatter=True,
+             block_n=lp.down_n, **common)
     return out

@@ -66,7 +66,8 @@ def test_fp8_linear_matches_float64_and_is_batch_invariant(n, k):
 
 @pytest.mark.parametrize("experts,n,k,top_k", [(128, 1536, 2048, 8), (8, 256, 384, 2)])
 def test_fp8_grouped_gemm_matches_float64_and_is_batch_invariant(experts, n, k, top_k):
-    from megaserve.kernels.triton_impl.fp8_gemm import fp8_grouped_gemm, quantize_rows
+    from megaserve.kernels.triton_impl.fp8_gemm import quantize_rows
+    from megaserve.kernels.triton_impl.fp8_moe import fp8_grouped_gemm
 
     q, s = _weight(n, k, experts, seed=experts)
     tokens = 1024
@@ -90,6 +91,44 @@ def test_fp8_grouped_gemm_matches_float64_and_is_batch_invariant(experts, n, k, 
     part = fp8_grouped_gemm(xq, xs, dropped, q, s, BF16, rows_per_token=top_k)
     keep = dropped != experts
     assert torch.equal(part[keep], full[keep])
+
+
+@pytest.mark.parametrize("n,k", [(2048, 4096), (576, 7168), (5120, 2048)])
+def test_fp8_linear_launches_give_the_same_bits(n, k):
+    """Tiles (wgmma N 32..256, 4 or 8 warps), K splits folded in registers or through the
+    workspace, the activation quantized in the K loop or before: one set of bits."""
+    from megaserve.kernels.triton_impl.fp8_gemm import LinearLaunch, fp8_linear
+
+    q, s = _weight(n, k, seed=7)
+    for m in (1, 64, 300):
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        ref = fp8_linear(x, q, s, launch=LinearLaunch())
+        for lp in (LinearLaunch(64, 64, parts=True, quant_a=True), LinearLaunch(128, 128, 8),
+                   LinearLaunch(64, 32, 4, 4, quant_a=True), LinearLaunch(64, 256, parts=True)):
+            assert torch.equal(fp8_linear(x, q, s, launch=lp), ref), f"M={m} {lp}"
+
+
+def test_fp8_expert_ffn_launches_give_the_same_bits():
+    """Every expert-FFN launch equals the unfused chain (quantize, grouped GEMM, SwiGLU and
+    quantize, grouped GEMM), at decode and prefill sizes."""
+    from megaserve.kernels.triton_impl.fp8_gemm import quantize_rows, silu_mul_quantize_rows
+    from megaserve.kernels.triton_impl.fp8_moe import Fp8MoeLaunch, fp8_expert_ffn, fp8_grouped_gemm
+
+    experts, d, inter, top_k = 128, 2048, 768, 8
+    wgu, sgu = _weight(2 * inter, d, experts, seed=3)
+    wd, sd = _weight(d, inter, experts, seed=4)
+    for tokens in (1, 8, 256, 2048):
+        x = torch.randn(tokens, d, device="cuda", dtype=BF16)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                           for _ in range(tokens)]).reshape(-1)
+        xq, xs = quantize_rows(x)
+        hq, hs = silu_mul_quantize_rows(fp8_grouped_gemm(xq, xs, ids, wgu, sgu, BF16, top_k))
+        ref = fp8_grouped_gemm(hq, hs, ids, wd, sd, BF16)
+        for lp in (None, Fp8MoeLaunch(64, 32, 64, 4, 4), Fp8MoeLaunch(64, 64, 128, 4, 3),
+                   Fp8MoeLaunch(128, 64, 128, 8, 3, quant_in_loop=False),
+                   Fp8MoeLaunch(64, 128, 256, 4, 3, quant_in_loop=False)):
+            got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
+            assert torch.equal(got, ref), f"tokens={tokens} {lp}"
 
 
 def test_fp8_expert_ffn_close_to_bf16_and_batch_invariant():
