@@ -15,10 +15,12 @@ step() {  # step NAME SECONDS CMD...
     timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
     echo "$name rc=$? $((SECONDS - t0))s $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
 }
-step fp8_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider -x \
+step fp8_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/test_fp8_gpu.py
 step mla_gpu_tests 90 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_gpu.py
 mla_ok=$(grep -c "^mla_gpu_tests rc=0 " "$OUT/summary.txt")
+step fp8_bench "${BENCH_S:-150}" python -m megaserve.kernels.fp8_bench --gemm-sizes 64 256 4096 \
+    --batches 1 64 256 1024 ${SWEEP:+--sweep}
 decode() {  # decode NAME MODEL BATCHES [extra flags]
     local name=$1 model=$2 batches=$3; shift 3
     step "$name" "${DECODE_S:-110}" python -m megaserve.cli bench decode --model "$model" \
@@ -32,5 +34,3 @@ python -m megaserve.kernels.fp8_bench --decode-json "$OUT/decode_bf16.json" "$OU
 if [ "${DS_LAYERS:-0}" -gt 0 ] && [ "$mla_ok" = 1 ]; then
     decode decode_ds_fp8 "random:deepseek-v3:$DS_LAYERS" 64,256 --quantization fp8
 fi
-step fp8_bench "${BENCH_S:-150}" python -m megaserve.kernels.fp8_bench --gemm-sizes 64 256 4096 \
-    --batches 1 64 256 1024 ${SWEEP:+--sweep}
