@@ -39,8 +39,8 @@ from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepO
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
                                         RestartPolicy, WorkerHealth, add_counters, restarted,
                                         worker_params)
-from megaserve.runtime.layout import (comm_world, ready_messages, transport_refusal,
-                                      worker_specs)
+from megaserve.runtime.layout import (comm_world, ready_messages, runs_device_roles,
+                                      transport_refusal, worker_specs)
 from megaserve.runtime.workers import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
@@ -122,6 +122,14 @@ class DisaggregatedEngine(EngineClient):
         self._ended: list[RequestOutput] = []  # final outputs produced by a recovery
         self._retired: EngineStats | None = None  # counters of replaced worker groups
         self._watch = None
+        # Device-plane roles (megaserve.runtime.device_workers) always step in lockstep:
+        # their expert graphs serve every participant of a global step at once.
+        self.device_roles = runs_device_roles(config)
+        self._lockstep = config.aggregation == "lockstep" or self.device_roles
+        self._steps = itertools.count()
+        # torch.cuda.set_sync_debug_mode the device roles run their steps under (None:
+        # theirs; tests set "error" for steady decode steps).
+        self.step_sync_debug: str | None = None
         self._start_workers()
         self._watch = LivenessWatch(self._lost_workers, self._on_loss)
 
@@ -322,7 +330,7 @@ class DisaggregatedEngine(EngineClient):
         if self._health.state == "failed":
             raise WorkerError(self._health.reason)
         outputs, self._ended = self._ended, []
-        if self.config.aggregation == "lockstep":
+        if self._lockstep:
             return outputs + self._lockstep_step()
         message = self._next_message(timeout)
         while message is not None:
@@ -333,8 +341,10 @@ class DisaggregatedEngine(EngineClient):
     def _lockstep_step(self) -> list[RequestOutput]:
         """Announce a step to every replica with requests; wait until all have run it."""
         participants = self._router.busy_replicas()
+        step = next(self._steps)
         for replica in participants:
-            self._group.handles[replica].send(RunStep(len(participants)))
+            self._group.handles[replica].send(
+                RunStep(len(participants), tuple(participants), step, self.step_sync_debug))
         outputs: list[RequestOutput] = []
         pending = len(participants)
         generation = self._generation

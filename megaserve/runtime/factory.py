@@ -42,8 +42,11 @@ def device_plane_reason(config: EngineConfig) -> str | None:
 
 
 def uses_device_plane(config: EngineConfig) -> bool:
-    """True where :func:`make_engine` should build a ``DevicePlaneEngine``."""
-    if config.data_plane == "host":
+    """True where :func:`make_engine` should build a ``DevicePlaneEngine`` (False where
+    every role is a device-plane process: ``DisaggregatedEngine`` runs those)."""
+    from megaserve.runtime.layout import runs_device_roles
+
+    if config.data_plane == "host" or runs_device_roles(config):
         return False
     split = config.disaggregate or (config.attention_replicas, config.expert_workers,
                                     config.transport) != (1, 1, "inproc")

@@ -13,6 +13,12 @@ Three kinds of layout, all served by :class:`~megaserve.runtime.cluster.Disaggre
 Comm ranks are the same in the first two: attention replicas first, then expert workers,
 so co-located EP runs the disaggregated dispatch/combine unchanged, each worker's expert
 rank serving every replica (its own included) from a thread of the same process.
+
+On GPUs over ``cuda_ipc`` the first two run on the device data plane instead
+(:func:`runs_device_roles`; megaserve.runtime.device_workers): the same processes, one
+per worker and on the same GPUs, exchanging through buffers mapped over CUDA IPC (a
+co-located worker's own expert role through the local tensors), in lockstep; a
+rendezvous rank per process (co-located worker i: rank i).
 """
 
 from __future__ import annotations
@@ -76,6 +82,20 @@ def nccl_gpu_clash(config: EngineConfig, num_gpus: int | None = None) -> str | N
     return None
 
 
+def runs_device_roles(config: EngineConfig) -> bool:
+    """Whether ``config``'s workers are device-plane processes (module docstring): CUDA,
+    ``transport="cuda_ipc"``, not ``data_plane="host"``, and co-located expert
+    parallelism, several attention replicas, or workers placed by ``attention_gpus`` /
+    ``expert_gpus`` (one replica without them: the device plane's one-process front-end,
+    megaserve.runtime.device_engine). Speculative decoding stays on the host plane."""
+    if (config.data_plane == "host" or not config.device.startswith("cuda")
+            or config.transport != "cuda_ipc" or config.data_parallel
+            or config.launcher != "local" or config.speculative_config is not None):
+        return False
+    return (config.colocated or config.attention_replicas > 1
+            or config.attention_gpus is not None or config.expert_gpus is not None)
+
+
 def transport_refusal(config: EngineConfig, num_gpus: int | None = None) -> str | None:
     """Why ``config.transport`` cannot connect this layout's workers, as the message of a
     ``ValueError`` (with what to do instead), or None.
@@ -84,7 +104,9 @@ def transport_refusal(config: EngineConfig, num_gpus: int | None = None) -> str 
     * ``cuda_ipc`` with co-located expert parallelism: worker i's attention rank would map
       the ring of its own expert rank, a buffer of the same process, and CUDA opens no IPC
       handle in the process that exported it ("invalid device context"; torch's
-      ``rebuild_cuda_tensor`` does not find its own storage in its cache either)."""
+      ``rebuild_cuda_tensor`` does not find its own storage in its cache either). On the
+      device plane (:func:`runs_device_roles`) a worker's own buffers are local tensors,
+      never IPC mappings, so co-located workers connect over ``cuda_ipc`` there."""
     if config.transport == "nccl":
         clash = nccl_gpu_clash(config, num_gpus)
         if clash is None:
@@ -92,22 +114,27 @@ def transport_refusal(config: EngineConfig, num_gpus: int | None = None) -> str 
         instead = ("use tcp" if config.colocated else
                    "use cuda_ipc, or give the attention replicas and expert workers separate GPUs")
         return f"transport 'nccl': {clash}; {instead}"
-    if config.transport == "cuda_ipc" and config.colocated:
+    if config.transport == "cuda_ipc" and config.colocated and not runs_device_roles(config):
         return ("transport 'cuda_ipc': each co-located worker would map a CUDA IPC buffer of "
                 "its own process (its expert rank's), which CUDA refuses; use tcp")
     return None
 
 
 def comm_world(config: EngineConfig) -> int:
-    """Comm ranks of the layout: attention replicas + expert workers (0: data parallel)."""
-    return 0 if config.data_parallel else config.attention_replicas + config.expert_workers
+    """Comm ranks of the layout: attention replicas + expert workers (0: data parallel;
+    device-plane co-located EP: one per worker)."""
+    if config.data_parallel:
+        return 0
+    if config.colocated and runs_device_roles(config):
+        return config.attention_replicas
+    return config.attention_replicas + config.expert_workers
 
 
 def ready_messages(config: EngineConfig) -> int:
     """WorkerReady messages a started layout sends: one per role of each worker (a
     co-located worker sends two, one per role it runs)."""
-    if config.data_parallel:
-        return config.attention_replicas
+    if config.data_parallel or (config.colocated and runs_device_roles(config)):
+        return config.attention_replicas  # one process, one message
     return config.attention_replicas + config.expert_workers
 
 
@@ -120,10 +147,13 @@ def worker_specs(config: EngineConfig, model: ResolvedModel, placement: ExpertPl
     attention_devices, expert_devices = worker_devices(config)
     world = comm_world(config)
     parent = os.getpid()
+    plane = "device" if runs_device_roles(config) else "host"
+    secret = os.urandom(16) if plane == "device" else b""
 
     def spec(role: str, index: int, rank: int, device: str) -> WorkerSpec:
         return WorkerSpec(role, index, rank, world, rendezvous, config.transport, channel,
-                          config, model, placement, replicas, parent, device)
+                          config, model, placement, replicas, parent, device, plane=plane,
+                          secret=secret)
 
     if config.data_parallel:
         return [spec("engine", r, r, attention_devices[r]) for r in range(replicas)]

@@ -7,6 +7,13 @@ Between a disaggregated front-end (:mod:`megaserve.runtime.cluster`) and its wor
     worker → front-end:            WorkerReady, StepOutputs, WorkerStats (on the way out),
                                    WorkerFailure
 
+Between the processes of a device-plane layout (:mod:`megaserve.runtime.device_workers`;
+over a local socket per (replica process, expert process), the bytes themselves go over
+CUDA IPC)::
+
+    attention replica → expert worker:  StepReport (once per lockstep step), and the
+                                        device plane's Tick (eager ticks)
+
 Between ``AsyncLLMEngine`` and its engine process (:mod:`megaserve.runtime.async_engine`,
 ``engine_process=True``; each pipe message is a list of these)::
 
@@ -55,6 +62,27 @@ class RunStep:
     """Lockstep: run exactly one engine step, shared by ``participants`` replicas."""
 
     participants: int
+    # The device plane's lockstep needs which replicas take part and which global step
+    # this is (its expert workers gate their graph step on exactly these replicas).
+    replicas: tuple[int, ...] = ()
+    step: int = 0
+    # torch.cuda.set_sync_debug_mode to run the step under (None: leave it; tests set
+    # "error" to prove a steady decode step never synchronises with the host).
+    sync_debug: str | None = None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """A replica's word to an expert worker for global step ``step``: how it runs it.
+
+    ``rows``: its decode graph's rows per micro-batch (None: an eager step, whose ticks
+    are messages of their own, or nothing to run). ``participants``: every replica of the
+    step, so the expert worker knows whom to wait for."""
+
+    step: int
+    replica: int
+    rows: int | None
+    participants: tuple[int, ...]
 
 
 @dataclass(frozen=True)

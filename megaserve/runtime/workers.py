@@ -55,10 +55,17 @@ class WorkerSpec:
     parent_pid: int
     device: str  # this worker's device, e.g. "cpu" or "cuda:1"
     host: str = "127.0.0.1"  # where this worker's endpoint listens (its node's IP across hosts)
+    # "host": frames over ``transport`` (this module); "device": the device data plane's
+    # buffers over CUDA IPC, one process per role (megaserve.runtime.device_workers).
+    plane: str = "host"
+    # Device plane: the key of the local sockets between a layout's processes.
+    secret: bytes = b""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.plane not in ("host", "device"):
+            raise ValueError(f"worker plane must be 'host' or 'device', got {self.plane!r}")
 
     @property
     def expert_ranks(self) -> list[int]:
@@ -72,6 +79,11 @@ class WorkerSpec:
 
 def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
     """Entry point of a worker thread or process; reports failures to ``outbox``."""
+    if spec.plane == "device":
+        from megaserve.runtime.device_workers import run_device_worker
+
+        run_device_worker(spec, inbox, outbox)
+        return
     if spec.role == "colocated":
         _run_colocated(spec, inbox, outbox)
         return

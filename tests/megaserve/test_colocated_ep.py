@@ -9,7 +9,7 @@ from megaserve import LLM, SamplingParams
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.cluster import DisaggregatedEngine
 from megaserve.runtime.factory import uses_device_plane
-from megaserve.runtime.layout import worker_devices
+from megaserve.runtime.layout import transport_refusal, worker_devices
 from tests.megaserve.layout_workload import PARAMS, PROMPTS, signature, single_engine_signature
 from tests.processes import alive, comm
 
@@ -125,10 +125,16 @@ def test_invisible_gpu_and_nccl_on_shared_gpus_are_refused_before_any_worker_sta
                                          "worker 0 would both run on cuda:0, .*; use tcp"):
         DisaggregatedEngine(EngineConfig(device="cuda", data_parallel_size=2,
                                          enable_expert_parallel=True, transport="nccl"))
+    # On the host data plane only: the device plane maps no buffer of a worker's own
+    # process (megaserve.runtime.device_workers), so it connects co-located workers.
     with pytest.raises(ValueError, match="transport 'cuda_ipc': each co-located worker .*; "
                                          "use tcp"):
         DisaggregatedEngine(EngineConfig(device="cuda", data_parallel_size=2,
-                                         enable_expert_parallel=True, transport="cuda_ipc"))
+                                         enable_expert_parallel=True, transport="cuda_ipc",
+                                         data_plane="host"))
+    assert transport_refusal(EngineConfig(device="cuda", data_parallel_size=2,
+                                          enable_expert_parallel=True,
+                                          transport="cuda_ipc")) is None
 
 
 def test_speculative_decoding_through_colocated_ep_equals_one_engine():

@@ -1,5 +1,8 @@
-"""GPU: co-located expert parallelism over 2 GPUs on the host data plane over tcp (worker i
-on GPU i is attention replica i and expert worker i); outputs bitwise equal to one GPU."""
+"""GPU: co-located expert parallelism over 2 GPUs (worker i on GPU i is attention replica i
+and expert worker i), on the device data plane over cuda_ipc (megaserve.runtime.
+device_workers: CUDA graphs, lockstep, the worker's own expert role through local
+tensors) and on the host data plane over tcp; outputs bitwise equal to one GPU; steady
+decode of every role never synchronises with the host."""
 
 from __future__ import annotations
 
@@ -25,8 +28,70 @@ def single_gpu():
         return _signature(llm.generate(PROMPTS, PARAMS))
 
 
-# tcp only: cuda_ipc and nccl are refused for co-located workers (runtime/layout.py,
-# transport_refusal).
+@pytest.mark.parametrize("attention_gpus", [None, (1, 0)])
+def test_colocated_ep_on_the_device_plane_equals_one_gpu(single_gpu, attention_gpus):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    with LLM(dtype="bfloat16", device="cuda", data_parallel_size=2,
+             enable_expert_parallel=True, transport="cuda_ipc", max_num_seqs=8,
+             kv_cache_memory_bytes=1 << 28, attention_gpus=attention_gpus) as llm:
+        engine = llm.engine
+        assert engine.device_roles
+        got = _signature(llm.generate(PROMPTS, PARAMS))
+    assert got == single_gpu
+    stats = engine.expert_stats  # DeviceRoleStats, sent by each process as it stops
+    assert sorted(stats) == [0, 1]
+    assert all(s.replica_graph_steps > 0 and s.expert_graph_steps > 0
+               for s in stats.values()), stats
+    assert all(s.step_reports % 2 == 0 for s in stats.values())  # one per expert worker
+
+
+def test_colocated_ep_steady_decode_never_synchronises(single_gpu):
+    """Co-located EP over 2 GPUs on the device plane, async scheduling: once the decode
+    graphs run, ten steps of every process (its replica's step and its expert role's
+    launches, which share the process's sync-debug mode) run under
+    ``set_sync_debug_mode("error")``; a synchronisation would fail the worker and force a
+    restart, so none may happen, and the tokens stay bitwise one GPU's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from megaserve.engine.config import EngineConfig
+    from megaserve.runtime.factory import make_engine
+
+    engine = make_engine(EngineConfig(dtype="bfloat16", device="cuda", data_parallel_size=2,
+                                      enable_expert_parallel=True, transport="cuda_ipc",
+                                      max_num_seqs=8, kv_cache_memory_bytes=1 << 28,
+                                      async_scheduling=True))
+    greedy = [i for i, p in enumerate(PARAMS) if p.temperature == 0]
+    try:
+        assert engine.device_roles
+        for i in greedy:  # no logprobs: a step returning them reads its tokens (by design)
+            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            engine.add_request(f"r{i}", PROMPTS[i], params)
+        outputs = {}
+
+        def collect(outs):
+            for out in outs:
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+
+        for _ in range(3):  # prefill, then decode graphs
+            collect(engine.step())
+        engine.step_sync_debug = "error"
+        steady = 0
+        while engine.has_unfinished_requests() and steady < 6:
+            collect(engine.step())
+            steady += 1
+        engine.step_sync_debug = None
+        while engine.has_unfinished_requests():
+            collect(engine.step())
+        assert steady == 6
+        assert engine.health().restarts == 0, engine.health()
+    finally:
+        engine.shutdown()
+    assert [outputs[f"r{i}"] for i in greedy] == [single_gpu[i][0] for i in greedy]
+
+
+# tcp: the host data plane (every frame through the transport, the worker's own included).
 @pytest.mark.parametrize("attention_gpus", [None, (1, 0)])
 def test_colocated_ep_over_two_gpus_equals_one_gpu(single_gpu, attention_gpus):
     if torch.cuda.device_count() < 2:

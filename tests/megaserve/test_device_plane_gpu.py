@@ -27,9 +27,12 @@ def _run(**options):
              kv_cache_memory_bytes=1 << 28,
              **options) as llm:
         outs = [llm.generate(PROMPTS, p) for p in (greedy, seeded, uneven)]
-        stats = getattr(llm.engine, "experts", None)
-        kind = type(llm.engine).__name__
-        barrier = getattr(llm.engine, "barrier", None)
+        engine = llm.engine
+        stats = getattr(engine, "experts", None)
+        kind = type(engine).__name__
+        barrier = getattr(engine, "barrier", None)
+    if kind == "DisaggregatedEngine":  # device-plane processes: their counters, at stop
+        stats = engine.expert_stats
     if barrier is not None:  # lockstep: one message per expert worker per global step
         assert barrier.graph_steps > 0, "the replicas' decode steps did not run as graphs"
         assert barrier.host_messages == barrier.graph_steps * options["expert_workers"]
@@ -53,8 +56,38 @@ def colocated():
 def test_device_plane_is_bitwise_colocated(colocated, transport, replicas, workers, m) -> None:
     seqs, kind, experts = _run(attention_replicas=replicas, expert_workers=workers,
                                microbatches=m, transport=transport, disaggregate=True)
-    assert kind == "DevicePlaneEngine"
-    assert experts.stats.graph_steps > 0, "decode steps did not run as graphs"
+    if transport == "cuda_ipc" and replicas > 1:  # every role a process
+        _assert_device_roles_ran_graphs(kind, experts, replicas, workers)
+    else:
+        assert kind == "DevicePlaneEngine"
+        assert experts.stats.graph_steps > 0, "decode steps did not run as graphs"
+    assert seqs == colocated
+
+
+def _assert_device_roles_ran_graphs(kind, stats, replicas, workers) -> None:
+    """Device-plane processes (megaserve.runtime.device_workers): every replica ran decode
+    steps as graphs, every expert worker replayed expert graphs, and each replica sent one
+    StepReport per expert worker per step it took part in."""
+    assert kind == "DisaggregatedEngine"
+    every = list(stats.values())
+    assert len(every) >= max(replicas, workers)
+    assert sum(s.replica_graph_steps for s in every) > 0, "no replica ran a decode graph"
+    assert sum(s.expert_graph_steps > 0 for s in every) == workers
+    for s in every:
+        assert s.step_reports % workers == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+@pytest.mark.parametrize("m", [1, 2])
+def test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise(colocated, m) -> None:
+    """MegaScale-Infer's shape on one host: two attention replica processes on GPU 0, one
+    expert process on GPU 1 (cuda_ipc, lockstep, CUDA graphs on both roles), bitwise
+    equal to the co-located engine on one GPU (greedy with logprobs, seeded, uneven
+    lengths: the replicas step alone once the other is done)."""
+    seqs, kind, stats = _run(attention_replicas=2, expert_workers=1, microbatches=m,
+                             transport="cuda_ipc", attention_gpus=(0, 0), expert_gpus=(1,))
+    _assert_device_roles_ran_graphs(kind, stats, 2, 1)
     assert seqs == colocated
 
 
