@@ -1,0 +1,30 @@
+#!/bin/bash
+# Device-plane roles as processes on nvidia-h200-x2 (issue 34): GPU tests, then the layout
+# bench. Usage (repository root, after scripts/device_setup.sh): bash lab/ep_device.sh
+# check|bench256|bench1024 [seconds]. Writes to $OUT when set.
+set -o pipefail
+mode=${1:-check}
+limit=${2:-200}
+out=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,memory.used --format=csv
+stacks() {  # every megaserve process's Python stacks (faulthandler on SIGUSR1), on a hang
+    sleep "$1"
+    for p in $(pgrep -f "multiprocessing.spawn|pytest|device_layouts"); do kill -USR1 "$p" 2>/dev/null; done
+}
+if [ "$mode" = check ]; then
+    stacks $((limit - 20)) & watcher=$!
+    timeout "$limit" python3 -m pytest -x -q -p no:cacheprovider -o faulthandler_timeout=$((limit - 15)) \
+        "tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_on_the_device_plane_equals_one_gpu" \
+        "tests/megaserve/test_device_plane_gpu.py::test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise" \
+        "tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_steady_decode_never_synchronises" \
+        2>&1 | tee "$out/check.log"
+    kill $watcher 2>/dev/null
+fi
+if [ "$mode" = bench256 ] || [ "$mode" = bench1024 ]; then
+    n=${mode#bench}
+    stacks $((limit - 20)) & watcher=$!
+    timeout "$limit" python3 -m megaserve.bench.device_layouts --model random:qwen3-30b-a3b:48 \
+        --input-len 64 --output-len 256 --num-prompts "$n" --max-num-seqs "$n" \
+        --layouts "${LAYOUTS:-ep:2,attn2:1}" 2>&1 | tee "$out/bench$n.log"
+    kill $watcher 2>/dev/null
+fi
