@@ -67,20 +67,20 @@ def main() -> None:
                   DECODE=False, PDL=False)
     decode = dict(common, BLOCK_Q=4, MASK_TAIL=True, PREFETCH=True)
     launches = [
-        ("serial decode r16 w2 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 2, 4),
-        ("serial decode r16 w4 s4", ak._paged_attention_kernel, dict(decode, PARTS=False), 4, 4),
-        ("chunk decode r16 w2 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 2, 3),
-        ("chunk decode r16 w4 s3", ak._paged_attention_kernel, dict(decode, PARTS=True), 4, 3),
-        ("fold 16 columns w1 (chunk parts)", ak._attention_fold_kernel,
+        ("serial decode r16 w2 s4", ak.paged_attention_kernel, dict(decode, PARTS=False), 2, 4),
+        ("serial decode r16 w4 s4", ak.paged_attention_kernel, dict(decode, PARTS=False), 4, 4),
+        ("chunk decode r16 w2 s3", ak.paged_attention_kernel, dict(decode, PARTS=True), 2, 3),
+        ("chunk decode r16 w4 s3", ak.paged_attention_kernel, dict(decode, PARTS=True), 4, 3),
+        ("fold 16 columns w1 (chunk parts)", ak.attention_fold_kernel,
          dict(common, BLOCK_Q=1, BLOCK_D=16, UNROLL=16), 1, 3),
     ]
     for rows, warps, stages in ((64, 4, 2), (128, 8, 2), (128, 8, 3)):
         launches.append((f"serial prefill r{rows} w{warps} s{stages}",
-                         ak._paged_attention_kernel,
+                         ak.paged_attention_kernel,
                          dict(common, BLOCK_Q=rows // 4, MASK_TAIL=True,
                               PREFETCH=stages > 2, PARTS=False), warps, stages))
     for name, fn, constexprs, warps, stages in launches:
-        serial = fn is ak._paged_attention_kernel and not constexprs.get("PARTS")
+        serial = fn is ak.paged_attention_kernel and not constexprs.get("PARTS")
         res = resources(fn, constexprs, warps, stages, fp32_ws=not serial)
         print(f"{name:36s} regs {res['regs']:3d}  spill {res['stack']:4d} B  "
               f"smem {res['smem'] / 1024:6.1f} KiB", flush=True)

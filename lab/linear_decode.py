@@ -100,16 +100,16 @@ def baseline_plan(n: int, k: int, m: int, dt):
     """(config, launch) of the earlier committed rule, whatever rule is in force now."""
     from megaserve.kernels.triton_impl import matmul as mm
 
-    before = os.environ.get(mm._RULE_ENV)
-    os.environ[mm._RULE_ENV] = BASELINE_RULE
+    before = os.environ.get(mm.SMALL_K_RULE_ENV)
+    os.environ[mm.SMALL_K_RULE_ENV] = BASELINE_RULE
     try:
         cfg = mm.config_for(n, k, dt)
         return cfg, mm.plan_launch(m, n, k, cfg)
     finally:
         if before is None:
-            del os.environ[mm._RULE_ENV]
+            del os.environ[mm.SMALL_K_RULE_ENV]
         else:
-            os.environ[mm._RULE_ENV] = before
+            os.environ[mm.SMALL_K_RULE_ENV] = before
 
 
 def current_plan(n: int, k: int, m: int, dt):

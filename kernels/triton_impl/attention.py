@@ -58,7 +58,7 @@ import triton.language as tl
 from ..api import KV_SPLIT_SIZE
 from . import attention_gluon, pdl
 from .rowwise import mul_rounded, no_contract, norm_warps, rms_apply, rms_rstd_rows
-from .attention_kernels import _attention_fold_kernel, _paged_attention_kernel
+from .attention_kernels import attention_fold_kernel, paged_attention_kernel
 
 # Chunk mode below this many serial programs (about two per SM of an H100/H200), while
 # its fp32 chunk states fit in this many bytes.
@@ -607,7 +607,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                query_start_loc, out, scale, KV_SPLIT_SIZE, CHUNK_SPLITS,
                                launch.l_cols)
         return out
-    _paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
+    paged_attention_kernel[grid + ((max_chunks if launch.mode == "chunk" else 1),)](
         q, k_cache, v_cache, block_tables, *seq_args, out, ws_m, ws_l, ws_o,
         num_seqs, t, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -621,7 +621,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         fold_d = min(launch.fold_block_d or block_d, block_d)
         common["BLOCK_D"] = fold_d
         fold_tiles = num_seqs if decode else t // fold_q + num_seqs
-        _attention_fold_kernel[(fold_tiles, num_kv_heads, block_d // fold_d)](
+        attention_fold_kernel[(fold_tiles, num_kv_heads, block_d // fold_d)](
             *seq_args, ws_m, ws_l, ws_o, out, num_seqs, t, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, BLOCK_Q=fold_q,
             UNROLL=min(launch.fold_unroll, triton.next_power_of_2(max_chunks)),

@@ -47,12 +47,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .attention_kernels import _find_seq  # scalar index math: the Triton kernel's own
+from .attention_kernels import find_seq  # scalar index math: the Triton kernel's own
 from .matmul import tma_readable
 
 
 @triton.constexpr_function
-def _rows_layout(head_dim, warps):
+def rows_layout(head_dim, warps):
     """Rows of ``head_dim`` bf16 over ``warps`` warps, 16 bytes a thread: the layout of
     the Q and K/V gathers."""
     return gl.BlockedLayout(size_per_thread=[1, 8],
@@ -86,7 +86,7 @@ def _producer(k_bufs, v_bufs, ready, free, kc_ptr, vc_ptr, k_desc, v_desc, bt, c
     split's come from every load thread once its copies have landed; a TMA split's from one
     thread, ``expect`` (one arrival; the byte count raised first, so the phase waits for
     the copies' bytes) and an arrival of the other WARPS * 32 - 1."""
-    LOAD: gl.constexpr = _rows_layout(HEAD_DIM, WARPS)
+    LOAD: gl.constexpr = rows_layout(HEAD_DIM, WARPS)
     BOX_ROWS: gl.constexpr = k_desc.block_type.shape[0]
     SPLIT_BYTES: gl.constexpr = 2 * (SPLIT // BOX_ROWS) * k_desc.block_type.nbytes  # K and V
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
@@ -293,10 +293,10 @@ def prefill_attention_kernel(q_ptr, kc_ptr, vc_ptr, k_desc, v_desc, bt_ptr, ctx_
     cache block's part of a split)."""
     BLOCK_M: gl.constexpr = BLOCK_Q * G_PAD
     HALF: gl.constexpr = BLOCK_M // 2
-    LOAD: gl.constexpr = _rows_layout(HEAD_DIM, num_warps)
+    LOAD: gl.constexpr = rows_layout(HEAD_DIM, num_warps)
     kv_head = gl.program_id(1)
     pid = gl.num_programs(0) - 1 - gl.program_id(0)
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    seq = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_begin = gl.load(qsl_ptr + seq)
     q_len = gl.load(qsl_ptr + seq + 1) - q_begin
     tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q

@@ -33,7 +33,7 @@ from . import pdl
 
 
 @triton.jit
-def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+def find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence s whose tiles (numbered qsl[s] // BLOCK_Q + s onward) hold ``pid``."""
     lo = 0
     hi = num_seqs
@@ -148,7 +148,7 @@ def _tile_rows(ctx_ptr, qsl_ptr, num_seqs, pid, kv_head, GROUP: tl.constexpr,
         live = pid < num_seqs
         ctx_len = tl.load(ctx_ptr + seq, mask=live, other=0)
     else:
-        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+        seq = find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
         q_begin = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_begin
         tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
@@ -207,7 +207,7 @@ def _store_rows(out_ptr, o, l, tok_glob, head, row_ok, stride_ot, stride_oh, d0,
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
+def paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, qsl_ptr, out_ptr,
                             ws_m_ptr, ws_l_ptr, ws_o_ptr, num_seqs, num_tokens, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_kb, stride_ks, stride_kh, stride_bt, bt_keys,
@@ -338,7 +338,7 @@ def _load_part(ws_m_ptr, ws_l_ptr, ws_o_ptr, part, num_tokens, tok_glob, head, r
 
 
 @triton.jit
-def _attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
+def attention_fold_kernel(ctx_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, out_ptr,
                            num_seqs, num_tokens, stride_ot, stride_oh,
                            NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
                            G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,

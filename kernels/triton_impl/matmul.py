@@ -182,7 +182,7 @@ SMALL_K_RULE: SmallKRule | None = SmallKRule(
     4096, 132, at_most_target=True,
     swap=((64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=256)),
           (64, Launch("swap", 64, num_warps=4, num_stages=3, block_k=128))))
-_RULE_ENV = "MEGASERVE_MATMUL_SMALL_K"
+SMALL_K_RULE_ENV = "MEGASERVE_MATMUL_SMALL_K"
 
 
 @functools.lru_cache(maxsize=8)
@@ -192,7 +192,7 @@ def _parse_rule(text: str) -> SmallKRule | None:
 
 def small_k_rule() -> SmallKRule | None:
     """The small-K rule in force: ``$MEGASERVE_MATMUL_SMALL_K`` if set, else ``SMALL_K_RULE``."""
-    text = os.environ.get(_RULE_ENV)
+    text = os.environ.get(SMALL_K_RULE_ENV)
     return SMALL_K_RULE if text is None else _parse_rule(text)
 
 

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Rows of bf16 over warps, 16 bytes a thread: the gather of A, and the epilogue's stores
-from .attention_gluon import _rows_layout
+from .attention_gluon import rows_layout
 from .matmul import tma_readable
 
 
@@ -99,7 +99,7 @@ def _loader(a_ptr, a_desc, w_desc, a_bufs, w_bufs, ready_a, ready_w, empty, orde
     both MMA groups are done with the slot's previous step (``empty``). The weights by TMA
     (with SWIGLU, gate rows n and up rows N + n); A by TMA, or with GATHER by cp.async from
     rows ``order[position] // ROWS_PER_TOKEN`` (K a multiple of BLOCK_K: no column mask)."""
-    GATHER_L: gl.constexpr = _rows_layout(BLOCK_K, gl.num_warps())
+    GATHER_L: gl.constexpr = rows_layout(BLOCK_K, gl.num_warps())
     W_BYTES: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes
     experts, lo, hi, ends, tiles = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     tiles_n = gl.cdiv(N, BLOCK_N)
@@ -149,7 +149,7 @@ def _mma(a_bufs, w_bufs, ready_a, ready_w, empty, c_ptr, order_ptr, offsets_ptr,
                                                   instr_shape=[16, W_ROWS, 16])
     # Whole rows a warp, 16 bytes a thread (the accumulator's layout would store 4-byte
     # pieces of 8 rows at a time: the epilogue took ~2x as long).
-    OUT: gl.constexpr = _rows_layout(BLOCK_N, 4)
+    OUT: gl.constexpr = rows_layout(BLOCK_N, 4)
     ROWS: gl.constexpr = BLOCK_M // 2
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
     experts, lo, hi, ends, tiles = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)

@@ -39,21 +39,6 @@ KNOWN_CYCLES = {
 
 # Private names taken across modules: "path: the import or attribute" -> why.
 KNOWN_PRIVATE_IMPORTS = {
-    "kernels/triton_impl/attention.py: from .attention_kernels import _paged_attention_kernel":
-        "the jit kernels of attention_kernels are launched by attention.py's wrappers "
-        "(Triton tutorials' layout: kernel, then wrapper); renaming them waits for a GPU run",
-    "kernels/triton_impl/attention.py: from .attention_kernels import _attention_fold_kernel":
-        "as above",
-    "kernels/triton_impl/attention_gluon.py: from .attention_kernels import _find_seq":
-        "a jit helper shared by the Triton and Gluon attention kernels; as above",
-    "kernels/triton_impl/moe_gluon.py: from .attention_gluon import _rows_layout":
-        "a Gluon layout helper shared by two kernel families; as above",
-    "lab/kernel_resources.py: ak._paged_attention_kernel":
-        "compiles the attention jit kernels themselves to read their registers",
-    "lab/kernel_resources.py: ak._attention_fold_kernel": "as above",
-    "lab/linear_decode.py: mm._RULE_ENV":
-        "overrides the matmul split rule by its environment variable, whose name the "
-        "matmul module keeps private",
     "lab/moe_bench.py: moe._align": "times the MoE kernels one by one; moe.py exposes only "
                                     "the fused entry points",
     "lab/moe_bench.py: moe._expert_gemm": "as above",
