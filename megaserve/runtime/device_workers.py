@@ -431,7 +431,8 @@ class _DeviceWorker:
                     return
                 continue
             if isinstance(message, Stop):
-                self.outbox.put(WorkerStats(self.spec.role, self.spec.index, self.stats()))
+                # Keyed by rank: a replica and an expert worker may share an index.
+                self.outbox.put(WorkerStats(self.spec.role, self.spec.rank, self.stats()))
                 return
             if self.engine is None:
                 raise ValueError(f"expert worker {self.spec.index}: unexpected {message!r}")
