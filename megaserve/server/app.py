@@ -1,5 +1,9 @@
 """Wiring of one serving process: gRPC + HTTP on one loop, model load, SIGTERM drain.
 
+The HTTP port is owned by ``HttpListener``: its thread answers ``/health`` (from the health
+the loop publishes every 0.1 s) and hands every other connection to the aiohttp app on
+the loop, so a probe never waits behind the loop's work.
+
 Timeline::
 
     bind gRPC and HTTP ──▶ health NOT_SERVING, requests get UNAVAILABLE / 503
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +31,7 @@ from aiohttp import web
 
 from megaserve.engine.config import EngineConfig
 from megaserve.server.core import ServerState, ServingCore, chars_per_token
+from megaserve.server.http_listener import HttpListener, publish_health
 
 logger = logging.getLogger(__name__)
 
@@ -142,18 +148,23 @@ async def serve(config: ServeConfig,
                            access_log=None, keepalive_timeout=config.timeout_keep_alive)
     await runner.setup()
     use_json_errors(runner)
-    site = web.TCPSite(runner, config.host, config.http_port, reuse_address=True)
+    loop = asyncio.get_running_loop()
     try:
-        await site.start()
+        listener = HttpListener(config.host, config.http_port, loop, _adopter(runner),
+                                idle_timeout=config.timeout_keep_alive,
+                                request_id_headers=config.enable_request_id_headers,
+                                cors=bool(config.allowed_origins))
     except OSError:
         await grpc_server.stop(0)
         await runner.cleanup()
         raise
+    listener.publish(core.health())
+    listener.start()
+    publisher = asyncio.create_task(publish_health(listener, core.health))
     logger.info("megaserve: gRPC on %s:%d, HTTP on %s:%d; loading %s",
                 config.host, config.grpc_port, config.host, config.http_port, config.model)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     exit_code = 0
@@ -170,6 +181,7 @@ async def serve(config: ServeConfig,
             stop.set()
         else:
             core.state = ServerState.SERVING
+            listener.publish(core.health())
             await set_health(health, serving=True)
             logger.info("megaserve: serving %s (max_model_len=%d)", config.model,
                         core.engine.max_model_len)
@@ -184,8 +196,9 @@ async def serve(config: ServeConfig,
     deadline = loop.time() + config.grace_period
     logger.info("megaserve: shutting down (grace period %.1f s)", config.grace_period)
     core.state = ServerState.DRAINING
+    listener.publish(core.health())
     await set_health(health, serving=False)
-    await site.stop()
+    listener.stop_accepting()  # no new connections; open ones finish their requests
     # The whole shutdown fits in the grace period (an orchestrator kills us after it):
     # in-flight work gets all of it but a reserve for aborting what is left, flushing
     # those streams' final messages and stopping the engine. grpc refuses new RPCs at once
@@ -199,6 +212,8 @@ async def serve(config: ServeConfig,
                            aborted)
     await _within(grpc_stopped, deadline - loop.time(), "stopping gRPC")
     await _within(runner.cleanup(), deadline - loop.time(), "closing HTTP connections")
+    publisher.cancel()
+    listener.close()
     core.close()
     core.state = ServerState.STOPPED
     if core.engine is not None:
@@ -216,6 +231,29 @@ async def _within(work: Any, seconds: float, what: str) -> None:
         await asyncio.wait_for(work, timeout=max(0.0, seconds))
     except asyncio.TimeoutError:
         logger.warning("megaserve: %s did not finish within the grace period", what)
+
+
+def _adopter(runner: web.AppRunner) -> Callable[[socket.socket], None]:
+    """What ``HttpListener`` calls (on the loop) with a connection for the app: serves it
+    with aiohttp's connection handler, as its own listener would have."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task] = set()
+
+    async def serve_connection(sock: socket.socket) -> None:
+        if runner.server is None:  # shutting down
+            sock.close()
+            return
+        try:
+            await loop.connect_accepted_socket(runner.server, sock)
+        except OSError:
+            sock.close()
+
+    def adopt(sock: socket.socket) -> None:
+        task = loop.create_task(serve_connection(sock))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return adopt
 
 
 def _load(engine_factory: Callable[[ServeConfig], Any], config: ServeConfig,

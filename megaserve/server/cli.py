@@ -137,6 +137,7 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _raise_open_files_limit()
     try:
         code = asyncio.run(serve(config))
     except ModuleNotFoundError as e:  # an incomplete install, e.g. no grpcio-health-checking
@@ -150,6 +151,22 @@ def main(argv: list[str]) -> int:
         print(f"megaserve serve: {e}", file=sys.stderr)
         return 1
     _exit_now(code)
+
+
+def _raise_open_files_limit(wanted: int = 65536) -> None:
+    """Raises this process's soft limit on open files towards ``wanted`` (within the hard
+    limit), as vLLM's API server does: each connection is a file, and a common default
+    soft limit (1,024) is below a burst of 1,000 connections plus the server's own."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as e:
+            logging.getLogger(__name__).warning(
+                "could not raise the open-files limit from %d to %d: %s", soft, target, e)
 
 
 def _exit_now(code: int) -> NoReturn:

@@ -64,7 +64,7 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

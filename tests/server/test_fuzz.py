@@ -24,12 +24,12 @@ from megaserve.server.grpc_protocol import BadMessage, deserialize_generate, par
 from megaserve.server.errors import RequestError
 
 from .conftest import ServerProcess, assert_idle, http_get
-from .test_hostile import HealthWatch, assert_clean, assert_openai_error
+from .test_hostile import LoopWatch, assert_clean, assert_openai_error
 
 EXAMPLES = int(os.environ.get("MEGASERVE_FUZZ_EXAMPLES", "80"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
-STALL_S = 0.5  # /health slower than this during the fuzz run means the loop stalled
+STALL_S = 0.5  # /version slower than this during the fuzz run means the loop stalled
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_http_api_against_its_openapi_document(fuzz_server, openapi, path, model
             assert status in (400, 404, 413), (status, reply)
             assert_openai_error(status, reply, status)
 
-    with HealthWatch(fuzz_server, budget_s=STALL_S):
+    with LoopWatch(fuzz_server, budget_s=STALL_S):
         check()
     print(path, seen)
     assert seen.get(200) and seen.get(400), seen  # both valid and invalid bodies were sent
@@ -251,7 +251,7 @@ def test_grpc_server_with_generated_bytes(fuzz_server):
             codes[code.name] = codes.get(code.name, 0) + 1
             assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), code
 
-        with HealthWatch(fuzz_server, budget_s=STALL_S):
+        with LoopWatch(fuzz_server, budget_s=STALL_S):
             check()
     print(codes)
     assert codes.get("OK") and codes.get("INVALID_ARGUMENT"), codes

@@ -16,7 +16,7 @@ from megaserve.server import generation_pb2 as pb
 from megaserve.server.client import auth_metadata, build_request, generation_stub
 
 from .conftest import ServerProcess, assert_idle, http_get
-from .test_hostile import HealthWatch, assert_clean, assert_openai_error
+from .test_hostile import LoopWatch, assert_clean, assert_openai_error
 
 KEY = "s3cret-key"
 OTHER_KEY = "other-tenant-key"
@@ -53,7 +53,7 @@ def post(server, path: str, body: dict, headers: dict[str, str]) -> tuple[int, d
 
 def test_api_key_guards_http_v1_and_leaves_health_open(keyed_server):
     body = {"prompt": "hi", "max_tokens": 2}
-    with HealthWatch(keyed_server):  # /health needs no key
+    with LoopWatch(keyed_server):  # /version needs no key
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                         {"Authorization": f"Basic {KEY}"}):
             status, reply = post(keyed_server, "/v1/completions", body, headers)
