@@ -49,8 +49,8 @@ def _pack_kernel(x_ptr, ids_ptr, w_ptr, rows_ptr, slot_ids_ptr, slot_w_ptr, coun
     if HAS_W:
         w = tl.load(w_ptr + t * stride_w + ranks, mask=rmask)
         tl.store(slot_w_ptr + t * stride_sw + ranks, w, mask=rmask)
-    if t == 0:
-        tl.store(count_ptr, T.to(tl.int32))
+    if t == 0:  # (T may arrive as a constexpr 1: no tensor methods on it)
+        tl.store(count_ptr + tl.arange(0, 1), tl.zeros((1,), tl.int32) + T)
 
 
 def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -104,8 +104,8 @@ def _local_ids_kernel(ids_ptr, counts_ptr, replica_ptr, lookup_ptr, out_ptr, fla
     # one program: a tick's routed rows are few (c * k per replica), and the only program
     # that waits may clear the flags it waited on
     if WAIT:
-        for p in range(0, P):
-            flag = flag_ptr + tl.load(replica_ptr + p).to(tl.int64) * stride_fr
+        for j in range(0, P):
+            flag = flag_ptr + tl.load(replica_ptr + j).to(tl.int64) * stride_fr
             # acquire, system scope: the rows a peer GPU wrote before raising the flag
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
             while seen < 1:  # SET, or ABORT (stream_flags' toggle)

@@ -161,5 +161,42 @@ def test_plane_kernel_under_interpreter(interp_results: dict[str, dict], name: s
     interp_support.assert_check_passed(interp_results, name)
 
 
+def _compile_sm90(fn, pointers: dict, ints: list[str], ones: list[str], constexprs: dict):
+    """Compile ``fn`` for sm_90 with Triton's bundled ptxas (no GPU), the ``ones``
+    arguments specialised to the constant 1 as the JIT does when a launch passes 1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**constexprs, **{name: 1 for name in ones}}
+    signature = {**pointers, **{n: "i32" for n in ints if n not in ones},
+                 **{name: "constexpr" for name in constexprs}}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+@pytest.mark.parametrize("variant", [True, False])
+def test_plane_kernels_compile_for_sm90(variant: bool) -> None:
+    """The interpreter runs what the compiler refuses (an integer argument the JIT turns
+    into the constant 1, a loop variable reused with another type): every kernel compiles
+    for an H100/H200 with its integer arguments as they come, and with the ones a batch of
+    one token or one replica makes 1, with and without its optional part."""
+    from megaserve.kernels.triton_impl import plane_pack as pp
+
+    ints = ["T", "D", "stride_x", "stride_ids", "stride_w", "stride_rows", "stride_sids",
+            "stride_sw"]
+    pointers = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", rows_ptr="*bf16",
+                    slot_ids_ptr="*i32", slot_w_ptr="*fp32", count_ptr="*i32")
+    for ones in ([], ["T"], ints):
+        _compile_sm90(pp._pack_kernel, pointers, ints, ones,
+                      dict(TOP_K=8, KP=8, HAS_W=variant, BLOCK_D=1024))
+    ints = ["P", "C", "stride_ir", "stride_it", "stride_cr", "stride_fr", "SENTINEL"]
+    pointers = dict(ids_ptr="*i32", counts_ptr="*i32", replica_ptr="*i64", lookup_ptr="*i64",
+                    out_ptr="*i64", flag_ptr="*i32")
+    for ones in ([], ["P"], ["P", "C", "stride_cr", "stride_fr"]):
+        _compile_sm90(pp._local_ids_kernel, pointers, ints, ones,
+                      dict(TOP_K=8, BLOCK=1024, WAIT=variant))
+
+
 if __name__ == "__main__" and "--child" in sys.argv:
     _child()
