@@ -71,21 +71,25 @@ class HttpListener:
 
     ``adopt(sock)`` is called on the event loop's thread with each connection that is not
     a health probe (its bytes unread). ``idle_timeout`` closes connections held here
-    (probes' keep-alive) that send nothing for that long. ``request_id_headers`` and
+    (probes' keep-alive) that send nothing for that long. A health published more than
+    ``stale_after`` seconds ago is answered as 503 ``UNRESPONSIVE``. ``request_id_headers`` and
     ``cors``: the app's options, honoured here (a probe with an ``Origin`` header goes to
     the app when CORS is configured). Raises OSError if a port cannot be bound.
     """
 
     def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
                  adopt: Callable[[socket.socket], Any], *, idle_timeout: float = 5.0,
-                 request_id_headers: bool = False, cors: bool = False) -> None:
+                 request_id_headers: bool = False, cors: bool = False,
+                 stale_after: float = STALE_AFTER_S) -> None:
         self._loop = loop
+        self._stale_after = stale_after
         self._adopt = adopt
         self._idle_timeout = idle_timeout
         self._request_id_headers = request_id_headers
         self._cors = cors
         self._published = _Published(Health("LOADING", False), time.monotonic())
         self._listeners = _bind(host, port)
+        self.port = self._listeners[0].getsockname()[1]  # the bound one (port 0: any free)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -227,7 +231,7 @@ class HttpListener:
         published = self._published
         health = published.health
         age = time.monotonic() - published.at
-        if age > STALE_AFTER_S:
+        if age > self._stale_after:
             health = Health("UNRESPONSIVE", False,
                             f"the server's event loop has not run for {age:.0f} s")
         body = {"status": health.state}

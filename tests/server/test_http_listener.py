@@ -1,0 +1,112 @@
+"""HttpListener in-process: /health answered on the listener thread while the event loop
+is blocked, every other request served by the aiohttp app it hands connections to, a
+keep-alive connection moving from one to the other, and a stale publication reported."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import time
+
+from aiohttp import web
+
+from megaserve.server.core import Health
+from megaserve.server.http_listener import HttpListener
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": "test"})
+
+
+async def _health_on_loop(request: web.Request) -> web.Response:
+    return web.json_response({"status": "FROM_THE_APP"})
+
+
+async def _with_listener(body, *, stale_after: float = 10.0) -> None:
+    """Runs ``body(listener, loop)`` in a thread while an app with a listener serves on this loop."""
+    app = web.Application()
+    app.router.add_get("/version", _version)
+    app.router.add_get("/health", _health_on_loop)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+
+    def adopt(sock: socket.socket) -> None:
+        loop.create_task(loop.connect_accepted_socket(runner.server, sock))
+
+    listener = HttpListener("127.0.0.1", 0, loop, adopt, stale_after=stale_after)
+    listener.publish(Health("SERVING", True))
+    listener.start()
+    try:
+        await asyncio.to_thread(body, listener, loop)
+    finally:
+        listener.close()
+        await runner.cleanup()
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def test_health_is_answered_while_the_event_loop_is_blocked():
+    blocked_s = 3.0
+    answered: list[float] = []
+
+    def body(listener: HttpListener, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(time.sleep, blocked_s)  # the loop does nothing else
+        time.sleep(0.2)  # (the block has begun)
+        conn = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
+        started = time.monotonic()
+        assert _get(conn, "/health") == (200, b'{"status": "SERVING"}')
+        answered.append(time.monotonic() - started)
+        conn.close()
+
+    asyncio.run(_with_listener(body))
+    # Served by the loop, the probe would have waited for the rest of the block (2.8 s).
+    assert answered and answered[0] < blocked_s / 2, answered
+
+
+def test_other_requests_go_to_the_app_and_keep_alive_follows():
+    def body(listener: HttpListener, _loop) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
+        # Probes on one keep-alive connection stay with the listener ...
+        assert _get(conn, "/health") == (200, b'{"status": "SERVING"}')
+        assert _get(conn, "/health?verbose=1") == (200, b'{"status": "SERVING"}')
+        # ... and its first other request moves it, unread, to the app for good.
+        assert _get(conn, "/version") == (200, b'{"version": "test"}')
+        assert _get(conn, "/health") == (200, b'{"status": "FROM_THE_APP"}')
+        conn.close()
+        fresh = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
+        assert _get(fresh, "/version")[0] == 200
+        fresh.close()
+        assert listener.num_answered == 2
+        listener.publish(Health("DRAINING", False))
+        conn = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
+        assert _get(conn, "/health") == (503, b'{"status": "DRAINING"}')
+        conn.close()
+        listener.stop_accepting()
+        time.sleep(0.5)
+        try:
+            socket.create_connection(("127.0.0.1", listener.port), timeout=5).close()
+        except ConnectionRefusedError:
+            pass
+        else:
+            raise AssertionError("a connection was accepted after stop_accepting()")
+
+    asyncio.run(_with_listener(body))
+
+
+def test_a_stale_publication_is_unresponsive():
+    def body(listener: HttpListener, _loop) -> None:
+        time.sleep(0.6)  # nothing publishes after the first
+        conn = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
+        status, reply = _get(conn, "/health")
+        assert status == 503 and b'"UNRESPONSIVE"' in reply, reply
+        listener.publish(Health("SERVING", True))
+        assert _get(conn, "/health")[0] == 200
+        conn.close()
+
+    asyncio.run(_with_listener(body, stale_after=0.5))
