@@ -6,7 +6,8 @@ expert worker's inbox, dispatch flags, wait for the combine flags, gather); each
 worker echoes instead of computing: it waits for the dispatch, writes the combine's bytes
 back into the replica's inbox (k rows per token in the model's dtype, or one float32 row
 per token where one worker pre-reduces: ``--reduce``) and raises the combine flag. Ticks
-run :data:`TICKS` to a CUDA graph; each is timed by CUDA events around it, p50/p99.
+run :data:`TICKS` to a CUDA graph; each is timed by CUDA events around it, p50/p99 (the
+first tick of each graph is left out: it also waits for the peer's graph to start).
 
 With ``--nccl`` (one worker, processes), the same two processes then exchange the same
 bytes with ``torch.distributed`` NCCL send/recv (the replica sends the packed rows, ids and
@@ -232,7 +233,8 @@ def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int =
                 for _ in range(workers):
                     replies.get(timeout=60)
             torch.cuda.synchronize()
-            times["plane"] += [a.elapsed_time(b) * 1e3 for a, b in events]
+            # the first tick of each graph also waits for the peer's graph to start
+            times["plane"] += [a.elapsed_time(b) * 1e3 for a, b in events[1:]]
         for e in range(len(peers)):
             go[e].put("stop")
         if nccl is not None:
