@@ -259,6 +259,51 @@ def _parse_layout(spec: str, async_default: bool) -> _Layout:
                    asynchronous or async_default, env)
 
 
+def _measure(layout: _Layout, base: dict, params, args) -> dict:
+    """One layout's row: the workload timed after a warm-up pass, then steady decode."""
+    import torch
+
+    from megaserve.engine.config import EngineConfig
+    from megaserve.engine.engine import LLMEngine
+    from megaserve.runtime.device_engine import DevicePlaneEngine
+
+    name, transport, m, replicas = layout.name, layout.transport, layout.m, layout.replicas
+    base["async_scheduling"] = layout.async_scheduling
+    if transport is None:
+        engine = LLMEngine(EngineConfig(**base))
+    else:
+        config = EngineConfig(**base, disaggregate=True, transport=transport, microbatches=m,
+                              expert_workers=args.expert_workers, attention_replicas=replicas)
+        engine = DevicePlaneEngine(config, profile=args.profile and transport == "inproc")
+    try:
+        warm = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed + 1)
+        _timed(engine, warm, params)  # warm-up: compilation, graph capture, allocator
+        # Fresh prompts for the timed pass: the warm-up's would hit the prefix cache and
+        # leave prefill shapes that were never compiled inside the timed window.
+        prompts = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed)
+        wall, cpu, generated, steps = _timed(engine, prompts, params)
+        row = {"layout": name, "m": m, "tok_s": generated / wall,
+               "cpu_ms_step": cpu / steps * 1e3, "steps": steps, "graph_steps": None,
+               "rows_per_gemm": None, "attn_wait_us": None, "expert_wait_us": None,
+               "ms_step": None, "gpu_ms_step": None}
+        if transport is not None:
+            row["graph_steps"] = engine.experts.stats.graph_steps
+        trace = (f"{args.trace_dir}/{name.replace(' ', '_')}_m{m}.txt"
+                 if args.trace_dir else None)
+        row.update(_steady(engine, prompts, params, args.max_num_seqs, trace))
+    finally:
+        engine.shutdown()
+    if args.trace_dir:  # expert processes' timelines (device_engine.TRACE_ENV)
+        import glob
+
+        for path in glob.glob(f"{args.trace_dir}/expert*.json"):
+            os.replace(path, f"{trace[:-len('.txt')]}_{os.path.basename(path)}")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench device-plane", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,9 +339,6 @@ def main(argv: list[str]) -> int:
     import torch
 
     from megaserve import SamplingParams
-    from megaserve.engine.config import EngineConfig
-    from megaserve.engine.engine import LLMEngine
-    from megaserve.runtime.device_engine import DevicePlaneEngine
 
     if not torch.cuda.is_available():
         print("megaserve bench device-plane: needs a CUDA GPU")
@@ -332,47 +374,23 @@ def main(argv: list[str]) -> int:
                       flush=True)
     rows = []
     for layout in layouts:
-        name, transport, m, replicas = layout.name, layout.transport, layout.m, layout.replicas
-        base["async_scheduling"] = layout.async_scheduling
         saved_env = {key: os.environ.get(key) for key in layout.env}
         os.environ.update(layout.env)  # expert processes start with it
-        if transport is None:
-            engine = LLMEngine(EngineConfig(**base))
-        else:
-            config = EngineConfig(**base, disaggregate=True, transport=transport, microbatches=m,
-                                  expert_workers=args.expert_workers,
-                                  attention_replicas=replicas)
-            engine = DevicePlaneEngine(config, profile=args.profile and transport == "inproc")
-        warm = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed + 1)
-        _timed(engine, warm, params)  # warm-up: compilation, graph capture, allocator
-        # Fresh prompts for the timed pass: the warm-up's would hit the prefix cache and
-        # leave prefill shapes that were never compiled inside the timed window.
-        prompts = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed)
-        wall, cpu, generated, steps = _timed(engine, prompts, params)
-        row = {"layout": name, "m": m, "tok_s": generated / wall, "cpu_ms_step": cpu / steps * 1e3,
-               "steps": steps, "graph_steps": None, "rows_per_gemm": None,
-               "attn_wait_us": None, "expert_wait_us": None, "ms_step": None, "gpu_ms_step": None}
-        if transport is not None:
-            row["graph_steps"] = engine.experts.stats.graph_steps
-        trace = (f"{args.trace_dir}/{name.replace(' ', '_')}_m{m}.txt"
-                 if args.trace_dir else None)
-        row.update(_steady(engine, prompts, params, args.max_num_seqs, trace))
-        rows.append(row)
-        print("measured", row, flush=True)
-        engine.shutdown()
-        if args.trace_dir:  # expert processes' timelines (device_engine.TRACE_ENV)
-            import glob
-
-            for path in glob.glob(f"{args.trace_dir}/expert*.json"):
-                os.replace(path, f"{trace[:-len('.txt')]}_{os.path.basename(path)}")
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        try:
+            rows.append(_measure(layout, dict(base), params, args))
+            print("measured", rows[-1], flush=True)
+        except Exception as e:  # the other layouts still run; the table says which failed
+            print(f"layout {layout.name!r} m={layout.m} FAILED: {type(e).__name__}: {e}",
+                  flush=True)
+        finally:
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    if not rows or rows[0]["layout"] != "co-located":
+        print("megaserve bench device-plane: the co-located baseline did not run")
+        return 1
     base_tok = rows[0]["tok_s"]
     print(f"device: {torch.cuda.get_device_name()}  model: {args.model} {args.dtype}  "
           f"{args.num_prompts} x ({args.input_len} in + {args.output_len} out), greedy")
