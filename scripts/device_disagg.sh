@@ -58,25 +58,20 @@ check)  # tests and benchmarks of a change, one call
 tests)
   step tests_gpu tests.log 500 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
     tests/megaserve/test_device_plane_gpu.py tests/comm/test_gpu.py ;;
-speed)  # the split's cost, one call: plane kernels, bitwise across GPUs, batch 256 A/B, timeline
+speed)  # the split's cost, one call: plane kernels, bitwise across GPUs, batch 256, Qwen3-235B
   KW=MEGASERVE_PLANE_KERNEL_WAIT=1
-  step kernels tests.log 40 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 35 \
+  step kernels tests.log 35 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 30 \
     tests/kernels/test_plane_gpu.py
-  MEGASERVE_PLANE_KERNEL_WAIT=1 step tests_kw tests.log 80 python3 -m pytest -q -m gpu \
-    -p no:cacheprovider --timeout 80 tests/megaserve/test_device_plane_gpu.py \
+  MEGASERVE_PLANE_KERNEL_WAIT=1 step tests_kw tests.log 75 python3 -m pytest -q -m gpu \
+    -p no:cacheprovider --timeout 70 tests/megaserve/test_device_plane_gpu.py \
     -k "across_gpus_is_bitwise and cuda_ipc and (1-1 or 3-2)"
-  TR=/tmp/traces; mkdir -p $TR
-  MEGASERVE_EXPERT_TRACE=$TR step bench_b256 bench.log 250 $BENCH --num-prompts 256 \
-    --max-num-seqs 256 --trace-dir $TR --layouts \
-    cuda_ipc:1,cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW
-  for f in $TR/split_cuda_ipc*_m1.json; do
-    for e in "${f%.json}"_expert*.json; do
-      echo "== $f $e" >> "$OUT/timeline.txt"
-      timeout 60 python3 lab/plane_timeline.py "$f" "$e" >> "$OUT/timeline.txt" 2>&1
-    done
-  done
-  ls -la $TR >> "$OUT/timeline.txt"
-  step tick plane_tick.log 40 python3 -m megaserve.cli bench plane-tick --tokens 1024 --reduce --nccl ;;
+  step bench_b256 bench.log 190 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts \
+    cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW,cuda_ipc:1,cuda_ipc:3@$KW
+  step bench_235b bench.log 110 python3 -m megaserve.cli bench device-plane \
+    --model random:qwen3-235b-a22b:${LAYERS_235B:-22} --input-len 64 --output-len 256 \
+    --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
+    --layouts cuda_ipc:1@$KW
+  step tick plane_tick.log 30 python3 -m megaserve.cli bench plane-tick --tokens 1024 --reduce --nccl ;;
 speed2)  # batch 1024 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
   KW=MEGASERVE_PLANE_KERNEL_WAIT=${KERNEL_WAIT:-1}
   step bench_b1024 bench.log 170 $BENCH --num-prompts 1024 --max-num-seqs 1024 \
