@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from typing import Any, Mapping
 
 EXIT_BAD_INPUT = 2
 
@@ -21,80 +24,25 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
 
 
-def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
-    """Model and placement flags shared by generate, serve and bench."""
-    parser.add_argument("--model", default="builtin:tiny-moe", help="HF directory or builtin:NAME")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["fp8"],
-                        help="fp8: block-FP8 linear weights (128 x 128 scales) quantized at load")
-    parser.add_argument("--device", default="auto",
-                        help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda or cuda:N")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    add_kv_cache_flags(parser)
-    parser.add_argument("--attention-replicas", type=int, default=1)
-    parser.add_argument("--expert-workers", type=int, default=1)
-    parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="N attention replicas, one worker each (vLLM's flag); with "
-                             "--enable-expert-parallel each also holds 1/N of the experts")
-    parser.add_argument("--enable-expert-parallel", action="store_true",
-                        help="co-located expert parallelism over the --data-parallel-size "
-                             "workers (dispatch/combine between them)")
-    parser.add_argument("--attention-gpus", type=_gpu_list, default=None, metavar="0,1",
-                        help="the GPU of each attention replica (--device cuda)")
-    parser.add_argument("--expert-gpus", type=_gpu_list, default=None, metavar="2",
-                        help="the GPU of each expert worker (--device cuda)")
-    parser.add_argument("--transport", default="inproc")
-    parser.add_argument("--plan", default=None,
-                        help="a `megaserve plan` file: its layout (replicas, expert workers and "
-                             "placement, micro-batches, batch) overrides the flags above")
-    parser.add_argument("--plan-unit", type=int, default=0, help="which unit of --plan (default 0)")
-    parser.add_argument("--aggregation", default="per_layer", choices=["per_layer", "lockstep"],
-                        help="how expert workers batch the tokens of several replicas")
-    parser.add_argument("--expert-aggregation-wait-ms", type=float, default=0.5,
-                        help="expert workers gather frames this long to batch replicas together")
-    parser.add_argument("--disaggregate", action="store_true",
-                        help="run attention and experts as separate workers even for one "
-                             "replica and one expert worker in this process")
-    parser.add_argument("--data-plane", default="auto", choices=["auto", "device", "host"],
-                        help="dispatch/combine on CUDA: device (stream flags, CUDA graphs for "
-                             "both roles; one attention replica, inproc or cuda_ipc), host "
-                             "(frames), auto (device where it applies)")
-    parser.add_argument("--no-cuda-graphs", action="store_true",
-                        help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="overlap the host's scheduling and output processing with the "
-                             "device in steady decode, as vLLM (default: off)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV cache of shared prompt prefixes "
-                        "(bitwise invisible in outputs; default: on)")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding, as vLLM: {"method": "ngram", '
-                             '"num_speculative_tokens": 4, "prompt_lookup_max": 3} or '
-                             '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
+@dataclass(frozen=True)
+class EngineFlag:
+    """A command-line flag that sets one :class:`EngineConfig` field.
 
+    ``flag`` (``--max-num-seqs``) sets ``field`` (``max_num_seqs``): the parsed value is
+    ``args.<field>`` and goes to EngineConfig unchanged. ``options`` are argparse's keyword
+    arguments; the default is the field's default in EngineConfig, never restated here.
+    """
 
-def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """Batch and KV-cache flags (vLLM's names); defaults from EngineConfig."""
-    from megaserve.engine.config import EngineConfig
+    flag: str
+    field: str
+    options: Mapping[str, Any] = dataclass_field(default_factory=dict)
 
-    d = EngineConfig.__dataclass_fields__
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="sequences per step (default: vLLM's for the device: 1024 on a "
-                             "GPU of >= 70 GiB other than an A100, else 256; 128 for a server "
-                             "on CPU)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step (default: vLLM's for the device; on a GPU of "
-                             ">= 70 GiB other than an A100 8192 for a server, 16384 offline)")
-    parser.add_argument("--block-size", type=int, default=d["block_size"].default,
-                        help="tokens per KV-cache block")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=d["gpu_memory_utilization"].default,
-                        help="fraction of the GPU's memory the engine may use; the KV cache gets "
-                             "what the weights, activations and CUDA graphs leave (CUDA only)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV-cache size in bytes per attention worker (overrides "
-                             "--gpu-memory-utilization)")
+    def __post_init__(self) -> None:
+        if not self.flag.startswith("--"):
+            raise ValueError(f"EngineFlag.flag must start with '--', got {self.flag!r}")
+        if "default" in self.options or "dest" in self.options:
+            raise ValueError(f"EngineFlag {self.flag}: the default and dest come from "
+                             f"EngineConfig.{self.field}; remove them from options")
 
 
 def _gpu_list(value: str) -> tuple[int, ...]:
@@ -105,34 +53,102 @@ def _gpu_list(value: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1, got {value!r}") from None
 
 
+# The model, batch, KV-cache and placement flags of generate, serve and bench, in --help's
+# order; vLLM's names where vLLM has the setting.
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("--model", "model", dict(help="HF directory or builtin:NAME")),
+    EngineFlag("--dtype", "dtype", dict(choices=["auto", "float32", "bfloat16", "float16"])),
+    EngineFlag("--quantization", "quantization", dict(
+        choices=["fp8"], help="fp8: block-FP8 linear weights (128 x 128 scales) quantized at load")),
+    EngineFlag("--device", "device", dict(
+        help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda or cuda:N")),
+    EngineFlag("--max-model-len", "max_model_len", dict(type=int)),
+    EngineFlag("--max-num-seqs", "max_num_seqs", dict(
+        type=int, help="sequences per step (default: vLLM's for the device: 1024 on a "
+                       "GPU of >= 70 GiB other than an A100, else 256; 128 for a server "
+                       "on CPU)")),
+    EngineFlag("--max-num-batched-tokens", "max_num_batched_tokens", dict(
+        type=int, help="tokens per step (default: vLLM's for the device; on a GPU of "
+                       ">= 70 GiB other than an A100 8192 for a server, 16384 offline)")),
+    EngineFlag("--block-size", "block_size", dict(type=int, help="tokens per KV-cache block")),
+    EngineFlag("--gpu-memory-utilization", "gpu_memory_utilization", dict(
+        type=float, help="fraction of the GPU's memory the engine may use; the KV cache gets "
+                         "what the weights, activations and CUDA graphs leave (CUDA only)")),
+    EngineFlag("--kv-cache-memory-bytes", "kv_cache_memory_bytes", dict(
+        type=int, help="KV-cache size in bytes per attention worker (overrides "
+                       "--gpu-memory-utilization)")),
+    EngineFlag("--attention-replicas", "attention_replicas", dict(type=int)),
+    EngineFlag("--expert-workers", "expert_workers", dict(type=int)),
+    EngineFlag("--microbatches", "microbatches", dict(type=int)),
+    EngineFlag("--data-parallel-size", "data_parallel_size", dict(
+        type=int, help="N attention replicas, one worker each (vLLM's flag); with "
+                       "--enable-expert-parallel each also holds 1/N of the experts")),
+    EngineFlag("--enable-expert-parallel", "enable_expert_parallel", dict(
+        action="store_true", help="co-located expert parallelism over the --data-parallel-size "
+                                  "workers (dispatch/combine between them)")),
+    EngineFlag("--attention-gpus", "attention_gpus", dict(
+        type=_gpu_list, metavar="0,1", help="the GPU of each attention replica (--device cuda)")),
+    EngineFlag("--expert-gpus", "expert_gpus", dict(
+        type=_gpu_list, metavar="2", help="the GPU of each expert worker (--device cuda)")),
+    EngineFlag("--transport", "transport"),
+    EngineFlag("--aggregation", "aggregation", dict(
+        choices=["per_layer", "lockstep"],
+        help="how expert workers batch the tokens of several replicas")),
+    EngineFlag("--expert-aggregation-wait-ms", "expert_aggregation_wait_ms", dict(
+        type=float, help="expert workers gather frames this long to batch replicas together")),
+    EngineFlag("--disaggregate", "disaggregate", dict(
+        action="store_true", help="run attention and experts as separate workers even for one "
+                                  "replica and one expert worker in this process")),
+    EngineFlag("--data-plane", "data_plane", dict(
+        choices=["auto", "device", "host"],
+        help="dispatch/combine on CUDA: device (stream flags, CUDA graphs for both roles; one "
+             "attention replica, inproc or cuda_ipc), host (frames), auto (device where it "
+             "applies)")),
+    EngineFlag("--no-cuda-graphs", "cuda_graphs", dict(
+        action="store_false",
+        help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")),
+    EngineFlag("--async-scheduling", "async_scheduling", dict(
+        action="store_true", help="overlap the host's scheduling and output processing with the "
+                                  "device in steady decode, as vLLM (default: off)")),
+    EngineFlag("--enable-prefix-caching", "enable_prefix_caching", dict(
+        action=argparse.BooleanOptionalAction, help="reuse the KV cache of shared prompt "
+        "prefixes (bitwise invisible in outputs; default: on)")),
+    EngineFlag("--speculative-config", "speculative_config", dict(
+        metavar="JSON", help='speculative decoding, as vLLM: {"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 3} or '
+                             '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')),
+)
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    """Model and placement flags shared by generate, serve and bench: every
+    :data:`ENGINE_FLAGS` entry (defaults from EngineConfig), then ``--plan`` and
+    ``--plan-unit``."""
+    from megaserve.engine.config import EngineConfig
+
+    defaults = EngineConfig.__dataclass_fields__
+    for entry in ENGINE_FLAGS:
+        parser.add_argument(entry.flag, dest=entry.field, default=defaults[entry.field].default,
+                            **entry.options)
+    parser.add_argument("--plan", default=None,
+                        help="a `megaserve plan` file: its layout (replicas, expert workers and "
+                             "placement, micro-batches, batch) overrides the flags above")
+    parser.add_argument("--plan-unit", type=int, default=0, help="which unit of --plan (default 0)")
+
+
 def runtime_options(args: argparse.Namespace) -> dict:
-    """EngineConfig keyword arguments from :func:`add_runtime_flags` flags.
+    """EngineConfig keyword arguments from :func:`add_runtime_flags` flags: one per
+    :data:`ENGINE_FLAGS` entry, then what ``--data-parallel-size`` implies and what
+    ``--plan`` sets.
 
     Raises ``ValueError`` for a bad ``--plan`` file.
     """
-    options = dict(
-        model=args.model, dtype=args.dtype, device=args.device,
-        quantization=getattr(args, "quantization", None),
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        attention_replicas=args.attention_replicas, expert_workers=args.expert_workers,
-        microbatches=args.microbatches, transport=args.transport,
-        aggregation=args.aggregation, expert_aggregation_wait_ms=args.expert_aggregation_wait_ms,
-        cuda_graphs=not args.no_cuda_graphs, async_scheduling=args.async_scheduling,
-        disaggregate=args.disaggregate, data_plane=args.data_plane,
-        data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        attention_gpus=args.attention_gpus, expert_gpus=args.expert_gpus,
-    )
+    options = {entry.field: getattr(args, entry.field) for entry in ENGINE_FLAGS}
     # The counts --data-parallel-size means, where not given (EngineConfig refuses a clash).
     if args.data_parallel_size > 1 and args.attention_replicas == 1:
         options["attention_replicas"] = args.data_parallel_size
         if args.enable_expert_parallel and args.expert_workers == 1:
             options["expert_workers"] = args.data_parallel_size
-    options.update(enable_prefix_caching=args.enable_prefix_caching,
-                   speculative_config=args.speculative_config)
     if args.plan:
         from megaserve.runtime.plan import engine_options_from_plan
 
