@@ -6,8 +6,10 @@ through ctypes, which releases the GIL). Their arithmetic order is fixed in that
 
 * **GEMMs** accumulate every output element over k in ascending order with fused
   multiply-adds (the vector lanes are output columns), so a row's bits depend only on the
-  row and the weights, never on M, its place in a micro-kernel, or the thread count. Weights are packed once into
-  `[ceil(N / 64), K, 64]` panels (:func:`packed`), cached per weight tensor.
+  row and the weights, never on M, its place in a micro-kernel, or the thread count.
+  Weights are packed once into `[ceil(N / P), K, P]` panels (:func:`packed`; P is the
+  build's micro-kernel width, 64 or 16; expert gate/up weights as gate/up panel pairs,
+  :func:`packed_gate_up`), cached per weight tensor.
 * **Row sums** (RMSNorm, log-softmax, routing softmax, attention denominators) use 16
   partial sums folded by a fixed halving tree.
 * **Attention** runs one query token at a time over exactly the keys at or before its
@@ -38,9 +40,9 @@ import torch.nn.functional as F
 from . import cpu_ext
 from .filters import filter_row
 
-# Rows per expert task of the compiled expert FFN: one thread's unit of work (the rows of
-# a task share one pass over the expert's weights). Never changes a bit.
-EXPERT_ROW_TILE = 16
+# Rows per block of the compiled expert FFN: the rows of a block share one pass over their
+# expert's weights (threads split a block by columns). Never changes a bit.
+EXPERT_ROW_TILE = 96
 _M32 = 0xFFFFFFFF
 
 # Threads the compiled kernels spread each call over (set_num_lanes). A row, expert task or
@@ -64,28 +66,53 @@ def set_num_lanes(num_lanes: int) -> None:
     _lanes = num_lanes
 
 
-# id(weight) -> (weak reference, version, data_ptr, packed panels)
-_PACKED: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# (id(weight), layout) -> (weak reference, version, data_ptr, packed panels)
+_PACKED: dict[tuple[int, str], tuple[weakref.ref, int, int, torch.Tensor]] = {}
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / P), K, P]` (zero past N;
-    P = the extension's ``ms_panel_width()``, 64), the layout the compiled GEMMs read.
-    Cached per weight tensor; re-packed when the tensor is modified in place (its version
-    or storage changes). NOTE: the cache is a second copy of every weight."""
-    key = id(weight)
+def _cached(weight: torch.Tensor, layout: str, pack) -> torch.Tensor:
+    """``pack(weight)``, cached per weight tensor and layout; re-packed when the tensor is
+    modified in place (its version or storage changes)."""
+    key = (id(weight), layout)
     hit = _PACKED.get(key)
     if (hit is not None and hit[0]() is weight and hit[1] == weight._version
             and hit[2] == weight.data_ptr()):
         return hit[3]
+    out = pack(weight)
+    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)),
+                    weight._version, weight.data_ptr(), out)
+    return out
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
     *lead, n, k = weight.shape
     width = cpu_ext.load().ms_panel_width()
     panels = -(-n // width)
     w = F.pad(weight.float(), (0, 0, 0, panels * width - n))
-    out = w.view(*lead, panels, width, k).transpose(-1, -2).contiguous()
-    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)),
-                    weight._version, weight.data_ptr(), out)
-    return out
+    return w.view(*lead, panels, width, k).transpose(-1, -2).contiguous()
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` `[..., N, K]` as float32 panels `[..., ceil(N / P), K, P]` (zero past N;
+    P = the loaded extension's ``ms_panel_width()``: 64 in the AVX-512 build, 16 in the
+    others), the layout the compiled GEMMs read. Cached per weight tensor (NOTE: the cache
+    is a second copy of every weight)."""
+    return _cached(weight, "panels", _panels)
+
+
+def _gate_up_pairs(w_gate_up: torch.Tensor) -> torch.Tensor:
+    *lead, two_inter, k = w_gate_up.shape
+    gate, up = _panels(w_gate_up[..., : two_inter // 2, :]), _panels(w_gate_up[..., two_inter // 2:, :])
+    pairs, width = gate.shape[-3], gate.shape[-1]
+    return torch.stack([gate, up], dim=-3).reshape(*lead, 2 * pairs, k, width)
+
+
+def packed_gate_up(w_gate_up: torch.Tensor) -> torch.Tensor:
+    """Expert gate/up weights `[E, 2I, D]` (gate rows first) as panel pairs
+    `[E, 2 * ceil(I / P), D, P]`: panel 2j holds gate rows j * P.., panel 2j + 1 the up rows
+    of the same outputs (each zero past I), so a task of the compiled expert FFN reads the
+    gate and up columns of its outputs together. Cached like :func:`packed`."""
+    return _cached(w_gate_up, "gate_up_pairs", _gate_up_pairs)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -305,8 +332,9 @@ def expert_ffn(
     *,
     rows_per_token: int = 1,
 ) -> torch.Tensor:
-    """Rows grouped by expert (stable), EXPERT_ROW_TILE rows per task; each row's GEMMs
-    accumulate in a fixed order, so its bits never depend on the other rows. The
+    """Rows grouped by expert (stable), in blocks of up to EXPERT_ROW_TILE rows that read
+    their expert's weights once; each row's GEMMs accumulate in a fixed order, so its bits
+    never depend on the other rows. The
     extension reads one x row per routed row: with ``rows_per_token`` > 1 the float32 copy
     of x (made anyway) is expanded to `[R, D]` here."""
     num_experts, two_inter, hidden = w_gate_up.shape
@@ -323,7 +351,7 @@ def expert_ffn(
     out = _output(num_rows, hidden)
     if num_rows and cpu_ext.load().ms_expert_ffn(
             xf.data_ptr(), ids.data_ptr(), num_rows, hidden, two_inter // 2, num_experts,
-            packed(w_gate_up).data_ptr(), packed(w_down).data_ptr(), out.data_ptr(),
+            packed_gate_up(w_gate_up).data_ptr(), packed(w_down).data_ptr(), out.data_ptr(),
             EXPERT_ROW_TILE, _lanes_for(num_rows)) != 0:
         raise ValueError(f"expert ids must lie in [0, {num_experts}] ({num_experts}: routed "
                          "nowhere)")

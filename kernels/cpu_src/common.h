@@ -44,7 +44,6 @@
 
 namespace ms {
 
-constexpr int NR = 64;         // output columns per packed weight panel (the packed layout)
 constexpr int MR = 6;          // rows per GEMM micro-kernel call (fewer for the last rows)
 constexpr int SUM_LANES = 16;  // partial sums of every row sum
 
@@ -63,6 +62,10 @@ constexpr int NUM_VREGS = 16;
 constexpr int VW = 4;
 constexpr int NUM_VREGS = 16;
 #endif
+// Output columns per packed weight panel (the packed layout, ms_panel_width()): the width
+// of the MR-row micro-kernel, so that it reads a panel front to back, one contiguous stream
+// (AVX-512: 4 vectors; AVX2 and SSE2: 16 columns).
+constexpr int NR = VW == 16 ? 64 : 16;
 static_assert(NR % VW == 0 && SUM_LANES % VW == 0, "vector width must divide the tiles");
 
 typedef float vec __attribute__((vector_size(VW * sizeof(float))));

@@ -14,11 +14,13 @@ from .test_cpu_batched_kernels import _attend
 from .test_cpu_kernels import _paged_setup, rel_err
 
 ISA_RANK = {"baseline": 0, "avx2": 1, "avx512": 2}
-# Output widths around the vector widths and the 64-column panel (a panel's last columns
-# in the first, second or later slice of a micro-kernel), reductions of odd lengths.
-LINEAR_SHAPES = [(3, 5), (64, 40), (37, 100), (128, 200)]  # (K, N)
-# Row counts covering every micro-kernel height (1..6 rows) and several full blocks.
-ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 25]
+# Output widths around the vector widths, the panel (64 columns in the AVX-512 build, 16 in
+# the others) and the 64-column block a micro-kernel for few rows spans (several panels:
+# all of them, a partial last one, fewer left than it spans), reductions of odd lengths.
+LINEAR_SHAPES = [(3, 5), (64, 40), (64, 60), (37, 100), (33, 136), (128, 200)]  # (K, N)
+# Row counts covering every single-pass height (1..6 rows), the near-equal passes of more
+# rows (7 = 4 + 3, 13 = 5 + 4 + 4, ...) and several 24-row blocks of a linear's tasks.
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 25, 31, 50]
 
 
 def _builds() -> list[str]:
