@@ -253,6 +253,8 @@ class DisaggregatedEngine(EngineClient):
                 raise WorkerError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f}s")
             if isinstance(message, WorkerReady):
                 ready += 1
+                if message.role == "attention" and message.stats is not None:
+                    self._stats[message.index] = message.stats
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent); kills processes that do not exit in time."""

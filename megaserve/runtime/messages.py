@@ -94,6 +94,9 @@ class Stop:
 class WorkerReady:
     role: str  # "attention" | "expert"
     index: int
+    # An attention worker's EngineStats when it is ready: its KV pool counts in the
+    # front-end's stats before the replica's first step.
+    stats: Any = None
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint | None, inbox, outbox)
         experts = RemoteExperts(endpoint, spec.placement, spec.expert_ranks, lockstep)
     engine = LLMEngine(config, experts=experts, model=spec.model)
     settle_heap(spec.transport)
-    outbox.put(WorkerReady(spec.role, spec.index))
+    outbox.put(WorkerReady(spec.role, spec.index, engine.stats()))
     if lockstep is not None:
         _serve_attention_lockstep(spec, engine, experts, inbox, outbox)
         return

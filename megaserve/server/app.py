@@ -175,6 +175,7 @@ async def serve(config: ServeConfig,
         try:
             core.engine = load.result()
             await _warm_up(core.engine)
+            core.start_counting()  # the warm-up is not counted in the metrics
         except Exception:  # a bad model path, a corrupt checkpoint, a model that cannot run
             logger.exception("megaserve: loading %s failed", config.model)
             exit_code = 1
@@ -279,7 +280,8 @@ async def _warm_up(engine: Any) -> None:
     start-up instead of its first request. Raises what the engine raised.
 
     Its seed is fixed, so it leaves no trace in the sampling of later requests except the
-    engine's arrival count (unseeded requests' seeds derive from it)."""
+    engine's arrival count (unseeded requests' seeds derive from it); the server's metrics
+    count from after it (``ServingCore.start_counting``)."""
     from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, seed=0,

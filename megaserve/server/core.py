@@ -25,7 +25,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from megaserve.outputs import Logprobs, RequestOutput
 from megaserve.sampling_params import RequestOutputKind, SamplingParams
@@ -124,17 +124,31 @@ class ServingCore:
                                                  thread_name_prefix="megaserve-tokenize")
         self._idle = asyncio.Event()
         self._idle.set()
+        self._counted_from = None  # the engine's stats at start_counting()
         self.failed = asyncio.Event()  # set once by mark_failed
         self.metrics = ServerMetrics(self.model_name, self.engine_stats, lambda: len(self._in_flight))
 
     # -- state ---------------------------------------------------------------------------
+    def start_counting(self) -> None:
+        """The engine's counters (tokens, prefix-cache queries and hits, preemptions, ...)
+        read 0 in ``engine_stats`` from now on: what the server ran before serving (its
+        warm-up request) is not a request of the API. Gauges are unaffected."""
+        self._counted_from = self.engine.stats()
+
     def engine_stats(self):
-        """The engine's ``EngineStats`` (None while loading). Once the engine has failed,
-        nothing runs, waits or holds a KV block any more: those read 0 (the engine's last
-        report would freeze them at the moment it died); the totals stay."""
+        """The engine's ``EngineStats`` (None while loading), counters since
+        ``start_counting``. Once the engine has failed, nothing runs, waits or holds a KV
+        block any more: those read 0 (the engine's last report would freeze them at the
+        moment it died); the totals stay."""
         if self.engine is None:
             return None
         stats = self.engine.stats()
+        if stats is not None and self._counted_from is not None:
+            from megaserve.runtime.recovery import GAUGES
+
+            base = self._counted_from
+            stats = replace(stats, **{f.name: getattr(stats, f.name) - getattr(base, f.name)
+                                      for f in fields(stats) if f.name not in GAUGES})
         if self.state is ServerState.FAILED and stats is not None:
             stats = replace(stats, num_running=0, num_waiting=0,
                             num_free_kv_blocks=stats.num_kv_blocks)

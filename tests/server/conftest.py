@@ -118,13 +118,15 @@ def ready_server(log_path: Path, cache: str, *args: str):
         srv.stop()
 
 
-def assert_idle(server: ServerProcess) -> None:
+def assert_idle(server: ServerProcess) -> dict[str, float]:
+    """Asserts that nothing runs, waits or holds KV blocks; returns the metrics."""
     m = server.wait_idle()
     assert m[f"vllm:num_requests_running{LABEL}"] == 0
     assert m[f"vllm:num_requests_waiting{LABEL}"] == 0
     assert m[f"megaserve:num_requests_in_flight{LABEL}"] == 0
     assert m[f"megaserve:num_free_kv_blocks{LABEL}"] == m[f"megaserve:num_kv_blocks{LABEL}"]
     assert m[f"vllm:kv_cache_usage_perc{LABEL}"] == 0
+    return m
 
 
 @pytest.fixture(scope="session")
