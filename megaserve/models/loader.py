@@ -39,15 +39,6 @@ _QUANTIZED_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".
                        ".w3.weight")
 
 
-def check_device(config: ModelConfig, device: torch.device) -> None:
-    """ValueError for a model this build does not run on ``device``: MLA (the DeepSeek-V3
-    family) on CUDA, whose attention kernel (kernels.triton_impl.mla) is compiled and
-    interpreter-tested but has not run on a GPU yet (tests/kernels/test_mla_gpu.py)."""
-    if config.mla is not None and device.type == "cuda":
-        raise ValueError("model: DeepseekV3ForCausalLM (multi-head latent attention) is not yet "
-                         "validated on CUDA; run it with device='cpu'")
-
-
 def keeps_fp8(device: torch.device, block: tuple[int, int]) -> bool:
     """Whether FP8 linear weights stay FP8 on ``device``: CUDA (the FP8 GEMMs) with the
     128 x 128 blocks they take; elsewhere they are dequantized at load."""
@@ -194,8 +185,6 @@ def load_model(
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, "
                          f"got {quantization!r}")
     torch_dtype, torch_device = resolve_dtype(dtype, config), torch.device(device)
-    if attention:
-        check_device(config, torch_device)
     weights = _Weights(open_checkpoint(path, torch_dtype, torch_device), torch_dtype, torch_device,
                        config.quantization,
                        QuantConfig() if quantization and config.quantization is None else None)
