@@ -56,9 +56,12 @@ def test_readme_starts_with_the_setup_commands_and_links_the_pages():
 
 def test_paths_named_in_the_docs_exist():
     missing = []
-    for page in ["README.md", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]:
-        for path in re.findall(r"\b((?:docs|lab|scripts)/[\w.-]+\.(?:md|py|sh))\b",
+    for page in ["README.md", *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))]:
+        for path in re.findall(r"\b((?:docs|lab|scripts)/[\w./-]+\.(?:md|py|sh))\b",
                                (ROOT / page).read_text()):
             if not (ROOT / path).exists() and path != "docs/benchmarks.md":
                 missing.append(f"{page}: {path}")
+        for link in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", (ROOT / page).read_text()):
+            if not ((ROOT / page).parent / link).exists():  # a relative Markdown link
+                missing.append(f"{page}: link {link}")
     assert not missing, "\n".join(missing)
