@@ -22,6 +22,7 @@ import time
 from megaserve import LLM, SamplingParams
 from megaserve.bench import cpu as bench_cpu
 from megaserve.engine import engine as engine_module
+from megaserve.engine.gc_heap import frozen_heap
 from megaserve.kernels import cpu as kernels_cpu
 from megaserve.kernels import cpu_ext
 
@@ -71,7 +72,7 @@ def main() -> None:
                    max_num_seqs=args.num_seqs, max_model_len=129)
     if args.cpu_threads:
         options["cpu_threads"] = args.cpu_threads
-    with LLM(**options) as llm:
+    with LLM(**options) as llm, frozen_heap():  # as a server runs (engine/gc_heap.py)
         bench_cpu.run_workload(llm, args.num_seqs, 64, 64, 0)  # warm-up
         steps.clear()
         rng = random.Random(1)

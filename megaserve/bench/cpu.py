@@ -179,8 +179,11 @@ def _open_llm(args: argparse.Namespace):
 
 
 def _measure(args: argparse.Namespace, repeat: int) -> list[dict]:
-    """One warm-up, then ``repeat`` timed runs in this process."""
-    with _open_llm(args) as llm:
+    """One warm-up, then ``repeat`` timed runs in this process, the heap frozen as a
+    server's is (megaserve/engine/gc_heap.py; vLLM freezes its engine's too)."""
+    from megaserve.engine.gc_heap import frozen_heap
+
+    with _open_llm(args) as llm, frozen_heap():
         run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
         return [run_workload(llm, args.num_prompts, args.input_len, args.output_len, args.seed)
                 for _ in range(repeat)]
@@ -343,10 +346,12 @@ def _compare_with_peer(args: argparse.Namespace) -> list[dict]:
     model = _model_path(args)
     if not (Path(model) / "config.json").is_file():
         raise ValueError(f"--peer needs a checkpoint directory as --model, got {args.model!r}")
+    from megaserve.engine.gc_heap import frozen_heap
+
     env = _peer_env(args.peer_env)
     ours, theirs = [], []
-    with _open_llm(args) as llm, PeerWorker(args.peer_python, _peer_argv(args, model),
-                                            env) as peer:
+    with _open_llm(args) as llm, frozen_heap(), PeerWorker(
+            args.peer_python, _peer_argv(args, model), env) as peer:
         def this_run() -> dict:
             return run_workload(llm, args.num_prompts, args.input_len, args.output_len,
                                 args.seed)
