@@ -420,7 +420,8 @@ class _DeviceWorker:
     def serve(self, inbox) -> None:
         """Answer the front-end's commands until Stop (or the front-end is gone)."""
         freeze_for_life()  # this process serves until it exits (megaserve/engine/gc_heap.py)
-        self.outbox.put(WorkerReady(self.spec.role, self.spec.index))
+        self.outbox.put(WorkerReady(self.spec.role, self.spec.index,
+                                    self.engine.stats() if self.engine is not None else None))
         while True:
             if self.expert is not None and self.expert.failed is not None:
                 raise RuntimeError(f"expert role failed: {self.expert.failed}")
