@@ -49,7 +49,8 @@ def fixed_order_dot(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 def install() -> None:
-    """Patch the interpreter: fixed-order ``tl.dot``; ``int()`` of 1-element tensors."""
+    """Patch the interpreter: fixed-order ``tl.dot``; ``int()`` of 1-element tensors; integer
+    XOR/OR reductions in one numpy call (exact, so the same bits as the interpreter's own)."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
@@ -72,6 +73,24 @@ def install() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interp._patch_lang_tensor = patched
+
+    # The interpreter reduces with any combine function other than sum/min/max/argmin/argmax
+    # one element at a time in Python (ReduceOps.generic_reduce): tl.sort's bitonic network
+    # runs an xor_sum per stage, seconds per launch. XOR and OR of integers are exact in any
+    # order, so one numpy reduction gives the element-by-element fold's bits.
+    exact_bitwise = {tl.standard._xor_combine: np.bitwise_xor, tl.standard._or_combine: np.bitwise_or}
+    generic_apply = interp.ReduceOps.apply_impl
+
+    def apply_impl(self, input):
+        ufunc = exact_bitwise.get(self.combine_fn)
+        if (ufunc is None or self.axis is None or len(input) != 1
+                or not input[0].dtype.is_int()):
+            return generic_apply(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(ufunc.reduce(data, axis=self.axis, keepdims=self.keep_dims),
+                              input[0].dtype)
+
+    interp.ReduceOps.apply_impl = apply_impl
 
 
 def probe() -> bytes:

@@ -1,6 +1,7 @@
-"""The interpreter's fixed-order dot (tests/kernels/interp_support.py): accurate, serial
-over k (so chaining two half-K dots through the accumulator equals one dot), and
-bitwise the committed probe on this machine."""
+"""The interpreter patches (tests/kernels/interp_support.py): the fixed-order dot is
+accurate, serial over k (so chaining two half-K dots through the accumulator equals one
+dot), and bitwise the committed probe on this machine; the integer XOR/OR reductions give
+the interpreter's own bits."""
 
 from __future__ import annotations
 
@@ -35,3 +36,45 @@ def test_fixed_order_dot_is_serial_over_k() -> None:
 
 def test_probe_bits_are_the_committed_ones() -> None:
     assert interp_support.probe_digest() == interp_support.PROBE_SHA256
+
+
+
+def test_bitwise_reductions_give_the_interpreters_own_bits() -> None:
+    """install()'s XOR/OR reductions equal the interpreter's element-by-element fold
+    (ReduceOps.generic_reduce) on every axis, with and without keep_dims, and run as one
+    numpy call: they need no patched tensor operators, which the fold calls per element."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
+               (interp.ReduceOps, "apply_impl")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    interp_support.install()
+
+    def host():  # a function whose globals see triton.language, as a kernel's do
+        pass
+
+    host.__globals__.setdefault("tl", tl)
+    try:
+        rng = np.random.default_rng(3)
+        for combine in (tl.standard._xor_combine, tl.standard._or_combine):
+            for np_dtype, dtype in ((np.int16, tl.int16), (np.int32, tl.int32),
+                                    (np.int64, tl.int64)):
+                data = rng.integers(-2**15, 2**15, size=(2,) * 8, dtype=np_dtype)
+                x = tl.core.tensor(interp.TensorHandle(data, dtype),
+                                   tl.block_type(dtype, list(data.shape)))
+                for axis in (0, 3, 7):
+                    for keep_dims in (True, False):
+                        op = interp.ReduceOps(axis, combine, keep_dims)
+                        (got,) = op.apply((x,))  # outside a kernel: no combine calls
+                        scope = interp._patch_lang(host)  # what a combine call needs
+                        try:
+                            (want,) = op.generic_reduce((x,))
+                        finally:
+                            scope.restore()
+                        assert got.handle.data.dtype == want.handle.data.dtype
+                        assert np.array_equal(got.handle.data, want.handle.data), (axis,
+                                                                                   keep_dims)
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
