@@ -1,13 +1,17 @@
 """Block-FP8 GEMM benchmarks on one CUDA GPU (``python -m megaserve.kernels.fp8_bench``).
 
+Every time is device time: the calls are captured in one CUDA graph and replayed (no
+host launch overhead, as in a decode step), and a call cycles through enough copies of
+its weights that they come from device memory, not the L2 (as in a model's layers).
+
 1. GEMMs: the batch-invariant FP8 linear (activation quantization included) against
    ``torch._scaled_mm`` (cuBLAS FP8, row-wise scales, operands already quantized) and the
    batch-invariant bf16 linear, on the linears of Qwen3-30B-A3B and DeepSeek-V3.
 2. One Qwen3-30B-A3B MoE layer's weight GEMMs at decode batch sizes (qkv, o_proj, 128
    experts top-8): FP8 against bf16, and the FP8 time against the roofline of the weight
    bytes it reads (HBM bandwidth measured in the same run by a device copy).
-Attention, norms, routing and the LM head are not in (2): it is a layer's GEMM time,
-not an engine's decode step.
+   Attention, norms, routing and the LM head are not in: it is a layer's GEMM time, not
+   an engine's decode step.
 3. ``--sweep``: the expert FFN and the decode linears under each bit-neutral launch
    (``Fp8MoeLaunch``, ``LinearLaunch``), to choose the defaults.
 """
@@ -19,12 +23,36 @@ import math
 
 import torch
 
+_COLD_BYTES = 256 << 20  # weights cycled per timed call: past an H200's 60 MB L2
 
-def _time_ms(fn, reps: int = 50) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` CUDA-graph-free launches."""
-    from triton.testing import do_bench
 
-    return float(do_bench(fn, warmup=10, rep=reps, return_mode="median"))
+def _graph_us(fns: list, reps: int = 20) -> float:
+    """Median device microseconds of one call of ``fns`` (each called in turn), from a
+    CUDA graph of all of them replayed ``reps`` times."""
+    for fn in fns:  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for fn in fns:
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    return sorted(times)[len(times) // 2]
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(16, -(-_COLD_BYTES // nbytes)))
 
 
 def _fp8(n: int, k: int, experts: int | None = None):
@@ -40,13 +68,13 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), reps=20)
-    return 2 * src.numel() / (ms * 1e-3)
+    us = _graph_us([lambda: dst.copy_(src)], reps=10)
+    return 2 * src.numel() / (us * 1e-6)
 
 
 def bench_gemms(sizes: list[int]) -> list[float]:
     from . import api as kernels
-    from .triton_impl.fp8_gemm import FP8, quantize_rows
+    from .triton_impl.fp8_gemm import quantize_rows
 
     shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
               "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
@@ -55,23 +83,30 @@ def bench_gemms(sizes: list[int]) -> list[float]:
     print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'_scaled_mm us':>14} {'bf16 (ours) us':>15}"
           f" {'cuBLAS/ours':>12}")
     for name, (n, k) in shapes.items():
-        w, s = _fp8(n, k)
-        wb = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        c = _copies(n * k)
+        fp8 = [_fp8(n, k) for _ in range(c)]
+        bf16 = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(c)]
+        sb = torch.rand(1, n, device="cuda")
         for m in sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ours = _time_ms(lambda: kernels.fp8_linear(x, w, s)) * 1e3
+            ours = _graph_us([lambda w=w, s=s: kernels.fp8_linear(x, w, s) for w, s in fp8])
             xq, _ = quantize_rows(x)
             sa = torch.rand(m, 1, device="cuda")
-            sb = torch.rand(1, n, device="cuda")
-            cublas = _time_ms(lambda: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
-                                                       out_dtype=torch.bfloat16)) * 1e3
-            bf16 = _time_ms(lambda: kernels.linear(x, wb)) * 1e3
+            cublas = _graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
+                                                              out_dtype=torch.bfloat16)
+                                for w, _ in fp8])
+            b16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
             ratios.append(cublas / ours)
-            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {bf16:15.1f} {cublas / ours:12.2f}")
-        del w, s, wb
+            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {b16:15.1f} {cublas / ours:12.2f}")
+        del fp8, bf16
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f}")
     return ratios
+
+
+def _routing(batch: int, experts: int, top_k: int) -> torch.Tensor:
+    return torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                        for _ in range(batch)]).reshape(-1)
 
 
 def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
@@ -93,7 +128,7 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
     for b in batches:
         x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
         xo = torch.randn(b, o_k, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(b)]).reshape(-1)
+        ids = _routing(b, experts, top_k)
         hit = int(torch.unique(ids).numel())
 
         def run_bf16():
@@ -106,23 +141,25 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
             kernels.fp8_linear(xo, wo, so)
             kernels.fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, rows_per_token=top_k)
 
-        t16 = _time_ms(run_bf16) * 1e3
-        t8 = _time_ms(run_fp8) * 1e3
+        t16 = _graph_us([run_bf16])
+        t8 = _graph_us([run_fp8])
         weight_bytes = qkv_n * d + d * o_k + hit * 3 * inter * d  # e4m3: one byte each
         roof = weight_bytes / bandwidth * 1e6
         print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
 
 
-MOE_SWEEP = ((64, 64, 64, 4, 3, 1), (64, 64, 128, 4, 3, 1), (64, 32, 64, 4, 4, 1),
-             (64, 128, 128, 4, 3, 1), (64, 64, 64, 4, 5, 1), (128, 64, 128, 8, 3, 1),
-             (64, 64, 128, 4, 3, 0), (128, 64, 128, 8, 3, 0))
+# (block_m, up_n, down_n, warps, stages, x_in_loop, h_in_loop)
+MOE_SWEEP = ((64, 64, 64, 4, 3, 1, 1), (64, 64, 128, 4, 3, 1, 1), (64, 64, 128, 4, 3, 1, 0),
+             (64, 64, 128, 4, 3, 0, 1), (64, 64, 128, 4, 3, 0, 0), (64, 32, 64, 4, 4, 1, 0),
+             (64, 128, 128, 4, 3, 0, 0), (128, 64, 128, 8, 3, 0, 0), (64, 64, 128, 4, 4, 0, 0))
+# (block_m, block_n, warps, stages, parts, quant_a)
 LINEAR_SWEEP = ((64, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1), (64, 32, 4, 4, 1, 1),
                 (64, 128, 4, 3, 1, 1), (64, 64, 4, 4, 0, 1), (64, 64, 4, 4, 1, 0),
                 (64, 128, 4, 3, 0, 0))
 
 
 def sweep(batches: list[int], bandwidth: float) -> None:
-    """The expert FFN (Qwen3-30B-A3B shape) and its qkv / o_proj under each launch."""
+    """The expert FFN (Qwen3-30B-A3B shape) and decode linears under each launch."""
     from . import api as kernels
     from .triton_impl.fp8_gemm import LinearLaunch, fp8_linear
     from .triton_impl.fp8_moe import Fp8MoeLaunch, fp8_expert_ffn
@@ -132,18 +169,17 @@ def sweep(batches: list[int], bandwidth: float) -> None:
     wd, sd = _fp8(d, inter, experts)
     bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
     bd = (torch.randn(experts, d, inter, device="cuda") * 0.02).bfloat16()
-    print(f"\nexpert FFN sweep (us; roofline of the fp8 expert bytes at {bandwidth / 1e12:.2f} TB/s)")
-    print("launch (m, up_n, down_n, warps, stages, in_loop): " + " | ".join(str(c) for c in MOE_SWEEP))
+    print(f"\nexpert FFN sweep (us; roofline: the fp8 expert bytes at {bandwidth / 1e12:.2f} TB/s)")
+    print("launch (m, up_n, down_n, warps, stages, x_in_loop, h_in_loop): "
+          + " | ".join(str(c) for c in MOE_SWEEP))
     for b in batches:
         x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(b)]).reshape(-1)
-        hit = int(torch.unique(ids).numel())
-        roof = hit * 3 * inter * d / bandwidth * 1e6
-        t16 = _time_ms(lambda: kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)) * 1e3
-        times = []
-        for c in MOE_SWEEP:
-            lp = Fp8MoeLaunch(*c[:5], quant_in_loop=bool(c[5]))
-            times.append(_time_ms(lambda: fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, lp)) * 1e3)
+        ids = _routing(b, experts, top_k)
+        roof = int(torch.unique(ids).numel()) * 3 * inter * d / bandwidth * 1e6
+        t16 = _graph_us([lambda: kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)])
+        times = [_graph_us([lambda lp=Fp8MoeLaunch(*c[:5], *(bool(f) for f in c[5:])):
+                            fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, lp)])
+                 for c in MOE_SWEEP]
         best = min(range(len(times)), key=times.__getitem__)
         print(f"batch {b:5d}: bf16 {t16:7.1f}  fp8 " + " ".join(f"{t:7.1f}" for t in times)
               + f"  best {MOE_SWEEP[best]} {100 * roof / times[best]:.0f}% of roofline")
@@ -151,16 +187,21 @@ def sweep(batches: list[int], bandwidth: float) -> None:
           + " | ".join(str(c) for c in LINEAR_SWEEP))
     for name, (n, k) in {"qkv": (5120, 2048), "o_proj": (2048, 4096),
                          "ds kv_a": (576, 7168), "ds o_proj": (7168, 16384)}.items():
-        w, s = _fp8(n, k)
-        wb = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+        c = _copies(n * k)
+        fp8 = [_fp8(n, k) for _ in range(c)]
+        bf16 = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(c)]
         for m in (1, 64):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t16 = _time_ms(lambda: kernels.linear(x, wb)) * 1e3
-            times = [_time_ms(lambda: fp8_linear(x, w, s, launch=LinearLaunch(
-                *c[:4], parts=bool(c[4]), quant_a=bool(c[5])))) * 1e3 for c in LINEAR_SWEEP]
+            t16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
+            times = []
+            for cfg in LINEAR_SWEEP:
+                lp = LinearLaunch(*cfg[:4], parts=bool(cfg[4]), quant_a=bool(cfg[5]))
+                times.append(_graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=lp)
+                                        for w, s in fp8]))
             roof = n * k / bandwidth * 1e6
             print(f"{name:10} M={m:3d}: bf16 {t16:6.1f} fp8 " + " ".join(f"{t:6.1f}" for t in times)
                   + f"  roof {roof:5.1f}")
+        del fp8, bf16
 
 
 def summarize_decode(bf16_json: str, fp8_json: str) -> None:
@@ -175,12 +216,18 @@ def summarize_decode(bf16_json: str, fp8_json: str) -> None:
     print(f"{'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'fp8 roof ms':>12}"
           f" {'fp8 step ms':>12} {'fp8 % roof':>11}")
     for a, b in zip(bf16["decode"], fp8["decode"]):
-        by = b["bytes"]
-        fp8_bytes = ((by["attention_weights"] + by["expert_weights"]) / 2 + by["kv_read"]
-                     + by["kv_write"] + by["lm_head"])
-        roof_ms = fp8_bytes / bandwidth * 1e3
         print(f"{b['batch']:5d} {a['tok_s']:11.0f} {b['tok_s']:10.0f} {b['tok_s'] / a['tok_s']:9.2f}"
-              f" {roof_ms:12.3f} {b['step_ms_median']:12.3f} {100 * roof_ms / b['step_ms_median']:10.0f}%")
+              f" {fp8_roofline_ms(b, bandwidth):12.3f} {b['step_ms_median']:12.3f}"
+              f" {100 * fp8_roofline_ms(b, bandwidth) / b['step_ms_median']:10.0f}%")
+
+
+def fp8_roofline_ms(run: dict, bandwidth: float) -> float:
+    """Milliseconds to move one decode step's bytes with attention and expert weights in
+    FP8 (one byte each; KV, LM head and router 16-bit) at ``bandwidth`` bytes/s."""
+    by = run["bytes"]
+    fp8_bytes = ((by["attention_weights"] + by["expert_weights"]) / 2 + by["kv_read"]
+                 + by["kv_write"] + by["lm_head"])
+    return fp8_bytes / bandwidth * 1e3
 
 
 def main() -> None:

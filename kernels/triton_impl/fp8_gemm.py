@@ -111,11 +111,12 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 @triton.jit
-def load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
-               QUANT_A: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+def load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, QUANT_A: tl.constexpr,
+               FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
     """Group g of the A rows ``rows`` as an FP8 GEMM operand: (e4m3 `[ROWS, 128]`, scale
     `[ROWS]`). QUANT_A: a holds float rows, quantized here (:func:`quantize_tile`); else a
-    holds e4m3 rows and as their scales (:func:`quantize_rows`). The same bits either way."""
+    holds e4m3 rows whose scales ``a_s`` the caller loaded (:func:`load_scales`, one
+    group ahead: no load latency inside the step). The same bits either way."""
     kk = g * GROUP + tl.arange(0, GROUP)
     ok = row_ok[:, None] & (kk < K)[None, :]
     at = a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
@@ -123,24 +124,63 @@ def load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
         q, scale = quantize_tile(tl.load(at, mask=ok, other=0.0).to(tl.float32), FP8_MAX)
         return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
     else:
-        a = tl.load(at, mask=ok, other=0.0)
-        scale = tl.load(as_ptr + rows.to(tl.int64) * stride_asm + g, mask=row_ok, other=0.0)
-        return a, scale
+        return tl.load(at, mask=ok, other=0.0), a_s
 
 
 @triton.jit
-def _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok, g_lo, g_hi, K,
-                stride_am, stride_asm, QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
+def load_scales(ptrs, ok, g, g_end, SKIP: tl.constexpr):
+    """float32 ``ptrs[g]`` where ok and g < g_end, else 0 (SKIP: zeros, nothing loaded).
+    The K loops load group g + 1's scales during step g."""
+    if SKIP:
+        return tl.zeros(ptrs.shape, dtype=tl.float32)
+    else:
+        return tl.load(ptrs + g, mask=ok & (g < g_end), other=0.0)
+
+
+@triton.jit
+def weight_scales(scale_ptr, cols, col_ok, first_col, g, g_end, stride_sn,
+                  SCALAR: tl.constexpr, GROUP: tl.constexpr):
+    """The weight scales of group g for columns ``cols`` (0 past g_end): SCALAR (the
+    tile's columns lie in one 128-row block, ``first_col``'s) one value, else one per
+    column. The same value per column either way."""
+    if SCALAR:
+        return tl.load(scale_ptr + (first_col // GROUP) * stride_sn + g, mask=g < g_end,
+                       other=0.0)
+    else:
+        return tl.load(scale_ptr + (cols // GROUP) * stride_sn + g, mask=col_ok & (g < g_end),
+                       other=0.0)
+
+
+@triton.jit
+def scale_cols(b_s, SCALAR: tl.constexpr):
+    """:func:`weight_scales`' result broadcastable over a `[rows, cols]` tile."""
+    if SCALAR:
+        return b_s
+    else:
+        return b_s[None, :]
+
+
+@triton.jit
+def _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols, col_ok, g_lo, g_hi, K,
+                stride_am, stride_asm, stride_bsn, QUANT_A: tl.constexpr,
+                WS_SCALAR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
     """part = 0; part = part + (dot_g * xs_g) * ws_g for g in [g_lo, g_hi) ascending."""
+    as_rows = as_ptr + rows.to(tl.int64) * stride_asm
+    a_s = load_scales(as_rows, row_ok, g_lo, g_hi, QUANT_A)
+    first_col = tl.program_id(1) * BLOCK_N
+    b_s = weight_scales(bs_ptr, cols, col_ok, first_col, g_lo, g_hi, stride_bsn, WS_SCALAR, GROUP)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(g_lo, g_hi):
-        a, a_s = load_group(a_ptr, as_ptr, rows, row_ok, g, K, stride_am, stride_asm,
-                            QUANT_A, FP8_MAX, GROUP)
+        a_s_next = load_scales(as_rows, row_ok, g + 1, g_hi, QUANT_A)
+        b_s_next = weight_scales(bs_ptr, cols, col_ok, first_col, g + 1, g_hi, stride_bsn,
+                                 WS_SCALAR, GROUP)
+        a, a_s = load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, QUANT_A, FP8_MAX, GROUP)
         kk = g * GROUP + tl.arange(0, GROUP)
         b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
-        b_s = tl.load(bs_rows + g, mask=col_ok, other=0.0)
-        part = part + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * b_s[None, :]
+        part = part + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * scale_cols(b_s, WS_SCALAR)
+        a_s = a_s_next
+        b_s = b_s_next
     return part
 
 
@@ -167,13 +207,14 @@ def _fp8_linear_kernel(
         s_lo = 0
         s_hi = tl.cdiv(num_groups, SPLIT_GROUPS)
     b_rows = b_ptr + cols.to(tl.int64)[:, None] * stride_bn
-    bs_rows = bs_ptr + (cols // GROUP) * stride_bsn
+    WS_SCALAR: tl.constexpr = BLOCK_N <= GROUP  # a tile's columns share one scale row
     ONE_SPLIT: tl.constexpr = SPLITS == 1
     if PARTS or ONE_SPLIT:  # one split per program: no second accumulator
         g_lo = s_lo * SPLIT_GROUPS
         g_hi = tl.minimum(g_lo + SPLIT_GROUPS, num_groups) if PARTS else num_groups
-        part = _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok, g_lo, g_hi, K,
-                           stride_am, stride_asm, QUANT_A, BLOCK_M, BLOCK_N, GROUP, FP8_MAX)
+        part = _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols, col_ok, g_lo, g_hi,
+                           K, stride_am, stride_asm, stride_bsn, QUANT_A, WS_SCALAR, BLOCK_M,
+                           BLOCK_N, GROUP, FP8_MAX)
         if PARTS:
             at = ws_ptr + (s_lo * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
             tl.store(at, part, mask=row_ok[:, None] & col_ok[None, :])
@@ -183,10 +224,10 @@ def _fp8_linear_kernel(
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(s_lo, s_hi):
             g_lo = s * SPLIT_GROUPS
-            total = total + _split_part(a_ptr, as_ptr, bs_rows, b_rows, rows, row_ok, col_ok,
-                                        g_lo, tl.minimum(g_lo + SPLIT_GROUPS, num_groups), K,
-                                        stride_am, stride_asm, QUANT_A, BLOCK_M, BLOCK_N,
-                                        GROUP, FP8_MAX)
+            total = total + _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols,
+                                        col_ok, g_lo, tl.minimum(g_lo + SPLIT_GROUPS, num_groups),
+                                        K, stride_am, stride_asm, stride_bsn, QUANT_A, WS_SCALAR,
+                                        BLOCK_M, BLOCK_N, GROUP, FP8_MAX)
     if not PARTS:
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
                  total.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

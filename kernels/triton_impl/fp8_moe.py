@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import FP8_MAX, GROUP, check_weight, load_group, quantize_rows, swiglu
+from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_scales, quantize_rows,
+                       scale_cols, swiglu, weight_scales)
 from .moe import INLINE_ALIGN_MAX_ROWS, _align, _max_tiles, _rows_at, _tile_of
 
 
@@ -48,7 +49,7 @@ def _fp8_expert_kernel(
     QUANT_A: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
     INLINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr, WS_SCALAR: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """One (expert, BLOCK_M positions, BLOCK_N columns) tile of ``a @ dequant(w[e]).T``.
 
@@ -77,22 +78,37 @@ def _fp8_expert_kernel(
     s_base = wsc_ptr + expert.to(tl.int64) * stride_wse
     g_rows = w_base + cols.to(tl.int64)[:, None] * stride_wn
     u_rows = g_rows + N * stride_wn
-    g_scales = s_base + (cols // GROUP) * stride_wsn
-    u_scales = s_base + ((cols + N) // GROUP) * stride_wsn
+    num_groups = tl.cdiv(K, GROUP)
+    as_rows = as_ptr + src.to(tl.int64) * stride_asm
+    a_s = load_scales(as_rows, row_ok, 0, num_groups, QUANT_A)
+    n0 = col_tile * BLOCK_N
+    b_s = weight_scales(s_base, cols, col_ok, n0, 0, num_groups, stride_wsn, WS_SCALAR, GROUP)
+    u_s = weight_scales(s_base, cols + N, col_ok, n0 + N, 0, num_groups, stride_wsn, WS_SCALAR,
+                        GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP)):
-        a, a_s = load_group(a_ptr, as_ptr, src, row_ok, g, K, stride_am, stride_asm, QUANT_A,
-                            FP8_MAX, GROUP)
+    for g in range(0, num_groups):
+        # group g + 1's scales load during step g (no load latency inside a step)
+        a_s_next = load_scales(as_rows, row_ok, g + 1, num_groups, QUANT_A)
+        b_s_next = weight_scales(s_base, cols, col_ok, n0, g + 1, num_groups, stride_wsn,
+                                 WS_SCALAR, GROUP)
+        if SWIGLU:
+            u_s_next = weight_scales(s_base, cols + N, col_ok, n0 + N, g + 1, num_groups,
+                                     stride_wsn, WS_SCALAR, GROUP)
+        else:
+            u_s_next = u_s
+        a, a_s = load_group(a_ptr, src, row_ok, g, K, stride_am, a_s, QUANT_A, FP8_MAX, GROUP)
         kk = g * GROUP + tl.arange(0, GROUP)
         w_ok = col_ok[:, None] & (kk < K)[None, :]
         b = tl.load(g_rows + kk[None, :], mask=w_ok, other=0.0)
-        b_s = tl.load(g_scales + g, mask=col_ok, other=0.0)
-        acc = acc + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * b_s[None, :]
+        acc = acc + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * scale_cols(b_s, WS_SCALAR)
         if SWIGLU:
             b_up = tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0)
-            u_s = tl.load(u_scales + g, mask=col_ok, other=0.0)
-            acc_up = acc_up + (tl.dot(a, tl.trans(b_up)) * a_s[:, None]) * u_s[None, :]
+            acc_up = acc_up + ((tl.dot(a, tl.trans(b_up)) * a_s[:, None])
+                               * scale_cols(u_s, WS_SCALAR))
+        a_s = a_s_next
+        b_s = b_s_next
+        u_s = u_s_next
     dst = rows if SCATTER else pos
     out_ok = row_ok[:, None] & col_ok[None, :]
     c_at = c_ptr + dst.to(tl.int64)[:, None] * stride_cm + cols[None, :]
@@ -113,15 +129,16 @@ class Fp8MoeLaunch:
     """The two launches of one FP8 expert FFN; never changes a bit (module NOTE).
 
     block_m, up_n (I columns of the gate_up tile; 2 * up_n weight rows), down_n, warps,
-    stages. quant_in_loop: x and h quantized in the GEMMs' K loops, else each by one
-    quantize launch."""
+    stages. x_in_loop / h_in_loop: x (h) quantized in the gate_up (down) GEMM's K loop,
+    else by one quantize launch before it."""
 
     block_m: int = 64
     up_n: int = 64
     down_n: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    quant_in_loop: bool = True
+    x_in_loop: bool = True
+    h_in_loop: bool = True
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -134,21 +151,24 @@ class Fp8MoeLaunch:
                              f"num_stages {self.num_stages} >= 1")
 
 
-_LAUNCH_ENV = "MEGASERVE_FP8_MOE"  # tuning runs: "m,up_n,down_n,warps,stages,in_loop" (decode)
+_LAUNCH_ENV = "MEGASERVE_FP8_MOE"  # tuning: "m,up_n,down_n,warps,stages,x_in_loop,h_in_loop"
 
 
 def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
     """The launch for ``num_rows`` routed rows over ``num_experts`` (bit-neutral).
 
-    Up to 64 rows an expert on average (decode batches): 64-row tiles, quantization in the
-    K loops; more: 128-row tiles, 8 warps, quantize launches."""
+    Up to 64 rows an expert on average (decode batches): 64-row tiles; x and h quantized
+    in the K loops up to ``INLINE_ALIGN_MAX_ROWS`` rows (two launches in all), by one
+    launch each above (the K loops then stream e4m3 rows). More rows: 128-row tiles, 8
+    warps. ``$MEGASERVE_FP8_MOE`` replaces the decode launch (tuning runs)."""
     if num_rows <= 64 * num_experts:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return Fp8MoeLaunch(*v[:5], *(bool(f) for f in v[5:]))
-        return Fp8MoeLaunch(64, 64, 64, 4, 3)
-    return Fp8MoeLaunch(128, 64, 128, 8, 3, quant_in_loop=False)
+        in_loop = num_rows <= INLINE_ALIGN_MAX_ROWS
+        return Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=in_loop, h_in_loop=in_loop)
+    return Fp8MoeLaunch(128, 64, 128, 8, 3, x_in_loop=False, h_in_loop=False)
 
 
 _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
@@ -170,6 +190,8 @@ def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swigl
         INLINE=grouping is None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_R=max(16, triton.next_power_of_2(r)) if grouping is None else 16,
+        # a tile's gate (and up) columns share one scale row: one scale a group
+        WS_SCALAR=block_n <= GROUP and (not swiglu or n % GROUP == 0),
         GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages)
 
 
@@ -229,12 +251,12 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     common = dict(round_ty=x.dtype, rows_per_token=rows_per_token, block_m=lp.block_m,
                   num_warps=lp.num_warps, num_stages=lp.num_stages)
     x = x if x.stride(1) == 1 else x.contiguous()
-    a, a_s = (x, x) if lp.quant_in_loop else quantize_rows(x)
+    a, a_s = (x, x) if lp.x_in_loop else quantize_rows(x)
     h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # [R, I] grouped order
-    _grouped(a, a_s, w_gate_up, s_gate_up, h, ids, grouping, n=inter, quant_a=lp.quant_in_loop,
+    _grouped(a, a_s, w_gate_up, s_gate_up, h, ids, grouping, n=inter, quant_a=lp.x_in_loop,
              swiglu=True, gather=True, scatter=False, block_n=lp.up_n, **common)
-    h, h_s = (h, h) if lp.quant_in_loop else quantize_rows(h)
+    h, h_s = (h, h) if lp.h_in_loop else quantize_rows(h)
     _grouped(h, h_s, w_down, s_down, out, ids, grouping, n=w_down.shape[1],
-             quant_a=lp.quant_in_loop, swiglu=False, gather=False, scatter=True,
+             quant_a=lp.h_in_loop, swiglu=False, gather=False, scatter=True,
              block_n=lp.down_n, **common)
     return out

@@ -125,8 +125,10 @@ def test_fp8_expert_ffn_launches_give_the_same_bits():
         hq, hs = silu_mul_quantize_rows(fp8_grouped_gemm(xq, xs, ids, wgu, sgu, BF16, top_k))
         ref = fp8_grouped_gemm(hq, hs, ids, wd, sd, BF16)
         for lp in (None, Fp8MoeLaunch(64, 32, 64, 4, 4), Fp8MoeLaunch(64, 64, 128, 4, 3),
-                   Fp8MoeLaunch(128, 64, 128, 8, 3, quant_in_loop=False),
-                   Fp8MoeLaunch(64, 128, 256, 4, 3, quant_in_loop=False)):
+                   Fp8MoeLaunch(128, 64, 128, 8, 3, x_in_loop=False, h_in_loop=False),
+                   Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=True, h_in_loop=False),
+                   Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=False, h_in_loop=True),
+                   Fp8MoeLaunch(64, 128, 256, 4, 3, x_in_loop=False, h_in_loop=False)):
             got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
             assert torch.equal(got, ref), f"tokens={tokens} {lp}"
 
