@@ -37,8 +37,9 @@ def grammar_of(spec: StructuredOutput):
     try:
         if spec.kind == "json":
             return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
-        if spec.kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.kind == "json_object":  # an object, as OpenAI's name says (xgrammar's
+            # builtin JSON grammar, which vLLM uses, also allows a top-level array)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":

@@ -20,13 +20,19 @@ _USAGE_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
 
 def build_request(prompt: str | list[int], *, stream: bool = False,
                   request_id: str = "", **sampling: object) -> pb.GenerateRequest:
-    """A GenerateRequest; ``sampling`` are SamplingParams fields (None means unset)."""
+    """A GenerateRequest; ``sampling`` are SamplingParams fields (None means unset):
+    lists for the repeated ones, a dict for ``logit_bias``, a ``pb.StructuredOutput`` for
+    ``structured_output``."""
     sp = pb.SamplingParams()
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids"):
+        if name in ("stop", "stop_token_ids", "bad_words"):
             getattr(sp, name).extend(value)
+        elif name == "logit_bias":
+            sp.logit_bias.update(value)
+        elif name == "structured_output":
+            sp.structured_output.CopyFrom(value)
         else:
             setattr(sp, name, value)
     req = pb.GenerateRequest(request_id=request_id, sampling_params=sp, stream=stream)

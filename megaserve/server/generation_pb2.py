@@ -24,45 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!megaserve/server/generation.proto\x12\x0cmegaserve.v1\"\xb6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.megaserve.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.megaserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"h\n\x10PositionLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.megaserve.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.megaserve.v1.TokenLogprob\"Z\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.megaserve.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\xad\x01\n\x08\x43omplete\x12\x12\n\noutput_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.megaserve.v1.Usage\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.megaserve.v1.PositionLogprobs\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"&\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"\x96\x01\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.megaserve.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.megaserve.v1.CompleteH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.megaserve.v1.ErrorH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x8b\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe8\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x03\x12\x15\n\rnum_in_flight\x18\x05 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x03\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x1a\n\x12num_free_kv_blocks\x18\t \x01(\x03\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xcc\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.megaserve.v1.GenerateRequest\x1a\x1e.megaserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.megaserve.v1.AbortRequest\x1a\x1b.megaserve.v1.AbortResponse\x12U\n\x0cGetModelInfo\x12!.megaserve.v1.GetModelInfoRequest\x1a\".megaserve.v1.GetModelInfoResponse\x12X\n\rGetServerInfo\x12\".megaserve.v1.GetServerInfoRequest\x1a#.megaserve.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!megaserve/server/generation.proto\x12\x0cmegaserve.v1\"\xc1\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x03H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.megaserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\x03H\n\x88\x01\x01\x12\x11\n\tbad_words\x18\x10 \x03(\t\x12\x39\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1e.megaserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\x95\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.megaserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.megaserve.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.megaserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"h\n\x10PositionLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.megaserve.v1.TokenLogprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.megaserve.v1.TokenLogprob\"Z\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.megaserve.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\xad\x01\n\x08\x43omplete\x12\x12\n\noutput_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.megaserve.v1.Usage\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.megaserve.v1.PositionLogprobs\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"&\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"\x96\x01\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.megaserve.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.megaserve.v1.CompleteH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.megaserve.v1.ErrorH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x8b\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x16\n\x14GetServerInfoRequest\"\xe8\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x03\x12\x15\n\rnum_in_flight\x18\x05 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\x03\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\x03\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\x03\x12\x1a\n\x12num_free_kv_blocks\x18\t \x01(\x03\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x32\xcc\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.megaserve.v1.GenerateRequest\x1a\x1e.megaserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.megaserve.v1.AbortRequest\x1a\x1b.megaserve.v1.AbortResponse\x12U\n\x0cGetModelInfo\x12!.megaserve.v1.GetModelInfoRequest\x1a\".megaserve.v1.GetModelInfoResponse\x12X\n\rGetServerInfo\x12\".megaserve.v1.GetServerInfoRequest\x1a#.megaserve.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'megaserve.server.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=52
-  _globals['_SAMPLINGPARAMS']._serialized_end=362
-  _globals['_GENERATEREQUEST']._serialized_start=365
-  _globals['_GENERATEREQUEST']._serialized_end=543
-  _globals['_TOKENIDS']._serialized_start=545
-  _globals['_TOKENIDS']._serialized_end=568
-  _globals['_TOKENLOGPROB']._serialized_start=570
-  _globals['_TOKENLOGPROB']._serialized_end=619
-  _globals['_POSITIONLOGPROBS']._serialized_start=621
-  _globals['_POSITIONLOGPROBS']._serialized_end=725
-  _globals['_CHUNK']._serialized_start=727
-  _globals['_CHUNK']._serialized_end=817
-  _globals['_USAGE']._serialized_start=819
-  _globals['_USAGE']._serialized_end=899
-  _globals['_COMPLETE']._serialized_start=902
-  _globals['_COMPLETE']._serialized_end=1075
-  _globals['_ERROR']._serialized_start=1077
-  _globals['_ERROR']._serialized_end=1115
-  _globals['_GENERATERESPONSE']._serialized_start=1118
-  _globals['_GENERATERESPONSE']._serialized_end=1268
-  _globals['_ABORTREQUEST']._serialized_start=1270
-  _globals['_ABORTREQUEST']._serialized_end=1304
-  _globals['_ABORTRESPONSE']._serialized_start=1306
-  _globals['_ABORTRESPONSE']._serialized_end=1336
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1338
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1359
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1362
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1501
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1503
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1525
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1528
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1760
-  _globals['_GENERATION']._serialized_start=1763
-  _globals['_GENERATION']._serialized_end=2095
+  _globals['_SAMPLINGPARAMS']._serialized_end=757
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=545
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=593
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=760
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=909
+  _globals['_CHOICES']._serialized_start=911
+  _globals['_CHOICES']._serialized_end=937
+  _globals['_GENERATEREQUEST']._serialized_start=940
+  _globals['_GENERATEREQUEST']._serialized_end=1118
+  _globals['_TOKENIDS']._serialized_start=1120
+  _globals['_TOKENIDS']._serialized_end=1143
+  _globals['_TOKENLOGPROB']._serialized_start=1145
+  _globals['_TOKENLOGPROB']._serialized_end=1194
+  _globals['_POSITIONLOGPROBS']._serialized_start=1196
+  _globals['_POSITIONLOGPROBS']._serialized_end=1300
+  _globals['_CHUNK']._serialized_start=1302
+  _globals['_CHUNK']._serialized_end=1392
+  _globals['_USAGE']._serialized_start=1394
+  _globals['_USAGE']._serialized_end=1474
+  _globals['_COMPLETE']._serialized_start=1477
+  _globals['_COMPLETE']._serialized_end=1650
+  _globals['_ERROR']._serialized_start=1652
+  _globals['_ERROR']._serialized_end=1690
+  _globals['_GENERATERESPONSE']._serialized_start=1693
+  _globals['_GENERATERESPONSE']._serialized_end=1843
+  _globals['_ABORTREQUEST']._serialized_start=1845
+  _globals['_ABORTREQUEST']._serialized_end=1879
+  _globals['_ABORTRESPONSE']._serialized_start=1881
+  _globals['_ABORTRESPONSE']._serialized_end=1911
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1913
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1934
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1937
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2076
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2078
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2100
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2103
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2335
+  _globals['_GENERATION']._serialized_start=2338
+  _globals['_GENERATION']._serialized_end=2670
 # @@protoc_insertion_point(module_scope)

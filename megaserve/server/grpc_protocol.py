@@ -15,6 +15,7 @@ event loop.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,7 +24,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
 from megaserve.outputs import Logprobs
-from megaserve.sampling_params import SamplingParams
+from megaserve.sampling_params import SamplingParams, StructuredOutput
 from megaserve.server import generation_pb2 as pb
 from megaserve.server.errors import RequestError
 from megaserve.server.openai_models import MAX_STOP, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
@@ -49,7 +50,8 @@ class BadMessage:
 
 
 _WIRE_PACKAGE = "megaserve.wirecheck"
-_WIRE_MESSAGES = ("GenerateRequest", "TokenIds", "SamplingParams")
+_WIRE_MESSAGES = ("GenerateRequest", "TokenIds", "SamplingParams", "StructuredOutput", "Choices")
+_STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @lru_cache(maxsize=1)
@@ -104,10 +106,21 @@ def deserialize_generate(data: bytes) -> pb.GenerateRequest | BadMessage:
         problem = _utf8_problem(getattr(wire, name))
         if problem:
             return BadMessage(RequestError.invalid(name, problem))
-    for i, stop in enumerate(wire.sampling_params.stop):
-        problem = _utf8_problem(stop)
+    sp = wire.sampling_params
+    kinds = [k for k in _STRUCTURED_KINDS if sp.structured_output.HasField(k)]
+    if len(kinds) > 1:
+        return BadMessage(RequestError.invalid(
+            "sampling_params.structured_output", f"set exactly one kind, got {kinds}"))
+    texts = [(f"sampling_params.{name}[{i}]", text) for name in ("stop", "bad_words")
+             for i, text in enumerate(getattr(sp, name))]
+    texts += [(f"sampling_params.structured_output.{k}", getattr(sp.structured_output, k))
+              for k in ("json_schema", "regex", "grammar")]
+    texts += [(f"sampling_params.structured_output.choice.choices[{i}]", text)
+              for i, text in enumerate(sp.structured_output.choice.choices)]
+    for name, text in texts:
+        problem = _utf8_problem(text)
         if problem:
-            return BadMessage(RequestError.invalid(f"sampling_params.stop[{i}]", problem))
+            return BadMessage(RequestError.invalid(name, problem))
     try:
         return pb.GenerateRequest.FromString(data)
     except DecodeError as e:
@@ -151,19 +164,59 @@ def parse_generate(req: pb.GenerateRequest) -> ParsedGenerate:
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError.invalid("stop_token_ids", f"{len(sp.stop_token_ids)} ids: at most "
                                    f"{MAX_STOP_TOKEN_IDS}")
-    for name in ("temperature", "top_p", "min_p"):
+    if len(sp.bad_words) > MAX_STOP:
+        raise RequestError.invalid("bad_words", f"{len(sp.bad_words)} words: at most {MAX_STOP}")
+    if len(sp.logit_bias) > MAX_STOP_TOKEN_IDS:
+        raise RequestError.invalid("logit_bias", f"{len(sp.logit_bias)} entries: at most "
+                                   f"{MAX_STOP_TOKEN_IDS}")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if sp.HasField(name) and not math.isfinite(getattr(sp, name)):
             raise RequestError.invalid(name, f"must be a finite number, got {getattr(sp, name)}")
+    for token, bias in sp.logit_bias.items():
+        if token < 0 or not -100 <= bias <= 100:  # (NaN fails the range too)
+            raise RequestError.invalid("logit_bias", f"token id {token}: bias {bias}; ids "
+                                       "must be >= 0 and biases in [-100, 100]")
     kwargs: dict = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if sp.HasField(name):
             kwargs[name] = getattr(sp, name)
+    if sp.logit_bias:
+        kwargs["logit_bias"] = dict(sp.logit_bias)
+    if sp.HasField("structured_output"):
+        kwargs["structured_output"] = _structured_output(sp.structured_output)
     try:
         params = SamplingParams(stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
-                                ignore_eos=sp.ignore_eos, **kwargs)
+                                ignore_eos=sp.ignore_eos, bad_words=tuple(sp.bad_words),
+                                **kwargs)
     except ValueError as e:
         raise RequestError.from_value_error(e, "sampling_params") from None
     return ParsedGenerate(req.request_id, prompt, params, req.stream)
+
+
+def _structured_output(so: pb.StructuredOutput) -> StructuredOutput:
+    """The engine's StructuredOutput of a ``StructuredOutput`` message (its grammar is
+    compiled later, against the model's tokenizer). Raises RequestError naming the field."""
+    field = "structured_output"
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError.invalid(field, f"set one of {', '.join(_STRUCTURED_KINDS)}")
+    if kind == "json_object":
+        if not so.json_object:
+            raise RequestError.invalid(f"{field}.json_object", "must be true when set "
+                                       "(leave structured_output unset for free text)")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        choices = list(so.choice.choices)
+        if not choices or not all(choices):
+            raise RequestError.invalid(f"{field}.choice.choices",
+                                       "must hold at least one non-empty string")
+        return StructuredOutput("choice", json.dumps(choices))
+    spec = getattr(so, kind)
+    if not spec:
+        raise RequestError.invalid(f"{field}.{kind}", "must not be empty")
+    return StructuredOutput({"json_schema": "json"}.get(kind, kind), spec)
 
 
 def logprobs_to_proto(token_ids: list[int], logprobs: Logprobs | None) -> list[pb.PositionLogprobs]:

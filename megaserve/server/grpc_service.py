@@ -65,9 +65,10 @@ class GenerationService:
             parsed = parse_generate(request)
             request_id = parsed.request_id or uuid.uuid4().hex
             with core.admit(request_id, self._owner(context)) as engine_id:
-                prompt_ids = await core.prepare(parsed.prompt, parsed.params, _input_field(request))
+                params = core.check_for_model(parsed.params)
+                prompt_ids = await core.prepare(parsed.prompt, params, _input_field(request))
                 async with contextlib.aclosing(
-                        core.stream(engine_id, prompt_ids, parsed.params)) as deltas:
+                        core.stream(engine_id, prompt_ids, params)) as deltas:
                     async for delta in deltas:
                         started = True
                         if parsed.stream and delta.token_ids:

@@ -170,22 +170,18 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
             raise RequestError.invalid("messages", f"chat template failed: {e}") from None
     elif isinstance(prompt, tuple):
         prompt = list(prompt)
-    _check_logit_bias(sampling.get("logit_bias"), engine.vocab_size)
     forced = tools.grammar_for(list(req.tools), req.tool_choice) if req.chat else None
+    grammar_field = "structured_outputs" if req.structured_outputs_given else "response_format"
     if forced is not None:
-        sampling["structured_output"] = _checked_grammar(engine, forced, "tools")
+        sampling["structured_output"], grammar_field = forced, "tools"
     elif req.structured_output is not None:
-        sampling["structured_output"] = _checked_grammar(
-            engine, req.structured_output,
-            "structured_outputs" if req.structured_outputs_given else "response_format")
-    if sampling.get("bad_words"):
-        sampling["bad_words_token_ids"] = _bad_words_token_ids(engine.tokenizer,
-                                                               sampling["bad_words"])
+        sampling["structured_output"] = req.structured_output
     try:
         params = SamplingParams(
             max_tokens=1 if req.max_tokens is None else req.max_tokens, **sampling)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
+    params = core.check_for_model(params, grammar_field)
     prompt_ids = await core.prepare(prompt, params, field)
     if req.max_tokens is None:  # chat default: fill the context
         params = dataclasses.replace(params, max_tokens=engine.max_model_len - len(prompt_ids))
@@ -218,40 +214,6 @@ def _messages_for(tokenizer, messages: tuple[dict, ...]) -> list[dict]:
             m = {**m, "content": m["content"] + blocks}
         out.append(m)
     return out
-
-
-def _checked_grammar(engine, spec, field: str):
-    """``spec`` once xgrammar has parsed it (RequestError naming the field otherwise)."""
-    from megaserve.engine.structured_output import grammar_of
-
-    if engine.tokenizer is None:
-        raise RequestError.invalid(field, "this model has no tokenizer")
-    try:
-        grammar_of(spec)
-    except ValueError as e:
-        raise RequestError.invalid(field, str(e)) from None
-    return spec
-
-
-def _check_logit_bias(bias: dict[int, float] | None, vocab_size: int) -> None:
-    for token in bias or ():
-        if token >= vocab_size:
-            raise RequestError.invalid("logit_bias", f"token id {token} is outside the "
-                                       f"vocabulary [0, {vocab_size})")
-
-
-def _bad_words_token_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-    """Each bad word's token ids, as it would appear at the start of a text and after a
-    space (vLLM's two forms), without special tokens."""
-    if tokenizer is None:
-        raise RequestError.invalid("bad_words", "this model has no tokenizer")
-    found: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if ids:
-                found[ids] = None
-    return tuple(found)
 
 
 async def _pump(core: ServingCore, choice: _Choice, queue: asyncio.Queue) -> None:
