@@ -72,6 +72,11 @@ speed)  # the split's cost, one call: plane kernels, bitwise across GPUs, batch 
     --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
     --layouts cuda_ipc:1@$KW
   step tick plane_tick.log 30 python3 -m megaserve.cli bench plane-tick --tokens 1024 --reduce --nccl ;;
+speed3)  # the in-process layouts with the kernel wait (the default), batch 1024
+  step tests_inproc tests.log 90 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
+    tests/megaserve/test_device_plane_gpu.py -k "is_bitwise_colocated and (inproc-1-1-1 or inproc-1-2-2 or cuda_ipc-2-1-2)"
+  step bench_b1024 bench.log 130 $BENCH --num-prompts 1024 --max-num-seqs 1024 \
+    --layouts cuda_ipc:1 ;;
 speed2)  # batch 1024 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
   KW=MEGASERVE_PLANE_KERNEL_WAIT=${KERNEL_WAIT:-1}
   step bench_b1024 bench.log 170 $BENCH --num-prompts 1024 --max-num-seqs 1024 \
