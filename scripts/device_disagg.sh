@@ -59,14 +59,14 @@ tests)
   step tests_gpu tests.log 500 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
     tests/megaserve/test_device_plane_gpu.py tests/comm/test_gpu.py ;;
 speed)  # the split's cost, one call: plane kernels, bitwise across GPUs, batch 256, Qwen3-235B
-  KW=MEGASERVE_PLANE_KERNEL_WAIT=1
+  KW=MEGASERVE_PLANE_KERNEL_WAIT=1 SW=MEGASERVE_PLANE_KERNEL_WAIT=0  # kernel / stream wait
   step kernels tests.log 35 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 30 \
     tests/kernels/test_plane_gpu.py
   MEGASERVE_PLANE_KERNEL_WAIT=1 step tests_kw tests.log 75 python3 -m pytest -q -m gpu \
     -p no:cacheprovider --timeout 70 tests/megaserve/test_device_plane_gpu.py \
     -k "across_gpus_is_bitwise and cuda_ipc and (1-1 or 3-2)"
   step bench_b256 bench.log 190 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts \
-    cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW,cuda_ipc:1,cuda_ipc:3@$KW
+    cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW,cuda_ipc:1@$SW,cuda_ipc:3@$KW
   step bench_235b bench.log 110 python3 -m megaserve.cli bench device-plane \
     --model random:qwen3-235b-a22b:${LAYERS_235B:-22} --input-len 64 --output-len 256 \
     --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
