@@ -91,6 +91,9 @@ def check_local_ids(torch, ti, device="cpu", shapes=None) -> None:
         waited = plane_pack.local_ids(ids, counts, sel[-1:], lookup, s, flags)
         assert torch.equal(waited, whole[-1]), "the waiting kernel's ids differ"
         assert flags.tolist() == [1, 2, 1][:r - 1] + [0], f"flags after the wait: {flags}"
+        waited = plane_pack.local_ids(ids, counts, sel, lookup, s, flags.fill_(1))
+        assert torch.equal(waited, whole.reshape(-1)), "the waiting kernel's ids differ"
+        assert not flags.any(), f"flags after waiting for every replica: {flags}"
         for p in range(r):
             one = plane_pack.local_ids(ids, counts, sel[p: p + 1], lookup, s)
             assert torch.equal(one, whole[p]), f"replica {p} alone differs from the batch"
