@@ -146,8 +146,9 @@ class EngineConfig:
     device. A request that stops on a token (EOS, stop string) is found one step late and
     its extra token dropped; outputs are bitwise the same as without it. Applies to
     decode-graph steps and eager (prefill, mixed) steps on CUDA with in-process experts
-    and no speculative decoding; other steps run synchronously. Off by default, as in
-    vLLM.
+    and no speculative decoding; other steps run synchronously. None (the default, as in
+    vLLM): on for CUDA, off on CPU, whose "device" is synchronous (nothing to overlap:
+    the same tokens at about the same speed, docs/serving.md).
     """
 
     model: str = "builtin:tiny-moe"
@@ -177,7 +178,7 @@ class EngineConfig:
     # Expert ids held by each expert worker (default: an even contiguous split).
     expert_placement: tuple[tuple[int, ...], ...] | None = None
     cuda_graphs: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: device != "cpu" (resolved here)
     # Reuse the K/V of full blocks shared with earlier requests (megaserve.engine.prefix_cache).
     enable_prefix_caching: bool = True
     # Speculative decoding: a SpeculativeConfig, or its dict / JSON form (vLLM's keys).
@@ -298,13 +299,16 @@ class EngineConfig:
                 f"expert_placement lists {len(self.expert_placement)} workers but "
                 f"expert_workers={self.expert_workers}")
         for name in ("cuda_graphs", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "async_scheduling" and value is None):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES or (
                 self.device.startswith(("auto", "cpu")) and ":" in self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device == "auto":
             object.__setattr__(self, "device", resolve_device(self.device))
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", self.device != "cpu")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens",
                                default_max_num_batched_tokens(self.device))

@@ -108,8 +108,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
         action="store_false",
         help="run decode steps eagerly on CUDA (default: captured CUDA graphs)")),
     EngineFlag("--async-scheduling", "async_scheduling", dict(
-        action="store_true", help="overlap the host's scheduling and output processing with the "
-                                  "device in steady decode, as vLLM (default: off)")),
+        action=argparse.BooleanOptionalAction,
+        help="overlap the host's scheduling and output processing with the device, as vLLM "
+             "(default: on for CUDA, off on CPU, where there is nothing to overlap)")),
     EngineFlag("--enable-prefix-caching", "enable_prefix_caching", dict(
         action=argparse.BooleanOptionalAction, help="reuse the KV cache of shared prompt "
         "prefixes (bitwise invisible in outputs; default: on)")),

@@ -247,10 +247,15 @@ def test_async_does_not_apply_to_speculative_decoding() -> None:
 def test_async_scheduling_flag() -> None:
     import argparse
 
-    assert EngineConfig().async_scheduling is False
+    # Default: on for CUDA, off on CPU (nothing to overlap there).
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
     parser = argparse.ArgumentParser()
     add_runtime_flags(parser)
     assert runtime_options(parser.parse_args(["--async-scheduling"]))["async_scheduling"] is True
-    assert runtime_options(parser.parse_args([]))["async_scheduling"] is False
+    assert runtime_options(parser.parse_args(["--no-async-scheduling"]))["async_scheduling"] \
+        is False
+    assert runtime_options(parser.parse_args([]))["async_scheduling"] is None
