@@ -314,3 +314,22 @@ def test_relayed_links_carry_dispatch_and_combine_bitwise(placement) -> None:
             relay.close()
         for ep in endpoints:
             ep.close()
+
+
+def test_bench_layout_specs_carry_async_and_environment() -> None:
+    """bench device-plane's A/B rows: a layout spec sets its own async scheduling and
+    environment (what its expert processes start with); malformed specs are refused."""
+    from megaserve.bench.device_plane import _parse_layout
+
+    plain = _parse_layout("cuda_ipc:1", False)
+    assert (plain.transport, plain.m, plain.replicas, plain.async_scheduling, plain.env) == (
+        "cuda_ipc", 1, 1, False, {})
+    ab = _parse_layout("cuda_ipc:2:3+async@MEGASERVE_PLANE_KERNEL_WAIT=0", False)
+    assert (ab.m, ab.replicas, ab.async_scheduling) == (2, 3, True)
+    assert ab.env == {"MEGASERVE_PLANE_KERNEL_WAIT": "0"}
+    assert "R=3" in ab.name and "async" in ab.name and "PLANE_KERNEL_WAIT=0" in ab.name
+    colocated = _parse_layout("colocated:1", True)
+    assert colocated.transport is None and colocated.async_scheduling
+    for bad in ("cuda_ipc", "cuda_ipc:x", "cuda_ipc:1@NOVALUE", "cuda_ipc:1:2:3"):
+        with pytest.raises(ValueError):
+            _parse_layout(bad, False)
