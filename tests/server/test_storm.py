@@ -166,6 +166,7 @@ def test_health_answers_during_a_storm_of_huge_prompts(model_cache, tmp_path):
         assert None not in probe.latencies, probe.summary()
         assert probe.p99() < HEALTH_P99_S, probe.summary()
         assert http_get(srv.url + "/health")[0] == 200
+        print(f"storm: {probe.summary()}")
 
 
 def test_a_burst_of_1000_connections_is_served(model_cache, tmp_path):

@@ -122,6 +122,9 @@ def test_cors_preflight_and_allowed_origins(vserver):
     resp, _ = request(vserver, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1},
                       {"Origin": "https://evil.example"})
     assert resp.getheader("Access-Control-Allow-Origin") is None
+    # A probe from a browser gets the CORS headers too (the app answers it).
+    resp, _ = request(vserver, "GET", "/health", headers={"Origin": ORIGIN})
+    assert resp.status == 200 and resp.getheader("Access-Control-Allow-Origin") == ORIGIN
 
 
 def test_x_request_id_is_echoed_or_made_up(vserver):
@@ -135,6 +138,11 @@ def test_x_request_id_is_echoed_or_made_up(vserver):
     assert len(resp.getheader("X-Request-Id")) == 32
     resp, _ = request(vserver, "GET", "/v1/models/nope", headers={"X-Request-Id": "t-44"})
     assert resp.status == 404 and resp.getheader("X-Request-Id") == "t-44"
+    # /health, answered by the listener thread, too.
+    resp, _ = request(vserver, "GET", "/health", headers={"X-Request-Id": "t-45"})
+    assert resp.status == 200 and resp.getheader("X-Request-Id") == "t-45"
+    resp, _ = request(vserver, "GET", "/health")
+    assert len(resp.getheader("X-Request-Id")) == 32
 
 
 def test_official_openai_client(vserver):
