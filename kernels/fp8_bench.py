@@ -148,10 +148,12 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
         print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
 
 
-# (block_m, up_n, down_n, warps, stages, x_in_loop, h_in_loop)
-MOE_SWEEP = ((64, 64, 64, 4, 3, 1, 1), (64, 64, 128, 4, 3, 1, 1), (64, 64, 128, 4, 3, 1, 0),
-             (64, 64, 128, 4, 3, 0, 1), (64, 64, 128, 4, 3, 0, 0), (64, 32, 64, 4, 4, 1, 0),
-             (64, 128, 128, 4, 3, 0, 0), (128, 64, 128, 8, 3, 0, 0), (64, 64, 128, 4, 4, 0, 0))
+# (block_m, up_n, down_n, warps, stages, x_in_loop, h_in_loop, fused)
+MOE_SWEEP = ((64, 64, 128, 4, 3, 1, 1, 1), (64, 64, 128, 4, 3, 1, 0, 1),
+             (64, 64, 128, 4, 3, 0, 0, 1), (64, 32, 64, 4, 4, 1, 1, 1),
+             (64, 128, 128, 4, 3, 0, 0, 0), (64, 64, 128, 4, 4, 0, 0, 0),
+             (64, 128, 128, 4, 3, 1, 0, 0), (128, 128, 128, 8, 3, 0, 0, 0),
+             (64, 256, 128, 4, 3, 0, 0, 0))
 # (block_m, block_n, warps, stages, parts, quant_a)
 LINEAR_SWEEP = ((64, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1), (64, 32, 4, 4, 1, 1),
                 (64, 128, 4, 3, 1, 1), (64, 64, 4, 4, 0, 1), (64, 64, 4, 4, 1, 0),
@@ -170,7 +172,7 @@ def sweep(batches: list[int], bandwidth: float) -> None:
     bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
     bd = (torch.randn(experts, d, inter, device="cuda") * 0.02).bfloat16()
     print(f"\nexpert FFN sweep (us; roofline: the fp8 expert bytes at {bandwidth / 1e12:.2f} TB/s)")
-    print("launch (m, up_n, down_n, warps, stages, x_in_loop, h_in_loop): "
+    print("launch (m, up_n, down_n, warps, stages, x_in_loop, h_in_loop, fused): "
           + " | ".join(str(c) for c in MOE_SWEEP))
     for b in batches:
         x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)

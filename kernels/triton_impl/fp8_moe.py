@@ -18,9 +18,11 @@ BLOCK_M grouped positions, BLOCK_N columns) tile, the grid a bound from (R, E) a
 
 Launch choices, none of which changes a bit (:class:`Fp8MoeLaunch`): tile shapes and
 warps; whether x and h are quantized inside the GEMMs' K loops (:func:`fp8_gemm.load_group`,
-decode: one launch less each) or each by one :func:`quantize_rows` launch before its GEMM
-(many rows: no column tile repeats the quantization): the same helper on the same values.
-h goes through memory in fp32 (grouped order) either way.
+decode: one launch less each) or each by one quantize launch before its GEMM (the K loops
+stream e4m3 rows; no column tile repeats the quantization): the same helper on the same
+values; whether SwiGLU is the gate_up GEMM's epilogue (h in fp32) or the launch that
+quantizes h (:func:`fp8_gemm.silu_mul_quantize_rows` of gate and up in x.dtype): the
+same roundings.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_scales, quantize_rows,
-                       scale_cols, swiglu, weight_scales)
-from .moe import INLINE_ALIGN_MAX_ROWS, _align, _max_tiles, _rows_at, _tile_of
+                       scale_cols, silu_mul_quantize_rows, swiglu, weight_scales)
+from .moe import INLINE_ALIGN_MAX_ROWS, align, max_tiles, rows_at, tile_of
 
 
 @triton.jit
@@ -59,7 +61,7 @@ def _fp8_expert_kernel(
     rounded to ROUND (1 bf16, 2 fp16, 0 none), fp32. Else c gets the fp32 tile cast.
     QUANT_A: a holds float rows, quantized in the K loop; else e4m3 rows, scales at as.
     """
-    expert, start, end, col_tile = _tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
+    expert, start, end, col_tile = tile_of(tl.program_id(0), offsets_ptr, ids_ptr, R,
                                             num_experts, N, BLOCK_M, BLOCK_N, BLOCK_E,
                                             BLOCK_R, INLINE, False)
     if expert >= num_experts:
@@ -69,7 +71,7 @@ def _fp8_expert_kernel(
     row_ok = pos < end
     col_ok = cols < N
     if GATHER or SCATTER:
-        rows = _rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
+        rows = rows_at(pos, row_ok, order_ptr, ids_ptr, R, num_experts, BLOCK_R, INLINE)
     if GATHER:
         src = rows // ROWS_PER_TOKEN
     else:
@@ -126,11 +128,14 @@ def _fp8_expert_kernel(
 
 @dataclass(frozen=True)
 class Fp8MoeLaunch:
-    """The two launches of one FP8 expert FFN; never changes a bit (module NOTE).
+    """The launches of one FP8 expert FFN; never changes a bit (module NOTE).
 
-    block_m, up_n (I columns of the gate_up tile; 2 * up_n weight rows), down_n, warps,
-    stages. x_in_loop / h_in_loop: x (h) quantized in the gate_up (down) GEMM's K loop,
-    else by one quantize launch before it."""
+    block_m, up_n (columns of the gate_up tile), down_n, warps, stages. fused: the gate_up
+    tile holds up_n gate and up_n up columns and its epilogue applies SwiGLU (h fp32);
+    else it holds up_n of the 2I columns, stores them in x.dtype and
+    :func:`silu_mul_quantize_rows` makes h (one launch; needs h_in_loop False: the same
+    rounding of gate and up, the same fp32 SwiGLU). x_in_loop / h_in_loop: x (h) quantized
+    in the gate_up (down) GEMM's K loop, else by one quantize launch before it."""
 
     block_m: int = 64
     up_n: int = 64
@@ -139,6 +144,7 @@ class Fp8MoeLaunch:
     num_stages: int = 4
     x_in_loop: bool = True
     h_in_loop: bool = True
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -146,29 +152,36 @@ class Fp8MoeLaunch:
         for v in (self.up_n, self.down_n):
             if v not in (32, 64, 128, 256):
                 raise ValueError(f"Fp8MoeLaunch: column tile {v} must be 32, 64, 128 or 256")
+        if not self.fused and self.h_in_loop:
+            raise ValueError("Fp8MoeLaunch: fused=False quantizes h in its own launch "
+                             "(h_in_loop=False)")
         if self.num_warps not in (4, 8) or self.num_stages < 1:
             raise ValueError(f"Fp8MoeLaunch: num_warps {self.num_warps} must be 4 or 8, "
                              f"num_stages {self.num_stages} >= 1")
 
 
-_LAUNCH_ENV = "MEGASERVE_FP8_MOE"  # tuning: "m,up_n,down_n,warps,stages,x_in_loop,h_in_loop"
+# tuning runs: "m,up_n,down_n,warps,stages,x_in_loop,h_in_loop,fused" (decode sizes)
+_LAUNCH_ENV = "MEGASERVE_FP8_MOE"
 
 
 def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
     """The launch for ``num_rows`` routed rows over ``num_experts`` (bit-neutral).
 
-    Up to 64 rows an expert on average (decode batches): 64-row tiles; x and h quantized
-    in the K loops up to ``INLINE_ALIGN_MAX_ROWS`` rows (two launches in all), by one
-    launch each above (the K loops then stream e4m3 rows). More rows: 128-row tiles, 8
-    warps. ``$MEGASERVE_FP8_MOE`` replaces the decode launch (tuning runs)."""
+    Up to ``INLINE_ALIGN_MAX_ROWS`` rows (decode, small batches): fused, x and h quantized
+    in the K loops, 64-row tiles (two launches in all). Up to 64 rows an expert on
+    average: x quantized by one launch, gate_up unfused in 64 x 128 tiles, h by
+    :func:`silu_mul_quantize_rows` (every K loop streams e4m3 rows; one dot a step). More
+    rows: the same with 128 x 128 tiles, 8 warps. ``$MEGASERVE_FP8_MOE`` replaces the
+    decode launch (tuning runs)."""
     if num_rows <= 64 * num_experts:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return Fp8MoeLaunch(*v[:5], *(bool(f) for f in v[5:]))
-        in_loop = num_rows <= INLINE_ALIGN_MAX_ROWS
-        return Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=in_loop, h_in_loop=in_loop)
-    return Fp8MoeLaunch(128, 64, 128, 8, 3, x_in_loop=False, h_in_loop=False)
+        if num_rows <= INLINE_ALIGN_MAX_ROWS:
+            return Fp8MoeLaunch(64, 64, 128, 4, 3)
+        return Fp8MoeLaunch(64, 128, 128, 4, 3, x_in_loop=False, h_in_loop=False, fused=False)
+    return Fp8MoeLaunch(128, 128, 128, 8, 3, x_in_loop=False, h_in_loop=False, fused=False)
 
 
 _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
@@ -181,7 +194,7 @@ def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swigl
     r = ids.shape[0]
     num_experts, _, k = w.shape
     offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
-    grid = (_max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
+    grid = (max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
     _fp8_expert_kernel[grid](
         a, a_s, w, w_s, out, ids, order, offsets, r, num_experts, n, k,
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
@@ -197,7 +210,7 @@ def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swigl
 
 def _grouping(ids: torch.Tensor, num_experts: int):
     """moe's grouping of the routed rows: None (inline, few rows) or (offsets, order)."""
-    return None if ids.shape[0] <= INLINE_ALIGN_MAX_ROWS else _align(ids, num_experts)
+    return None if ids.shape[0] <= INLINE_ALIGN_MAX_ROWS else align(ids, num_experts)
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, expert_ids: torch.Tensor,
@@ -232,8 +245,8 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     row r of token ``r // rows_per_token`` (module NOTE). x `[T, D]` bf16/fp16/fp32,
     expert_ids `[R]` int64 in [0, E] (E: routed nowhere, its output row unspecified),
     w_gate_up `[E, 2I, D]`, w_down `[E, D, I]` e4m3 with their 128 x 128 scales. Returns
-    `[R, D]` in x.dtype. Two launches at decode sizes (grouping inline, or one align
-    launch more), four above (and the align launch); ``launch`` forces one (tests, tuning), the same bits."""
+    `[R, D]` in x.dtype. Launches: :func:`plan_moe`, or ``launch`` (tests, tuning): the
+    same bits either way."""
     r = expert_ids.shape[0]
     num_experts, two_i, d = w_gate_up.shape
     inter = two_i // 2
@@ -252,10 +265,18 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
                   num_warps=lp.num_warps, num_stages=lp.num_stages)
     x = x if x.stride(1) == 1 else x.contiguous()
     a, a_s = (x, x) if lp.x_in_loop else quantize_rows(x)
-    h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # [R, I] grouped order
-    _grouped(a, a_s, w_gate_up, s_gate_up, h, ids, grouping, n=inter, quant_a=lp.x_in_loop,
-             swiglu=True, gather=True, scatter=False, block_n=lp.up_n, **common)
-    h, h_s = (h, h) if lp.h_in_loop else quantize_rows(h)
+    if lp.fused:
+        h = torch.empty(r, inter, dtype=torch.float32, device=x.device)  # [R, I] grouped
+        _grouped(a, a_s, w_gate_up, s_gate_up, h, ids, grouping, n=inter,
+                 quant_a=lp.x_in_loop, swiglu=True, gather=True, scatter=False,
+                 block_n=lp.up_n, **common)
+        h, h_s = (h, h) if lp.h_in_loop else quantize_rows(h)
+    else:
+        gate_up = torch.empty(r, two_i, dtype=x.dtype, device=x.device)  # [R, 2I] grouped
+        _grouped(a, a_s, w_gate_up, s_gate_up, gate_up, ids, grouping, n=two_i,
+                 quant_a=lp.x_in_loop, swiglu=False, gather=True, scatter=False,
+                 block_n=lp.up_n, **common)
+        h, h_s = silu_mul_quantize_rows(gate_up)
     _grouped(h, h_s, w_down, s_down, out, ids, grouping, n=w_down.shape[1],
              quant_a=lp.h_in_loop, swiglu=False, gather=False, scatter=True,
              block_n=lp.down_n, **common)

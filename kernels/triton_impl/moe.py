@@ -766,3 +766,10 @@ def expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tenso
     return _expert_gemm(hidden, w_down, ids, grouping, lp.down, swiglu=False, gather=False,
                         scatter=True,
                         pdl_ok=up_programs <= _DOWN_PDL_MAX_WAVES * num_sms(x.device))
+
+
+# The grouping and tile numbering the FP8 expert FFN (fp8_moe) shares with these kernels.
+align = _align
+max_tiles = _max_tiles
+rows_at = _rows_at
+tile_of = _tile_of

@@ -128,7 +128,9 @@ def test_fp8_expert_ffn_launches_give_the_same_bits():
                    Fp8MoeLaunch(128, 64, 128, 8, 3, x_in_loop=False, h_in_loop=False),
                    Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=True, h_in_loop=False),
                    Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=False, h_in_loop=True),
-                   Fp8MoeLaunch(64, 128, 256, 4, 3, x_in_loop=False, h_in_loop=False)):
+                   Fp8MoeLaunch(64, 128, 256, 4, 3, x_in_loop=False, h_in_loop=False),
+                   Fp8MoeLaunch(64, 128, 128, 4, 3, x_in_loop=False, h_in_loop=False, fused=False),
+                   Fp8MoeLaunch(128, 128, 128, 8, 3, x_in_loop=True, h_in_loop=False, fused=False)):
             got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
             assert torch.equal(got, ref), f"tokens={tokens} {lp}"
 

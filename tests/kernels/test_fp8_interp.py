@@ -145,7 +145,8 @@ def check_fp8_expert_ffn(torch, ti) -> None:
     down = fp8_grouped_gemm(hq, hs.contiguous(), ids, wd, sd, torch.bfloat16, 1)
     assert torch.equal(down, full), "fused chain differs from the unfused one"
     for lp in (Fp8MoeLaunch(128, 128, 64, 8, 2, x_in_loop=False, h_in_loop=False),
-               Fp8MoeLaunch(64, 32, 256, h_in_loop=False), Fp8MoeLaunch(64, 256, 64, x_in_loop=False)):
+               Fp8MoeLaunch(64, 32, 256, h_in_loop=False), Fp8MoeLaunch(64, 256, 64, x_in_loop=False),
+               Fp8MoeLaunch(64, 64, 128, x_in_loop=False, h_in_loop=False, fused=False)):
         with poisoned_empty():
             got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
         assert torch.equal(got, full), f"launch {lp}"
