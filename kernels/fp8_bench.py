@@ -223,6 +223,22 @@ def summarize_decode(bf16_json: str, fp8_json: str) -> None:
               f" {100 * fp8_roofline_ms(b, bandwidth) / b['step_ms_median']:10.0f}%")
 
 
+def summarize_roofline(fp8_json: str) -> None:
+    """One fp8 ``megaserve bench decode --json-out`` file against its bytes' roofline
+    (no bf16 run: a model whose bf16 weights do not fit one GPU)."""
+    import json
+
+    fp8 = json.loads(open(fp8_json).read())
+    bandwidth = fp8["copy_bandwidth_gbs"] * 1e9
+    print(f"\n{fp8['model']} ({fp8['num_layers']} layers) fp8 decode on {fp8['device']} "
+          f"(copy {bandwidth / 1e12:.2f} TB/s)")
+    print(f"{'batch':>5} {'tok/s':>8} {'step ms':>9} {'roof ms':>9} {'% roof':>7}")
+    for b in fp8["decode"]:
+        roof = fp8_roofline_ms(b, bandwidth)
+        print(f"{b['batch']:5d} {b['tok_s']:8.0f} {b['step_ms_median']:9.3f} {roof:9.3f}"
+              f" {100 * roof / b['step_ms_median']:6.0f}%")
+
+
 def fp8_roofline_ms(run: dict, bandwidth: float) -> float:
     """Milliseconds to move one decode step's bytes with attention and expert weights in
     FP8 (one byte each; KV, LM head and router 16-bit) at ``bandwidth`` bytes/s."""
@@ -239,9 +255,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time every launch (sweep)")
     parser.add_argument("--decode-json", nargs=2, metavar=("BF16", "FP8"),
                         help="only summarise two `megaserve bench decode --json-out` files")
+    parser.add_argument("--decode-roofline", metavar="FP8",
+                        help="only summarise one fp8 decode file against its roofline")
     args = parser.parse_args()
     if args.decode_json:
         summarize_decode(*args.decode_json)
+        return
+    if args.decode_roofline:
+        summarize_roofline(args.decode_roofline)
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     bandwidth = copy_bandwidth()

@@ -35,6 +35,8 @@ decode() {  # decode NAME MODEL BATCHES [extra flags]
     if [ "${DS_LAYERS:-0}" -gt 0 ]; then
         DECODE_S=${DS_S:-200} decode decode_ds_fp8 "random:deepseek-v3:$DS_LAYERS" 64,256 \
             --quantization fp8
+        python -m megaserve.kernels.fp8_bench --decode-roofline "$OUT/decode_ds_fp8.json" \
+            > "$OUT/decode_ds_summary.txt" 2>&1
     fi
 ) &
 (
