@@ -9,14 +9,14 @@ out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv
 stacks() {  # every megaserve process's Python stacks (faulthandler on SIGUSR1), on a hang
     sleep "$1"
-    for p in $(pgrep -f "multiprocessing.spawn|pytest|device_layouts"); do kill -USR1 "$p" 2>/dev/null; done
+    for p in $(pgrep -f "multiprocessing.spawn"); do kill -USR1 "$p" 2>/dev/null; done
 }
 if [ "$mode" = check ]; then
-    stacks $((limit - 20)) & watcher=$!
+    stacks "${STACKS_AT:-$((limit - 20))}" & watcher=$!
     timeout "$limit" python3 -m pytest -x -q -p no:cacheprovider -o faulthandler_timeout=$((limit - 15)) \
-        "tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_on_the_device_plane_equals_one_gpu" \
+        ${TESTS:-"tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_on_the_device_plane_equals_one_gpu" \
         "tests/megaserve/test_device_plane_gpu.py::test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise" \
-        "tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_steady_decode_never_synchronises" \
+        "tests/megaserve/test_colocated_ep_gpu.py::test_colocated_ep_steady_decode_never_synchronises"} \
         2>&1 | tee "$out/check.log"
     kill $watcher 2>/dev/null
 fi

@@ -23,18 +23,24 @@ graph of ``(c, P)`` (``c`` the largest rows, ``P`` the graph replicas) once ever
 participant has reported: one grouped GEMM per tick over every replica in P. Nobody waits
 on the host inside a step: replica streams wait on the experts' flags.
 
-HAZARD (deadlock): an expert stream waiting on a flag must never wait on work its own
-process has not launched yet while that process blocks in the driver (a kernel-module
-load, a graph capture's synchronisation waits for every stream of the context). Hence:
-every decode graph of the replica *and* every expert graph ``(c, P)`` is captured at
-start-up (each ``(c, P)`` after one eager tick of that shape, which loads its kernels),
-a replica reports before it replays, and eager ticks are sent after their dispatch is
-enqueued (every flag an expert waits on is already on some stream).
+HAZARD (deadlock): a kernel-module load or a capture's synchronisation waits for every
+stream of its process, and holds that process's other threads' launches meanwhile; a
+stream must then never wait on work that another process can only launch once *its*
+load is done (two co-located processes loading at once, each waiting on the other's
+expert role). Hence: one process at a time builds, compiles and captures at start-up
+(:func:`_startup_turn`, a host file lock), capturing every decode graph of its replica,
+every expert graph ``(c, P)`` (each after one eager tick of that shape) and running a few
+eager prefill steps (:data:`WARM_UP_PROMPT_LENGTHS`, greedy with logprobs and seeded
+sampling) so that serving rarely loads a kernel; a replica reports before it replays, and
+eager ticks are sent after their dispatch is enqueued (every flag an expert waits on is
+already on some stream). A new kernel variant first met inside a step by two processes
+at once can still deadlock (the step's watchdog then raises after ``timeout_s``).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import logging
@@ -252,6 +258,28 @@ def _subsets(num_replicas: int) -> list[tuple[int, ...]]:
             for c in itertools.combinations(everyone, n)]
 
 
+# Prompt lengths of the start-up warm-up (Triton specialises integer arguments on 1, on
+# multiples of 16, and the rest).
+WARM_UP_PROMPT_LENGTHS = (1, 17, 32)
+
+
+@contextlib.contextmanager
+def _startup_turn(spec: WorkerSpec):
+    """Hold the layout's start-up turn (a host file lock named by its rendezvous round):
+    one process at a time builds its engine, compiles and captures, while the others'
+    expert roles serve it (module HAZARD)."""
+    import fcntl
+    import tempfile
+
+    name = f"megaserve-device-start-{spec.rendezvous.replace(':', '-')}.lock"
+    with open(os.path.join(tempfile.gettempdir(), name), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _share_of_gpu(spec: WorkerSpec) -> float:
     """gpu_memory_utilization of this replica: the layout's, split among the replicas on
     its GPU (no split where the KV cache size is given)."""
@@ -336,13 +364,14 @@ class _DeviceWorker:
                                             daemon=True)
             self._reader.start()
         self.engine = self.barrier = self.experts = self.stream = None
-        if self.replica is not None:
-            self._build_replica(peers, own_replica)
-        if self.expert is not None:
-            sizes = capture_sizes(spec.engine.max_num_seqs, shape.microbatches)
-            rows = sorted({b // shape.microbatches for b in sizes})
-            captured = self.expert.capture_all(rows, _subsets(shape.num_replicas))
-            logger.info("expert worker %d: %d graphs captured", self.expert_index, captured)
+        with _startup_turn(spec):  # module HAZARD: one process at a time compiles and captures
+            if self.replica is not None:
+                self._build_replica(peers, own_replica)
+            if self.expert is not None:
+                sizes = capture_sizes(spec.engine.max_num_seqs, shape.microbatches)
+                rows = sorted({b // shape.microbatches for b in sizes})
+                captured = self.expert.capture_all(rows, _subsets(shape.num_replicas))
+                logger.info("expert worker %d: %d graphs captured", self.expert_index, captured)
 
     def _map_peers(self, cards, own_replica, own_expert) -> _Peers:
         from megaserve.comm.cuda_ipc import open_tensor
@@ -392,6 +421,24 @@ class _DeviceWorker:
             self.engine = LLMEngine(spec.engine.replica(**changes), experts=self.experts,
                                     model=spec.model)
             self.engine.runner.capture_decode_graphs()  # module HAZARD
+            self._warm_up_eager_steps()
+
+    def _warm_up_eager_steps(self) -> None:
+        """Run one-token requests of a few prompt lengths and sampling kinds eagerly, so
+        that the kernels of prefill steps are compiled and loaded now, alone (module
+        HAZARD), not by two processes at once inside a step. Counted in the replica's
+        stats like any request."""
+        from megaserve.sampling_params import SamplingParams
+
+        kinds = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, ignore_eos=True),
+                 SamplingParams(max_tokens=1, temperature=0.8, top_p=0.95, top_k=20, seed=1,
+                                ignore_eos=True)]
+        for n, length in enumerate(WARM_UP_PROMPT_LENGTHS):
+            for k, params in enumerate(kinds):
+                self.engine.add_request(f"megaserve-warm-up-{n}-{k}",
+                                        [(7 * i + n) % 100 for i in range(length)], params)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def _read_sockets(self, expected: int) -> None:
         """The expert role's messages from the other processes' replicas."""
