@@ -33,3 +33,30 @@ def test_fp8_linear_and_experts_on_cpu():
     ref = kernels.expert_ffn(x, ids, dequantize(wgu, sgu, torch.float32),
                              dequantize(wd, sd, torch.float32), rows_per_token=2)
     assert torch.equal(got, ref)
+
+
+def test_fp8_launch_configs_are_validated_and_the_split_depends_on_weights_only(monkeypatch):
+    """Launch configs refuse shapes the kernels do not take (ValueError); the K split is a
+    function of (N, K) alone and the decode plans follow their tuning variables."""
+    import pytest
+
+    from megaserve.kernels.triton_impl.fp8_gemm import LinearLaunch, plan_linear, split_groups
+    from megaserve.kernels.triton_impl.fp8_moe import Fp8MoeLaunch, plan_moe
+
+    with pytest.raises(ValueError, match="block_m"):
+        LinearLaunch(block_m=32)
+    with pytest.raises(ValueError, match="num_warps"):
+        LinearLaunch(num_warps=2)
+    with pytest.raises(ValueError, match="column tile"):
+        Fp8MoeLaunch(up_n=48)
+    with pytest.raises(ValueError, match="h_in_loop"):
+        Fp8MoeLaunch(fused=False, h_in_loop=True)
+    assert split_groups(2048, 4096) == 8  # Qwen3-30B-A3B o_proj: 4 splits of 8 groups
+    assert split_groups(5120, 2048) == 16  # qkv: one split
+    assert split_groups(576, 7168) == 4  # DeepSeek-V3 kv_a: 14 splits
+    assert plan_linear(1, 2048, 4096).parts and not plan_linear(4096, 2048, 4096).parts
+    assert plan_moe(8, 128).fused and not plan_moe(512, 128).fused
+    monkeypatch.setenv("MEGASERVE_FP8_MOE", "64,32,64,4,4,1,0,1")
+    assert plan_moe(512, 128) == Fp8MoeLaunch(64, 32, 64, 4, 4, True, False, True)
+    monkeypatch.setenv("MEGASERVE_FP8_LINEAR", "64,128,4,3,0,0")
+    assert plan_linear(1, 2048, 4096) == LinearLaunch(64, 128, 4, 3, False, False)
