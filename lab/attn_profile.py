@@ -1,4 +1,4 @@
-"""Per-kernel device times of one paged-attention call (issue 3, long-context decode).
+"""Per-kernel device times of one paged-attention call (long-context decode).
 
 Run on one GPU: ``PYTHONPATH=. python3 lab/attn_profile.py [--seqs 8 --ctx 8192]``.
 Replays a CUDA graph of the default launch (as a decode step does) under the torch

@@ -1,4 +1,4 @@
-"""Benchmarks of issue 16: prefix caching (TTFT with a shared prefix, hit vs miss) and
+"""Benchmarks of prefix caching (TTFT with a shared prefix, hit vs miss) and
 speculative decoding (decode time per token at batch 1 and 16, n-gram and draft model,
 acceptance rate, mean accepted length, measured vs predicted speed-up).
 

@@ -18,7 +18,7 @@ lm_head [151936, 2048]; bf16, no bias. One process:
    the rule in force (``config_for`` / ``plan_launch``) vs the fastest candidate per
    shape; TB/s of weight bytes (2.46 GB at this shape) and % of the copy's.
 
-Usage (device): ``source lab/device_setup.sh; python3 lab/linear_decode.py --out $OUT``.
+Usage (device): ``source lab/device/setup.sh; python3 lab/linear_decode.py --out $OUT``.
 ``--smoke``: CPU dry run under TRITON_INTERPRET=1 (tiny shapes, fp16, wall-clock timings).
 """
 

@@ -1,6 +1,7 @@
 """Sweep of batch-invariant matmul launches on a CUDA GPU: bitwise checks, then timings.
 
-For each (K, N) of issue 3 and each candidate launch (kernels.triton_impl.matmul.Launch):
+For each (K, N) of `megaserve bench kernels`' matmul table and each candidate launch
+(kernels.triton_impl.matmul.Launch):
 1. bitwise: rows of ``linear(x[:M], launch=variant)`` equal those of the default fold
    mode on the whole batch, for M in CHECK_MS (outputs poisoned with NaN first);
 2. timing: CUDA-graph replay medians of each variant and of ``torch.mm`` (cuBLAS) at the

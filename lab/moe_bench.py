@@ -10,7 +10,7 @@ graph (decode steps run in graphs). Bandwidth is the weight bytes of the experts
 the time, as a fraction of a 1 GiB device copy's (read + write bytes) measured here;
 FLOP/s as a fraction of an 8192^3 bf16 torch.matmul's.
 
-    source lab/device_setup.sh
+    source lab/device/setup.sh
     python lab/moe_bench.py --baseline OLD_MOE.py --sweep --out DIR
     python lab/moe_bench.py --shape mixtral-8x7b --rows 8192 --rows-per-token 2 \
         --tokens '' --sweep --grid prefill --layers 2 --reps 3 --out DIR

@@ -1,4 +1,5 @@
-"""Where a 4k-token prefill's GPU time goes (issue 14's prefill floor), on a CUDA device.
+"""Where a 4k-token prefill's GPU time goes, on a CUDA device (the prefill target is in
+docs/performance.md).
 
 Prefills ``--prompts`` fresh prompts of ``--prompt-len`` tokens (one token out each) twice
 (the first compiles every shape), then once more under torch.profiler, each engine step
@@ -6,7 +7,7 @@ labelled like a decode step so :func:`megaserve.bench.gpu_profile.summarize_trac
 the trace: GPU busy fraction, top kernels by time. Prints one JSON object, also written to
 ``--out``; the FLOP rate uses :func:`megaserve.bench.roofline.prefill_flops_per_token`.
 
-    source lab/device_setup.sh
+    source lab/device/setup.sh
     python lab/prefill_profile.py --model random:qwen3-30b-a3b:8 --out $OUT/prefill.json
 """
 

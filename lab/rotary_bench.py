@@ -1,10 +1,10 @@
-"""The attention side's elementwise kernels at prefill and decode sizes (issue 14): this
+"""The attention side's elementwise kernels at prefill and decode sizes: this
 tree's rotary_and_cache launches against a base tree's kernel, rms_norm (residual mode)
 and top-k routing, each with PDL off and where the tree puts it, on a CUDA device.
 
 Shape legend: T = tokens, Hq / Hkv = query / KV heads, Dh = head dim, D = hidden.
 
-    source lab/device_setup.sh
+    source lab/device/setup.sh
     git archive <base commit> | tar -x -C base
     python lab/rotary_bench.py --base base --out $OUT/rotary.json
 

@@ -4,13 +4,15 @@
 notice when a name it imports is renamed or removed. This walks each script's AST (imports
 inside functions too) and checks, on the CPU, that every ``from megaserve... import name``
 resolves and that every attribute read through an imported megaserve module
-(``mm.SMALL_K_RULE_ENV``) exists.
+(``mm.SMALL_K_RULE_ENV``) exists, and that the scripts a usage line names
+(``source lab/device/setup.sh``) exist.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import types
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = sorted((ROOT / "lab").rglob("*.py"))
+SCRIPT_PATH = re.compile(r"(?<![\w/.])((?:lab|scripts|docs|tests)/[\w./-]+\.(?:py|sh|md))\b")
 
 
 def _resolve(module: str, name: str) -> object | None:
@@ -68,3 +71,12 @@ def test_the_check_sees_a_renamed_name(tmp_path):
 def test_lab_scripts_name_what_exists(path):
     assert not (missing := missing_names(path)), \
         f"{path.relative_to(ROOT)} names what the package lacks:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "lab").rglob("*")
+                                         if p.suffix in (".py", ".sh", ".md")),
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_paths_named_in_lab_exist(path):
+    named = SCRIPT_PATH.findall(path.read_text(errors="replace"))
+    missing = sorted({name for name in named if not (ROOT / name).exists()})
+    assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"
