@@ -50,7 +50,9 @@ def fixed_order_dot(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 def install() -> None:
     """Patch the interpreter: fixed-order ``tl.dot``; ``int()`` of 1-element tensors; integer
-    XOR/OR reductions in one numpy call (exact, so the same bits as the interpreter's own)."""
+    XOR/OR reductions in one numpy call (exact, so the same bits as the interpreter's own);
+    cheaper dtype and builtin look-ups (:func:`_install_fast_patching`). Call it once, before
+    any kernel runs."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
@@ -91,6 +93,58 @@ def install() -> None:
                               input[0].dtype)
 
     interp.ReduceOps.apply_impl = apply_impl
+    _install_fast_patching(tl, interp)
+
+
+def _install_fast_patching(tl, interp) -> None:
+    """Two lookups the interpreter repeats per operation and per device-function call,
+    made cheap with the same results: the numpy dtype of a Triton dtype from one table
+    built once (``_get_np_dtype`` rebuilt its 19-entry dict per call), and ``_patch_builtin``
+    (run for five namespaces at every launch and every call of a ``@triton.jit`` helper)
+    walking only the names that hold Triton builtins instead of ``inspect.getmembers``
+    of the whole namespace. Nothing assigns new builtins to these namespaces, so the names
+    taken here, before any kernel runs, are every name the full walk could patch."""
+    np_types = {
+        tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16),
+        tl.float32: np.dtype(np.float32), tl.float64: np.dtype(np.float64),
+        tl.int8: np.dtype(np.int8), tl.uint8: np.dtype(np.uint8),
+        tl.int16: np.dtype(np.int16), tl.uint16: np.dtype(np.uint16),
+        tl.int32: np.dtype(np.int32), tl.uint32: np.dtype(np.uint32),
+        tl.int64: np.dtype(np.int64), tl.uint64: np.dtype(np.uint64),
+        tl.bfloat16: np.dtype(np.uint16),  # stored as uint16
+        tl.float8e5: np.dtype(np.uint8), tl.float8e5b16: np.dtype(np.uint8),  # as uint8
+        tl.float8e4nv: np.dtype(np.uint8), tl.float8e4b8: np.dtype(np.uint8),
+        tl.float8e4b15: np.dtype(np.uint8),
+    }
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return pointer
+            return np_types[tt_dtype.element_ty]
+        return np_types[tt_dtype]
+
+    interp._get_np_dtype = get_np_dtype
+
+    namespaces = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+    builtin_names = {id(ns): [name for name in sorted(dir(ns))
+                              if tl.core.is_builtin(getattr(ns, name, None))]
+                     for ns in namespaces}
+    full_walk = interp._patch_builtin
+
+    def patch_builtin(pkg, builder, scope):
+        names = builtin_names.get(id(pkg))
+        if names is None:
+            return full_walk(pkg, builder, scope)
+        for name in names:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                interp._patch_attr(pkg, name, member, builder, scope)
+
+    interp._patch_builtin = patch_builtin
 
 
 def probe() -> bytes:

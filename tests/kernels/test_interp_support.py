@@ -46,9 +46,7 @@ def test_bitwise_reductions_give_the_interpreters_own_bits() -> None:
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
-    patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
-               (interp.ReduceOps, "apply_impl")]
-    originals = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    originals = _installed_originals(interp)
     interp_support.install()
 
     def host():  # a function whose globals see triton.language, as a kernel's do
@@ -75,6 +73,54 @@ def test_bitwise_reductions_give_the_interpreters_own_bits() -> None:
                         assert got.handle.data.dtype == want.handle.data.dtype
                         assert np.array_equal(got.handle.data, want.handle.data), (axis,
                                                                                    keep_dims)
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
+def _installed_originals(interp) -> list[tuple[object, str, object]]:
+    """What install() replaces, to put back after a test in this (non-interpreter) process."""
+    patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
+               (interp.ReduceOps, "apply_impl"), (interp, "_get_np_dtype"),
+               (interp, "_patch_builtin")]
+    return [(owner, name, getattr(owner, name)) for owner, name in patched]
+
+
+class _RecordingScope:
+    """A patch scope that records what would be patched and changes nothing."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[int, str]] = []
+
+    def set_attr(self, obj: object, name: str, value: object) -> None:
+        self.names.append((id(obj), name))
+
+
+def test_fast_lookups_give_the_interpreters_results() -> None:
+    """install()'s dtype table and builtin walk: the same numpy dtype for every Triton
+    dtype, block and pointer type, and the same (namespace, name) patches in the same
+    order as the interpreter's own functions."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    originals = _installed_originals(interp)
+    own = dict((name, value) for _, name, value in originals)
+    interp_support.install()
+    try:
+        assert interp._get_np_dtype is not own["_get_np_dtype"]
+        assert interp._patch_builtin is not own["_patch_builtin"]
+        scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                   tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16,
+                   tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15]
+        types = scalars + [tl.pointer_type(tl.float16), tl.block_type(tl.pointer_type(
+            tl.int32), [4, 8])] + [tl.block_type(t, [2, 16]) for t in scalars]
+        for t in types:
+            assert interp._get_np_dtype(t) == own["_get_np_dtype"](t), t
+        for ns in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+            fast, full = _RecordingScope(), _RecordingScope()
+            interp._patch_builtin(ns, interp.interpreter_builder, fast)
+            own["_patch_builtin"](ns, interp.interpreter_builder, full)
+            assert fast.names and fast.names == full.names, ns
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)
