@@ -37,13 +37,17 @@ constexpr int cv_for(int rows) {
 // Keeps `cols` <= CV * VW columns. `prefetch` (or null): NR floats a k to fetch into L2.
 template <int ROWS, int CV>
 inline void micro_kernel(const float* a, int64_t lda, const float* b, int64_t pstride,
-                         int64_t k_len, float* c, int64_t ldc, int cols, const float* prefetch) {
+                         int64_t k_len, float* c, int64_t ldc, int cols, const float* prefetch,
+                         int64_t prefetch_every = 1) {
   vec acc[ROWS][CV];
   for (int m = 0; m < ROWS; ++m)
     for (int v = 0; v < CV; ++v) acc[m][v] = vec{};
+  int64_t prefetch_k = prefetch != nullptr ? 0 : k_len;
   for (int64_t k = 0; k < k_len; ++k) {
-    if (prefetch != nullptr)
+    if (k == prefetch_k) {  // k-row k of the prefetch panel, every prefetch_every-th k
       for (int line = 0; line < NR; line += 16) __builtin_prefetch(prefetch + k * NR + line, 0, 2);
+      prefetch_k += prefetch_every;
+    }
     vec w[CV];
     for (int v = 0; v < CV; ++v) w[v] = loadv(b + (v / VPP) * pstride + k * NR + (v % VPP) * VW);
     for (int m = 0; m < ROWS; ++m) {
@@ -90,14 +94,17 @@ inline void block_rows(const float* a, int64_t lda, const float* block, int64_t 
 }
 
 // ROWS rows of one panel (`cols` of its NR columns) in kernels no wider than the panel;
-// the first slice fetches `prefetch` (or null: nothing) into L2.
+// the first slice fetches k-rows pass, pass + passes, ... of the panel at `prefetch` (or
+// null: nothing) into L2, so the passes over a panel spread the next one's traffic evenly.
 template <int ROWS>
 inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t k_len, float* c,
-                       int64_t ldc, int cols, const float* prefetch) {
+                       int64_t ldc, int cols, const float* prefetch, int64_t pass,
+                       int64_t passes) {
   constexpr int CV = cv_for(ROWS) < VPP ? cv_for(ROWS) : VPP, WIDTH = CV * VW;
   for (int c0 = 0; c0 < cols; c0 += WIDTH, prefetch = nullptr)
     micro_kernel<ROWS, CV>(a, lda, panel + c0, 0, k_len, c + c0, ldc, std::min(WIDTH, cols - c0),
-                           prefetch);
+                           prefetch != nullptr && pass < k_len ? prefetch + pass * NR : nullptr,
+                           passes);
 }
 
 // rows x the columns of panels [panel_begin, panel_end) of a @ W^T (panel_begin a multiple
@@ -106,8 +113,7 @@ inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t 
 //     wider than a panel: enough independent accumulators);
 //   * more rows: panel by panel, the rows in ceil(rows / MR) passes of near-equal height
 //     (3..MR rows, never a thin last pass), so a panel is read from memory once and from
-//     L1 by the later passes; the first pass also fetches the next panel into L2, so the
-//     other passes overlap its memory traffic.
+//     L1 by the later passes, which together fetch the next panel into L2.
 // Neither order nor height changes a bit.
 void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, int64_t k_len,
                int64_t n_len, int64_t panel_begin, int64_t panel_end, float* c, int64_t ldc) {
@@ -136,15 +142,15 @@ void gemm_rows(const float* a, int64_t lda, int64_t rows, const float* packed, i
     const int cols = static_cast<int>(std::min<int64_t>(NR, n_len - p * NR));
     const float* next = p + 1 < panel_end ? panel + pstride : nullptr;
     int64_t m = 0;
-    for (int64_t pass = 0; pass < passes; ++pass, next = nullptr) {
+    for (int64_t pass = 0; pass < passes; ++pass) {
       const int64_t h = base + (pass < taller);
       const float* am = a + m * lda;
       float* cm = c + m * ldc + p * NR;
       switch (h) {
-        case 6: panel_rows<6>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-        case 5: panel_rows<5>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-        case 4: panel_rows<4>(am, lda, panel, k_len, cm, ldc, cols, next); break;
-        default: panel_rows<3>(am, lda, panel, k_len, cm, ldc, cols, next); break;
+        case 6: panel_rows<6>(am, lda, panel, k_len, cm, ldc, cols, next, pass, passes); break;
+        case 5: panel_rows<5>(am, lda, panel, k_len, cm, ldc, cols, next, pass, passes); break;
+        case 4: panel_rows<4>(am, lda, panel, k_len, cm, ldc, cols, next, pass, passes); break;
+        default: panel_rows<3>(am, lda, panel, k_len, cm, ldc, cols, next, pass, passes); break;
       }
       m += h;
     }
@@ -214,9 +220,10 @@ void ms_linear(const float* x, int64_t m_len, int64_t k_len, const float* packed
 // j * NR.., panel 2j + 1: up rows I + j * NR..; cpu.packed_gate_up()); down packed
 // [E][ceil(D / NR)][I][NR]. out[r] = down_e(silu(gate_e x_r) * up_e x_r).
 // The rows of an expert are taken in blocks of up to rows_per_block rows; each block reads
-// its expert's weights once: threads split (block, 64 gate and up columns) tasks, then
-// (block, 64 output columns) tasks, so a block's weights stream through one core once
-// whatever its number of rows.
+// its expert's weights once: threads split (block, 256 gate and 256 up columns) tasks,
+// then (block, 128 output columns) tasks, so a block's weights stream through one core
+// once whatever its number of rows (tasks long enough that few restart a stream, enough
+// of them for two threads at decode: 8 experts x 2).
 // Returns 0, or -1 (nothing computed) when an id is outside [0, E] or rows_per_block < 1.
 int ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, int64_t inter,
                   int64_t num_experts, const float* gate_up, const float* down, float* out,
@@ -246,9 +253,9 @@ int ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, 
   float* ys = scratch<2>(routed * d);
   for (int64_t s = 0; s < routed; ++s) std::memcpy(xs + s * d, x + order[s] * d, sizeof(float) * d);
 
-  // Gate and up: a task is (block, PAIRS pairs of gate and up panels).
+  // Gate and up: a task is (block, PAIRS pairs of gate and up panels: 256 columns each).
   const int64_t pairs = (inter + NR - 1) / NR, d_panels = (d + NR - 1) / NR;
-  constexpr int64_t PAIRS = BLOCK_PANELS;
+  constexpr int64_t PAIRS = 4 * BLOCK_PANELS;
   const int64_t pair_groups = (pairs + PAIRS - 1) / PAIRS;
   parallel_for(threads, num_blocks * pair_groups, [&](int64_t task) {
     const Block b = blocks[task / pair_groups];
@@ -264,12 +271,13 @@ int ms_expert_ffn(const float* x, const int64_t* ids, int64_t r_len, int64_t d, 
         silu_mul(g, g + NR, act + (b.first + i) * inter + j * NR, std::min<int64_t>(NR, inter - j * NR));
       }
   });
-  // Down: a task is (block, BLOCK_PANELS output panels).
-  const int64_t down_groups = (d_panels + BLOCK_PANELS - 1) / BLOCK_PANELS;
+  // Down: a task is (block, DOWN_PANELS output panels: 128 columns).
+  constexpr int64_t DOWN_PANELS = 2 * BLOCK_PANELS;
+  const int64_t down_groups = (d_panels + DOWN_PANELS - 1) / DOWN_PANELS;
   parallel_for(threads, num_blocks * down_groups, [&](int64_t task) {
     const Block b = blocks[task / down_groups];
-    const int64_t p0 = task % down_groups * BLOCK_PANELS;
-    const int64_t p1 = std::min<int64_t>(d_panels, p0 + BLOCK_PANELS);
+    const int64_t p0 = task % down_groups * DOWN_PANELS;
+    const int64_t p1 = std::min<int64_t>(d_panels, p0 + DOWN_PANELS);
     gemm_rows(act + b.first * inter, inter, b.rows, down + b.expert * d_panels * inter * NR,
               inter, d, p0, p1, ys + b.first * d, d);
   });
