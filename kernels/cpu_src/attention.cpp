@@ -210,7 +210,9 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
     const int32_t* table = block_tables + seq_of[first] * max_blocks;
     thread_local std::vector<float> kt_buf, scores_buf, acc_buf, kf_buf, vf_buf;
     thread_local std::vector<const float*> rows_buf;
-    kt_buf.assign(dh * stride, 0.0f);
+    thread_local std::vector<int64_t> slots_buf;
+    kt_buf.resize(dh * stride);
+    slots_buf.resize(len);
     scores_buf.resize(group * stride);
     acc_buf.resize(group * dh);
     rows_buf.resize(2 * len);
@@ -224,12 +226,16 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
     float* __restrict acc = acc_buf.data();
     const float** krows = rows_buf.data();
     const float** vrows = krows + len;
+    int64_t* slots = slots_buf.data();  // cache slot of key j (block by block: no division)
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, ++b) {
+      const int64_t base = static_cast<int64_t>(table[b]) * block_size;
+      for (int64_t j = j0; j < std::min(len, j0 + block_size); ++j) slots[j] = base + (j - j0);
+    }
     for (int64_t kv = 0; kv < hkv; ++kv) {
       // Float views of this kv head's key and value rows (bfloat16 converted).
       for (int64_t j = 0; j < len; ++j) {
-        const int64_t slot = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
-        const C* krow = k_cache + slot * row + kv * dh;
-        const C* vrow = v_cache + slot * row + kv * dh;
+        const C* krow = k_cache + slots[j] * row + kv * dh;
+        const C* vrow = v_cache + slots[j] * row + kv * dh;
         if constexpr (std::is_same<C, float>::value) {
           krows[j] = krow;
           vrows[j] = vrow;
@@ -253,6 +259,7 @@ void paged_attention(const float* q, const C* k_cache, const C* v_cache,
             for (int64_t i = 0; i < VW; ++i) storev(&kt[(d0 + i) * stride + j0], block[i]);
           }
       } else {
+        std::fill(kt, kt + dh * stride, 0.0f);
         for (int64_t j = 0; j < len; ++j)
           for (int64_t dd = 0; dd < dh; ++dd) kt[dd * stride + j] = krows[j][dd];
       }
