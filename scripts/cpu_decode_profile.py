@@ -91,12 +91,15 @@ def main() -> None:
           f"{step_ms:.2f} ms over {len(decode)} steps; prefill steps {prefill_ms} ms")
     names = sorted({n for _, s in decode for n in s},
                    key=lambda n: -statistics.median(s.get(n, 0.0) for _, s in decode))
+    first_ms, first = steps[0][0] * 1e3, steps[0][1]  # the first prefill step
+    print(f"  {'':18s} {'decode':>10s} {'1st prefill':>12s}")
     total = 0.0
     for name in names:
         ms = statistics.median(s.get(name, 0.0) for _, s in decode) * 1e3
         total += ms
-        print(f"  {name:18s} {ms:7.3f} ms")
-    print(f"  {'outside kernels':18s} {step_ms - total:7.3f} ms")
+        print(f"  {name:18s} {ms:7.3f} ms {1e3 * first.get(name, 0.0):9.3f} ms")
+    print(f"  {'outside kernels':18s} {step_ms - total:7.3f} ms "
+          f"{first_ms - 1e3 * sum(first.values()):9.3f} ms")
 
 
 if __name__ == "__main__":
