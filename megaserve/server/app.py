@@ -1,8 +1,8 @@
 """Wiring of one serving process: gRPC + HTTP on one loop, model load, SIGTERM drain.
 
-The HTTP port is owned by ``HttpListener``: its thread answers ``/health`` (from the health
-the loop publishes every 0.1 s) and hands every other connection to the aiohttp app on
-the loop, so a probe never waits behind the loop's work.
+The HTTP port is owned by ``HttpListener``: a small process of its own answers ``/health``
+(from the health the loop publishes every 0.1 s) and hands every other connection to the
+aiohttp app on the loop, so a probe never waits behind the loop's work.
 
 Timeline::
 

@@ -85,7 +85,7 @@ class LoopWatch:
     runs; on exit asserts that every answer was 200 and came within ``budget_s``.
 
     ``/version`` is served by the event loop, so this measures the loop's responsiveness
-    (``/health`` is answered by the listener thread, off the loop: test_storm)."""
+    (``/health`` is answered by the listener process, off the loop: test_storm)."""
 
     def __init__(self, server: ServerProcess, budget_s: float = HEALTH_BUDGET_S) -> None:
         self.server = server

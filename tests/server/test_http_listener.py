@@ -1,5 +1,5 @@
-"""HttpListener in-process: /health answered on the listener thread while the event loop
-is blocked, every other request served by the aiohttp app it hands connections to, a
+"""HttpListener: /health answered by the listener process while the event loop is
+blocked, every other request served by the aiohttp app it hands connections to, a
 keep-alive connection moving from one to the other, and a stale publication reported."""
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def test_other_requests_go_to_the_app_and_keep_alive_follows():
         fresh = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
         assert _get(fresh, "/version")[0] == 200
         fresh.close()
-        assert listener.num_answered == 2
         listener.publish(Health("DRAINING", False))
         conn = http.client.HTTPConnection("127.0.0.1", listener.port, timeout=30)
         assert _get(conn, "/health") == (503, b'{"status": "DRAINING"}')

@@ -138,7 +138,7 @@ def test_x_request_id_is_echoed_or_made_up(vserver):
     assert len(resp.getheader("X-Request-Id")) == 32
     resp, _ = request(vserver, "GET", "/v1/models/nope", headers={"X-Request-Id": "t-44"})
     assert resp.status == 404 and resp.getheader("X-Request-Id") == "t-44"
-    # /health, answered by the listener thread, too.
+    # /health, answered by the listener process, too.
     resp, _ = request(vserver, "GET", "/health", headers={"X-Request-Id": "t-45"})
     assert resp.status == 200 and resp.getheader("X-Request-Id") == "t-45"
     resp, _ = request(vserver, "GET", "/health")
