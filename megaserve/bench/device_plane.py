@@ -12,7 +12,8 @@ Per layout: generated tokens/s and the ratio to co-located, host CPU time per st
 process), decode steps run as graphs, and for in-process workers (``profile``) the
 attention GPU's wait per combine, the expert GPU's wait per dispatch (CUDA events inside
 the graphs, steady state at the full batch) and (token, expert) rows per expert GEMM.
-``--layouts cuda_ipc:1:2`` runs 2 attention replicas (transport:m:R). ``--flag-rtt`` and
+``--layouts cuda_ipc:1:2`` runs 2 attention replicas (transport:m:R); ``ep:2``,
+``dp:2``, ``attn2:1`` run every role as a process (megaserve.bench.device_layouts). ``--flag-rtt`` and
 ``--tick-latency`` add a stream flag's round trip and one tick's dispatch+combine
 (p50/p99) between streams of this process and between two processes.
 """
@@ -242,6 +243,9 @@ class _Layout:
 def _parse_layout(spec: str, async_default: bool) -> _Layout:
     """``transport:m[:R][+async][@KEY=VALUE...]`` (transport ``colocated``: the co-located
     engine again, e.g. with async scheduling); raises ``ValueError`` for anything else."""
+    if spec.partition(":")[0] in ("ep", "dp") or spec.startswith("attn"):
+        # Every role a process (megaserve.bench.device_layouts.layout_config).
+        return _Layout(f"{spec} (processes)", f"layout:{spec}", 1, 1, async_default)
     spec, *env_items = spec.split("@")
     asynchronous = spec.endswith("+async")
     spec = spec.removesuffix("+async")
@@ -271,6 +275,13 @@ def _measure(layout: _Layout, base: dict, params, args) -> dict:
     base["async_scheduling"] = layout.async_scheduling
     if transport is None:
         engine = LLMEngine(EngineConfig(**base))
+    elif transport.startswith("layout:"):
+        from megaserve.bench.device_layouts import layout_config
+        from megaserve.runtime.factory import make_engine
+
+        config, _ = layout_config(transport.removeprefix("layout:"),
+                                  {k: v for k, v in base.items() if k != "device"})
+        engine = make_engine(config)
     else:
         config = EngineConfig(**base, disaggregate=True, transport=transport, microbatches=m,
                               expert_workers=args.expert_workers, attention_replicas=replicas)
@@ -286,7 +297,7 @@ def _measure(layout: _Layout, base: dict, params, args) -> dict:
                "cpu_ms_step": cpu / steps * 1e3, "steps": steps, "graph_steps": None,
                "rows_per_gemm": None, "attn_wait_us": None, "expert_wait_us": None,
                "ms_step": None, "gpu_ms_step": None}
-        if transport is not None:
+        if getattr(engine, "experts", None) is not None:
             row["graph_steps"] = engine.experts.stats.graph_steps
         trace = (f"{args.trace_dir}/{name.replace(' ', '_')}_m{m}.txt"
                  if args.trace_dir else None)
