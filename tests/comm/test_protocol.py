@@ -62,8 +62,8 @@ def test_credit_pool_accounting_and_blocking():
     pool.fail(PeerLostError(5))
     t0 = time.monotonic()
     with pytest.raises(PeerLostError):
-        pool.acquire(5)  # credits in hand or not: a lost peer raises at once
-    assert time.monotonic() - t0 < 1
+        pool.acquire(120)  # credits in hand or not: a lost peer raises at once
+    assert time.monotonic() - t0 < 60  # not at the timeout (a loaded box may stall seconds)
 
 
 def test_slot_ring_rejects_overwrite_oversize_and_double_release():
@@ -92,8 +92,8 @@ def test_completion_queue_loss_is_delivered_after_earlier_completions_and_sticks
         assert e.value.peer == 3
     t0 = time.monotonic()
     with pytest.raises(PeerLostError):
-        q.get(5)
-    assert time.monotonic() - t0 < 1
+        q.get(120)
+    assert time.monotonic() - t0 < 60  # at once, not at the timeout
 
 
 def test_channel_config_validation():

@@ -117,7 +117,7 @@ def test_a_dead_expert_worker_is_a_typed_error_within_the_timeout() -> None:
         with pytest.raises(CommTimeoutError):
             take(incoming, 0, torch.zeros(1, dtype=torch.int32), [replica.out[0, 0]], 4,
                  timeout_s=2.0)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 60  # the 2 s timeout, not a hang
     finally:
         relay.close()
         endpoint.close()
