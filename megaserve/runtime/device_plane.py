@@ -872,6 +872,19 @@ class ExpertServer:
             graph.replay()
         self.ticks += len(self.moe_layers) * self.shape.microbatches
 
+    def prepare_graph(self, c: int, replicas: tuple[int, ...]) -> bool:
+        """Capture the step graph of ``(c, replicas)`` now (False: it exists), after one
+        eager tick of its shape that compiles and loads its kernels. That tick uses no
+        flags: it reads the slots as they are and overwrites the replicas' outputs of
+        micro-batch 0, so call it only before serving (start-up)."""
+        if (c, tuple(replicas)) in self._graphs:
+            return False
+        self._select(replicas)
+        with torch.cuda.stream(self.stream):
+            self._tick(self.moe_layers[0], 0, c, use_flags=False, replicas=tuple(replicas))
+        self._capture(c, tuple(replicas))
+        return True
+
     def _capture(self, c: int, replicas: tuple[int, ...]) -> torch.cuda.CUDAGraph:
         self._select(replicas)  # its index tensor exists before the capture
         graph = torch.cuda.CUDAGraph()
