@@ -162,17 +162,10 @@ class ExpertRole:
     def capture_all(self, rows: list[int], subsets: list[tuple[int, ...]]) -> int:
         """Capture the expert graph of every (c, P) now (module HAZARD), each after one
         eager tick of its shape on the server's stream; the number captured."""
-        server, captured = self.server, 0
-        with self._lock, torch.cuda.stream(server.stream):
-            for replicas in subsets:
-                for c in rows:
-                    if (c, replicas) in server._graphs:
-                        continue
-                    server._select(replicas)
-                    server._tick(server.moe_layers[0], 0, c, use_flags=False, replicas=replicas)
-                    server._capture(c, replicas)
-                    captured += 1
-            server.stream.synchronize()
+        with self._lock:
+            captured = sum(self.server.prepare_graph(c, replicas)
+                           for replicas in subsets for c in rows)
+            self.server.stream.synchronize()
         return captured
 
 
@@ -242,12 +235,6 @@ def _card(replica: int | None, expert: int | None, replica_inbox, expert_inbox,
     return json.dumps({"replica": replica, "expert": expert, "replica_inbox": encode(replica_inbox),
                        "expert_inbox": encode(expert_inbox),
                        "address": list(address) if address is not None else None})
-
-
-def _rank(spec: WorkerSpec) -> int:
-    """This process's rendezvous rank: attention-bearing workers first, then expert ones
-    (layout.worker_specs' order)."""
-    return spec.rank
 
 
 def _subsets(num_replicas: int) -> list[tuple[int, ...]]:
@@ -346,7 +333,7 @@ class _DeviceWorker:
         torch.cuda.synchronize()  # the buffers are zeroed before anyone maps them
         world = spec.world_size
         cards = [json.loads(c) for c in exchange(
-            spec.rendezvous, _rank(spec), world,
+            spec.rendezvous, spec.rank, world,
             _card(self.replica, self.expert_index, own_replica, own_expert,
                   self.listener.address if self.listener is not None else None),
             timeout_s=spec.channel.connect_timeout_s)]
