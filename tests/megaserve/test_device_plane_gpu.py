@@ -240,3 +240,59 @@ def test_steady_decode_across_gpus_never_synchronises(colocated, transport) -> N
         engine.shutdown()
     assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == [
         token_ids for token_ids, _ in colocated[:len(PROMPTS)]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_a_killed_expert_process_mid_stream_on_gpus_streams_complete_bitwise() -> None:
+    """Two attention processes on GPU 0, one expert process on GPU 1 (device plane): the
+    expert process is killed (SIGKILL) while every request streams; the front-end reports
+    "recovering", restarts the processes, re-runs each request from its prompt and the
+    tokens it delivered, and every stream completes with the undisturbed run's tokens and
+    logprobs, never taking a token back; health is "serving" again after one restart."""
+    import os
+    import signal
+    import time
+
+    from megaserve.engine.config import EngineConfig
+    from megaserve.runtime.factory import make_engine
+
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)] * 2
+    with LLM(model="builtin:tiny-moe", device="cuda:0", dtype="bfloat16",
+             kv_cache_memory_bytes=1 << 28) as llm:
+        want = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate(PROMPTS, params)]
+    engine = make_engine(EngineConfig(
+        model="builtin:tiny-moe", device="cuda", dtype="bfloat16", max_num_seqs=8,
+        kv_cache_memory_bytes=1 << 28, attention_replicas=2, expert_workers=1,
+        transport="cuda_ipc", attention_gpus=(0, 0), expert_gpus=(1,)))
+    try:
+        assert engine.device_roles
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        outputs: dict[str, list] = {}
+        while len(outputs) < len(PROMPTS) or any(
+                len(o[-1].outputs[0].token_ids) < 3 for o in outputs.values()):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        assert not any(o[-1].finished for o in outputs.values())
+        (pid,) = [w.pid for w in engine._workers if w.name == "megaserve-expert-0"]
+        os.kill(pid, signal.SIGKILL)
+        healths, deadline = [], time.monotonic() + 400
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "requests did not finish"
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+            healths.append(engine.health().state)
+        assert "recovering" in healths or engine.health().restarts == 1
+        assert engine.health().state == "serving" and engine.health().restarts == 1
+        got = [(outputs[f"r{i}"][-1].outputs[0].token_ids, outputs[f"r{i}"][-1].outputs[0].logprobs)
+               for i in range(len(PROMPTS))]
+        assert got == want
+        for outs in outputs.values():  # a stream never takes tokens back
+            for before, after in zip(outs, outs[1:]):
+                b, a = before.outputs[0].token_ids, after.outputs[0].token_ids
+                assert a[:len(b)] == b
+    finally:
+        engine.shutdown()
