@@ -18,6 +18,11 @@ derives it, so outputs never depend on the replica. With R > 1 the replicas capt
 decode graph size at start-up: a capture synchronises the device, which must never happen
 while another replica's stream waits for the expert workers.
 
+``make_engine`` builds this front-end for one attention replica, and for several over
+relayed links; several over ``cuda_ipc`` run as processes instead, one per replica
+(megaserve.runtime.device_workers, driven by ``DisaggregatedEngine``). Constructed
+directly (benchmarks), this class still runs several ``cuda_ipc`` replicas as threads.
+
 It implements :class:`~megaserve.runtime.engine_client.EngineClient`, so ``LLM`` and
 ``AsyncLLMEngine`` use it unchanged. Raises ``ValueError`` for a layout it does not run
 (CPU, nccl with the expert workers on the replicas' GPU, several replicas with in-process
