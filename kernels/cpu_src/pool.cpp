@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
-
 #include "common.h"
 
 namespace ms {
@@ -16,16 +14,9 @@ namespace {
 //
 // The caller claims tasks too and returns as soon as every task is done: it waits only for
 // helpers that joined the call (and so may hold a claimed task), never for one that has not
-// woken up yet. On a loaded machine a woken helper may wait milliseconds for a CPU; the
-// calls of a decode step must not each wait for it. A helper that wakes after its call
-// ended sleeps again (or joins a later call).
-//
-// After a call a helper keeps polling for the next one for SPIN (the engine's Python
-// between two kernel calls of a step takes tens of microseconds), so the calls of a step
-// find it running instead of each waking it (a futex wake, and on a loaded machine a wait
-// for a CPU); then it sleeps. An idle process has no spinning thread.
-
-constexpr auto SPIN = std::chrono::microseconds(200);
+// woken up yet. On a loaded machine a helper may wait milliseconds for a CPU; the calls of
+// a decode step must not each wait for it. A helper that wakes after its call ended sleeps
+// again (or joins a later call).
 
 class Pool {
  public:
@@ -40,15 +31,13 @@ class Pool {
       threads_.emplace_back([this, index] { loop(index); });
     }
     Job job(&fn, num_tasks);
-    bool sleepers;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = &job;
       wanted_ = std::min<int64_t>(threads - 1, num_tasks - 1);
-      generation_.fetch_add(1, std::memory_order_release);
-      sleepers = sleepers_ > 0;
+      ++generation_;
     }
-    if (sleepers) wake_.notify_all();  // the spinning ones see generation_ change
+    wake_.notify_all();
     job.work();
     std::unique_lock<std::mutex> lock(mutex_);
     job_ = nullptr;  // no helper joins from here on
@@ -67,33 +56,14 @@ class Pool {
     int users = 0;  // helpers inside work(); guarded by the pool's mutex_
   };
 
-  // Polls generation_ for up to SPIN; true when it moved past `seen`.
-  bool spin_for_call(uint64_t seen) const {
-    const auto deadline = std::chrono::steady_clock::now() + SPIN;
-    for (;;) {
-      for (int i = 0; i < 64; ++i) {
-        if (generation_.load(std::memory_order_acquire) != seen) return true;
-#if defined(__SSE2__)
-        _mm_pause();
-#endif
-      }
-      if (std::chrono::steady_clock::now() > deadline) return false;
-    }
-  }
-
   void loop(int index) {
     uint64_t seen = 0;
     for (;;) {
-      spin_for_call(seen);
       Job* job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        if (generation_.load(std::memory_order_relaxed) == seen) {
-          ++sleepers_;
-          wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
-          --sleepers_;
-        }
-        seen = generation_.load(std::memory_order_relaxed);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
         if (job_ == nullptr || index >= wanted_) continue;
         job = job_;
         ++job->users;
@@ -109,8 +79,7 @@ class Pool {
   std::vector<std::thread> threads_;
   Job* job_ = nullptr;  // the call in progress, while helpers may join it
   int64_t wanted_ = 0;  // helpers (by index) that may join it
-  int sleepers_ = 0;    // helpers waiting on wake_
-  std::atomic<uint64_t> generation_{0};  // bumped (under mutex_) by every call
+  uint64_t generation_ = 0;
 };
 
 // This process's pool. HAZARD: a forked child inherits the parent's pool object but not
