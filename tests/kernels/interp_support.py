@@ -97,13 +97,13 @@ def install() -> None:
 
 
 def _install_fast_patching(tl, interp) -> None:
-    """Two lookups the interpreter repeats per operation and per device-function call,
-    made cheap with the same results: the numpy dtype of a Triton dtype from one table
-    built once (``_get_np_dtype`` rebuilt its 19-entry dict per call), and ``_patch_builtin``
+    """Work the interpreter repeats per operation, made cheap with the same results. Two
+    look-ups: the numpy dtype of a Triton dtype from one table built once (``_get_np_dtype`` rebuilt its 19-entry dict per call), and ``_patch_builtin``
     (run for five namespaces at every launch and every call of a ``@triton.jit`` helper)
     walking only the names that hold Triton builtins instead of ``inspect.getmembers``
     of the whole namespace. Nothing assigns new builtins to these namespaces, so the names
-    taken here, before any kernel runs, are every name the full walk could patch."""
+    taken here, before any kernel runs, are every name the full walk could patch. And the
+    int32 overflow checks that device_assert would discard are not built."""
     np_types = {
         tl.int1: np.dtype(bool), tl.float16: np.dtype(np.float16),
         tl.float32: np.dtype(np.float32), tl.float64: np.dtype(np.float64),
@@ -145,6 +145,20 @@ def _install_fast_patching(tl, interp) -> None:
                 interp._patch_attr(pkg, name, member, builder, scope)
 
     interp._patch_builtin = patch_builtin
+
+    # Every int32 add/sub/mul builds an int64 overflow check (~10 interpreted ops) whose
+    # result goes to device_assert, which drops it unless the options say debug (the
+    # interpreter's never do). Skipped in that case only: nothing observable changes.
+    from triton.language.semantic import TritonSemantic
+
+    checked = TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def sanitize_overflow(self, lhs, rhs, binary_op):
+        if not self.builder.options.debug:
+            return None
+        return checked(self, lhs, rhs, binary_op)
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
 
 
 def probe() -> bytes:

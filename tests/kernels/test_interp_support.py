@@ -124,3 +124,39 @@ def test_fast_lookups_give_the_interpreters_results() -> None:
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)
+
+
+def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> None:
+    """install() builds no int32 overflow check when the builder's options say no debug
+    (device_assert discards it there: an overflowing add wraps, no error, as before), and
+    keeps the interpreter's check when they do (the overflow raises)."""
+    import dataclasses
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+    from triton.language.semantic import TritonSemantic
+
+    originals = _installed_originals(interp)
+    checked = TritonSemantic.binary_op_sanitize_overflow_impl
+    interp_support.install()
+    try:
+        assert TritonSemantic.binary_op_sanitize_overflow_impl is not checked
+        builder = interp.InterpreterBuilder()
+        semantic = TritonSemantic(builder)
+        big = np.array([2**31 - 1, 5], dtype=np.int32)
+        x = tl.core.tensor(interp.TensorHandle(big, tl.int32), tl.block_type(tl.int32, [2]))
+        one = tl.core.tensor(interp.TensorHandle(np.ones(2, np.int32), tl.int32),
+                             tl.block_type(tl.int32, [2]))
+        out = semantic.add(x, one, sanitize_overflow=True)  # debug off: wraps
+        assert out.handle.data.tolist() == [-2**31, 6]
+        builder.options = dataclasses.replace(builder.options, debug=True)
+        try:
+            semantic.add(x, one, sanitize_overflow=True)
+        except AssertionError as e:
+            assert "overflow" in str(e)
+        else:
+            raise AssertionError("debug on: the overflow went unreported")
+    finally:
+        TritonSemantic.binary_op_sanitize_overflow_impl = checked
+        for owner, name, value in originals:
+            setattr(owner, name, value)
