@@ -40,7 +40,11 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (the listener process imports the standard library only)
+    import asyncio
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,8 @@ class HttpListener:
     probe with an ``Origin`` header goes to the app when CORS is configured).
     """
 
-    def __init__(self, host: str, port: int, loop: Any, adopt: Any, *,
+    def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
+                 adopt: Callable[[socket.socket], None], *,
                  idle_timeout: float = 5.0, request_id_headers: bool = False,
                  cors: bool = False, stale_after: float = STALE_AFTER_S) -> None:
         self._loop = loop
