@@ -212,7 +212,7 @@ def main() -> None:
             report(name, us, same)
         if args.gluon:
             row["gluon"] = gemms_gluon(x, ids, wgu, wd, k_rows, e, peak, args.reps)
-        row["align_us"] = graph_time_us(lambda: moe._align(ids[0], e))
+        row["align_us"] = graph_time_us(lambda: moe.align(ids[0], e))
         print(f"{r:>6} align {row['align_us']:.1f} us", flush=True)
         if args.sweep and str(r) in (args.sweep_rows or str(r)).split(","):
             row["sweep"] = sweep(args, shape, r, k_rows, x, ids, wgu, wd, weight_bytes, flops,
@@ -239,20 +239,20 @@ def gemms_gluon(x, ids, wgu, wd, rows_per_token: int, e: int, peak: float, reps:
     against moe_gluon's (us per call, the median of three alternating timings; TFLOP/s;
     bitwise on the rows written)."""
     layers = len(ids)
-    grouping = [moe._align(t, e) for t in ids]
+    grouping = [moe.align(t, e) for t in ids]
     routed = [t < e for t in ids]
     written = [int(g[0][e]) for g in grouping]
 
     def up(j, gluon):
-        tiles = dataclasses.replace(moe._PREFILL.up, gluon=gluon)
-        return moe._expert_gemm(x, wgu[j], ids[j], grouping[j], tiles, swiglu=True,
+        tiles = dataclasses.replace(moe.PREFILL.up, gluon=gluon)
+        return moe.expert_gemm(x, wgu[j], ids[j], grouping[j], tiles, swiglu=True,
                                 gather=True, scatter=False, rows_per_token=rows_per_token)
 
     hidden = [up(j, False) for j in range(layers)]
 
     def down(j, gluon):
-        tiles = dataclasses.replace(moe._PREFILL.down, gluon=gluon)
-        return moe._expert_gemm(hidden[j], wd[j], ids[j], grouping[j], tiles, swiglu=False,
+        tiles = dataclasses.replace(moe.PREFILL.down, gluon=gluon)
+        return moe.expert_gemm(hidden[j], wd[j], ids[j], grouping[j], tiles, swiglu=False,
                                 gather=False, scatter=True)
 
     out = {}
@@ -360,7 +360,7 @@ def candidates(shape: MoeShape, r: int, grid: str, modes: list[str],
             for stages in TAIL_STAGES:
                 for tail_m in TAIL_M:
                     out.append((kind, dataclasses.replace(
-                        getattr(moe._PREFILL, kind), num_stages=stages, tail_m=tail_m)))
+                        getattr(moe.PREFILL, kind), num_stages=stages, tail_m=tail_m)))
         return out
     for mode in modes:
         for kind in ("up", "down"):
@@ -387,8 +387,8 @@ def _worker_init(shape: MoeShape, r: int, rows_per_token: int, layers: int) -> N
     """Check worker: one layer's tensors and its references (old prefill, planned)."""
     wgu, wd = _weights(shape, 1)
     x, ids = _inputs(shape, r, rows_per_token, layers)
-    grouping = moe._align(ids[0], shape.e)
-    gemm = moe._expert_gemm
+    grouping = moe.align(ids[0], shape.e)
+    gemm = moe.expert_gemm
     ups = [gemm(x, wgu[0], ids[0], grouping, lp.up, swiglu=True, gather=True, scatter=False,
                 rows_per_token=rows_per_token)
            for lp in (OLD_PREFILL, moe.plan_launch(r, shape.e))]
@@ -403,10 +403,10 @@ def _run_cell(w: dict, kind: str, tiles: moe.GemmTiles, j: int, ups: torch.Tenso
     """One GEMM of layer j (``ups``: the down GEMM's input) at ``tiles``; w: per-layer lists
     "wgu", "wd", "ids", "grouping" (the align pass's) and "x", "rpt" (rows per token)."""
     if kind == "up":
-        return moe._expert_gemm(w["x"], w["wgu"][j], w["ids"][j], w["grouping"][j], tiles,
+        return moe.expert_gemm(w["x"], w["wgu"][j], w["ids"][j], w["grouping"][j], tiles,
                                 swiglu=True, gather=True, scatter=False,
                                 rows_per_token=w["rpt"])
-    return moe._expert_gemm(ups, w["wd"][j], w["ids"][j], w["grouping"][j], tiles,
+    return moe.expert_gemm(ups, w["wd"][j], w["ids"][j], w["grouping"][j], tiles,
                             swiglu=False, gather=False, scatter=True)
 
 
@@ -442,7 +442,7 @@ def sweep(args, shape: MoeShape, r: int, rows_per_token: int, x, ids, wgu, wd,
                 print(f"  R={r} {kind} {key}: {check}", flush=True)
     print(f"  R={r}: {len(cells)} cells checked, {time.time() - t0:.0f} s", flush=True)
     state = {"x": x, "wgu": wgu, "wd": wd, "ids": ids,
-             "grouping": [moe._align(t, shape.e) for t in ids], "rpt": rows_per_token}
+             "grouping": [moe.align(t, shape.e) for t in ids], "rpt": rows_per_token}
     lp = moe.plan_launch(r, shape.e)
     ups = [_run_cell(state, "up", lp.up, j, None) for j in range(args.layers)]
     for kind, tiles in cells:

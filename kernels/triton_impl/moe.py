@@ -773,3 +773,6 @@ align = _align
 max_tiles = _max_tiles
 rows_at = _rows_at
 tile_of = _tile_of
+# One grouped GEMM and the prefill launch plan, which lab/moe_bench.py times one by one.
+expert_gemm = _expert_gemm
+PREFILL = _PREFILL

@@ -39,10 +39,6 @@ KNOWN_CYCLES = {
 
 # Private names taken across modules: "path: the import or attribute" -> why.
 KNOWN_PRIVATE_IMPORTS = {
-    "lab/moe_bench.py: moe._align": "times the MoE kernels one by one; moe.py exposes only "
-                                    "the fused entry points",
-    "lab/moe_bench.py: moe._expert_gemm": "as above",
-    "lab/moe_bench.py: moe._PREFILL": "as above",
     "lab/cpu_kernel_ab.py: cpu_ext._compiler":
         "builds two trees' CPU kernels side by side with cpu_ext's own compiler settings",
     "lab/cpu_kernel_ab.py: cpu_ext._flags": "as above",
