@@ -226,7 +226,9 @@ class _Listener:
 
     def run(self) -> None:
         while True:
-            for key, events in self._selector.select(timeout=0.5):
+            # The server's messages first: a probe sent after a publish sees it.
+            ready = sorted(self._selector.select(timeout=0.5), key=lambda e: e[0].data != "chan")
+            for key, events in ready:
                 if key.data == "listen":
                     self._accept(key.fileobj)
                 elif key.data == "chan":

@@ -109,3 +109,38 @@ def test_a_stale_publication_is_unresponsive():
         conn.close()
 
     asyncio.run(_with_listener(body, stale_after=0.5))
+
+
+_PARENT = r"""
+import asyncio, sys, time
+from megaserve.server.http_listener import HttpListener
+
+async def main():
+    listener = HttpListener("127.0.0.1", 0, asyncio.get_running_loop(), lambda sock: sock.close())
+    listener.start()
+    print(listener.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_the_listener_process_exits_with_a_killed_server():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.processes import alive
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert alive(child)
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)  # no close(): the channel just ends
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while alive(child):
+        assert time.monotonic() < deadline, "the listener process outlived its server"
+        time.sleep(0.05)
