@@ -153,7 +153,8 @@ async def serve(config: ServeConfig,
         listener = HttpListener(config.host, config.http_port, loop, _adopter(runner),
                                 idle_timeout=config.timeout_keep_alive,
                                 request_id_headers=config.enable_request_id_headers,
-                                cors=bool(config.allowed_origins))
+                                cors=bool(config.allowed_origins),
+                                on_exit=core.mark_failed)  # no HTTP port: restart us
     except OSError:
         await grpc_server.stop(0)
         await runner.cleanup()

@@ -71,14 +71,18 @@ class HttpListener:
     more than ``stale_after`` seconds ago is answered as 503 ``UNRESPONSIVE``.
     ``request_id_headers`` and ``cors``: the app's options, honoured by the listener (a
     probe with an ``Origin`` header goes to the app when CORS is configured).
+    ``on_exit(reason)`` is called on the loop if the listener process exits before
+    ``close()`` (the HTTP port is then closed).
     """
 
     def __init__(self, host: str, port: int, loop: asyncio.AbstractEventLoop,
                  adopt: Callable[[socket.socket], None], *,
                  idle_timeout: float = 5.0, request_id_headers: bool = False,
-                 cors: bool = False, stale_after: float = STALE_AFTER_S) -> None:
+                 cors: bool = False, stale_after: float = STALE_AFTER_S,
+                 on_exit: Callable[[str], None] | None = None) -> None:
         self._loop = loop
         self._adopt = adopt
+        self._on_exit = on_exit
         self._listeners = _bind(host, port)
         self.port = self._listeners[0].getsockname()[1]  # the bound one (port 0: any free)
         self._chan, self._child_chan = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -149,8 +153,11 @@ class HttpListener:
                 data, fds = b"", []
             if not data and not fds:  # the listener exited
                 self._loop.remove_reader(self._chan.fileno())
-                logger.error("megaserve: the HTTP listener process exited (code %s): the "
-                             "HTTP port is closed", self._proc.poll() if self._proc else None)
+                reason = (f"the HTTP listener process exited (code "
+                          f"{self._proc.poll() if self._proc else None}): the HTTP port is closed")
+                logger.error("megaserve: %s", reason)
+                if self._on_exit is not None:
+                    self._on_exit(reason)
                 return
             for fd in fds:
                 self._adopt(socket.socket(fileno=fd))

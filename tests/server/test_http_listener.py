@@ -23,7 +23,7 @@ async def _health_on_loop(request: web.Request) -> web.Response:
     return web.json_response({"status": "FROM_THE_APP"})
 
 
-async def _with_listener(body, *, stale_after: float = 10.0) -> None:
+async def _with_listener(body, *, stale_after: float = 10.0, on_exit=None) -> None:
     """Runs ``body(listener, loop)`` in a thread while an app with a listener serves on this loop."""
     app = web.Application()
     app.router.add_get("/version", _version)
@@ -35,7 +35,8 @@ async def _with_listener(body, *, stale_after: float = 10.0) -> None:
     def adopt(sock: socket.socket) -> None:
         loop.create_task(loop.connect_accepted_socket(runner.server, sock))
 
-    listener = HttpListener("127.0.0.1", 0, loop, adopt, stale_after=stale_after)
+    listener = HttpListener("127.0.0.1", 0, loop, adopt, stale_after=stale_after,
+                            on_exit=on_exit)
     listener.publish(Health("SERVING", True))
     listener.start()
     try:
@@ -144,3 +145,20 @@ def test_the_listener_process_exits_with_a_killed_server():
     while alive(child):
         assert time.monotonic() < deadline, "the listener process outlived its server"
         time.sleep(0.05)
+
+
+def test_a_lost_listener_process_is_reported():
+    import os
+    import signal
+
+    reasons: list[str] = []
+
+    def body(listener: HttpListener, _loop) -> None:
+        os.kill(listener.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not reasons:
+            assert time.monotonic() < deadline, "the lost listener was not reported"
+            time.sleep(0.05)
+
+    asyncio.run(_with_listener(body, on_exit=reasons.append))
+    assert "HTTP listener process exited" in reasons[0], reasons
