@@ -45,7 +45,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megaserve.runtime.launcher import process_title, set_process_title
 from megaserve.runtime.messages import Stop
-from megaserve.runtime.workers import WorkerSpec, run_worker
+from megaserve.runtime.worker_spec import WorkerSpec
+from megaserve.runtime.workers import run_worker
 
 logger = logging.getLogger(__name__)
 

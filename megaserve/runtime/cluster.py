@@ -41,7 +41,7 @@ from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBud
                                         worker_params)
 from megaserve.runtime.layout import (comm_world, ready_messages, runs_device_roles,
                                       transport_refusal, worker_specs)
-from megaserve.runtime.workers import WorkerSpec
+from megaserve.runtime.worker_spec import WorkerSpec
 from megaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

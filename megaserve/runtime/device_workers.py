@@ -61,7 +61,7 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
                                         StepReport, Stop, WorkerFailure, WorkerReady,
                                         WorkerStats)
-from megaserve.runtime.workers import WorkerSpec
+from megaserve.runtime.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -285,13 +285,12 @@ def run_device_worker(spec: WorkerSpec, inbox, outbox) -> None:
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (hangs)
-    role = None
     listener = None
     try:
         device = torch.device(spec.device)
         torch.cuda.set_device(device)
         worker = _DeviceWorker(spec, device, outbox)
-        role, listener = worker.expert, worker.listener
+        listener = worker.listener
         worker.serve(inbox)
     except BaseException as e:  # noqa: BLE001 - forwarded to the front-end
         logger.exception("device %s worker %d failed", spec.role, spec.index)

@@ -31,7 +31,8 @@ import time
 from typing import Any, Protocol
 
 from megaserve.runtime.messages import Stop
-from megaserve.runtime.workers import WorkerSpec, run_worker
+from megaserve.runtime.worker_spec import WorkerSpec
+from megaserve.runtime.workers import run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from megaserve.comm import ChannelConfig
 from megaserve.engine.config import EngineConfig
 from megaserve.models.resolved import ResolvedModel
 from megaserve.runtime.placement import ExpertPlacement
-from megaserve.runtime.workers import WorkerSpec
+from megaserve.runtime.worker_spec import WorkerSpec
 
 
 def visible_gpus() -> int:

@@ -18,17 +18,15 @@ import os
 import queue
 import threading
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from megaserve.comm import ChannelConfig, Endpoint, create_endpoint, exchange
-from megaserve.engine.config import EngineConfig
+from megaserve.comm import Endpoint, create_endpoint, exchange
 from megaserve.engine.gc_heap import freeze_for_life
-from megaserve.models.resolved import ResolvedModel
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs, Stop,
                                         WorkerFailure, WorkerReady, WorkerStats)
-from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,45 +34,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.2
 # How long a co-located worker waits for its expert thread to stop.
 EXPERT_THREAD_JOIN_S = 10.0
-ROLES = ("attention", "expert", "colocated", "engine")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    role: str  # one of ROLES (the module docstring)
-    index: int  # replica index, or expert worker index (both, for "colocated")
-    rank: int  # comm rank: attention replicas first, then expert workers (colocated: its replica's)
-    world_size: int
-    rendezvous: str  # host:port of the front-end's rendezvous server
-    transport: str
-    channel: ChannelConfig
-    engine: EngineConfig  # the front-end's config (model path resolved)
-    model: ResolvedModel  # the front-end's resolution of engine.model (never re-resolved)
-    placement: ExpertPlacement
-    num_replicas: int
-    parent_pid: int
-    device: str  # this worker's device, e.g. "cpu" or "cuda:1"
-    host: str = "127.0.0.1"  # where this worker's endpoint listens (its node's IP across hosts)
-    # "host": frames over ``transport`` (this module); "device": the device data plane's
-    # buffers over CUDA IPC, one process per role (megaserve.runtime.device_workers).
-    plane: str = "host"
-    # Device plane: the key of the local sockets between a layout's processes.
-    secret: bytes = b""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"worker role must be one of {list(ROLES)}, got {self.role!r}")
-        if self.plane not in ("host", "device"):
-            raise ValueError(f"worker plane must be 'host' or 'device', got {self.plane!r}")
-
-    @property
-    def expert_ranks(self) -> list[int]:
-        return [self.num_replicas + w for w in range(self.placement.num_workers)]
-
-    @property
-    def runs_attention(self) -> bool:
-        """Whether this worker holds an attention replica (takes AddRequest etc.)."""
-        return self.role != "expert"
 
 
 def run_worker(spec: WorkerSpec, inbox, outbox) -> None:
