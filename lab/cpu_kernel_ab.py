@@ -9,6 +9,8 @@ that every build writes the same bits.
 Shapes: the tiny Mixtral of ``megaserve bench cpu`` (8 experts, hidden 256, expert width
 512, top-2; 8 query heads over 2 KV heads of 32). The FFN cycles 4 layers' weights, as a
 decode step does; attention runs a decode step and 64-token prefill chunks of 64 sequences.
+The weights are packed as this checkout's kernels read them (cpu.packed_gate_up,
+cpu.packed): sources with another packed layout give other expert FFN bits.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def alternate(libs: dict, call, rounds: int = 7, seconds: float = 0.3) -> dict:
 
 def expert_ffn(libs: dict) -> None:
     e, d, inter, layers = 8, 256, 512, 4
-    weights = [(cpu.packed(torch.randn(e, 2 * inter, d) * 0.02),
+    weights = [(cpu.packed_gate_up(torch.randn(e, 2 * inter, d) * 0.02),
                 cpu.packed(torch.randn(e, d, inter) * 0.02)) for _ in range(layers)]
     for rows in (128, 2):  # a 64-sequence decode step's routed rows; a lone request's
         x, ids = torch.randn(rows, d), torch.randint(0, e, (rows,))
