@@ -4,6 +4,7 @@ writes them, a concurrent first build done once, a clear error without a compile
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -98,7 +99,22 @@ def test_exp_and_log_accuracy_over_the_float_range():
     assert torch.allclose(got.double(), ref, rtol=2e-6, atol=2e-6)
 
 
-def test_bits_do_not_depend_on_the_isa_build(monkeypatch):
+@pytest.fixture(scope="module")
+def first_builds(tmp_path_factory) -> tuple:
+    """Four processes load the library from an empty cache at once, the baseline build
+    (``MEGASERVE_CPU_ISA``); returns the cache, the processes and their outputs. The ISA
+    test loads that build instead of compiling it again."""
+    cache = tmp_path_factory.mktemp("cpu-ext-first-builds")
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from megaserve.kernels import cpu_ext; cpu_ext.load(); print('loaded')")
+    env = {**os.environ, "MEGASERVE_CACHE": str(cache), "MEGASERVE_CPU_ISA": "baseline"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    return cache, procs, outs
+
+
+def test_bits_do_not_depend_on_the_isa_build(monkeypatch, first_builds):
     """The baseline (SSE2) and AVX2 builds give the bits of the default build: vector width
     never changes an element's sequence of operations."""
     a = _inputs()
@@ -107,6 +123,7 @@ def test_bits_do_not_depend_on_the_isa_build(monkeypatch):
     others = [isa for isa, rank in ISA_RANK.items() if rank < here]
     if not others:
         pytest.skip("this CPU runs only the baseline build")
+    monkeypatch.setenv("MEGASERVE_CACHE", str(first_builds[0]))  # the baseline build is there
     for isa in others:
         monkeypatch.setattr(cpu_ext, "_lib", cpu_ext.load(isa))
         cpu._PACKED.clear()
@@ -152,18 +169,15 @@ def test_fused_multiply_adds_only_where_the_source_writes_them():
                    for line in lines for f in fused)
 
 
-def test_concurrent_first_builds_compile_once(tmp_path):
+def test_concurrent_first_builds_compile_once(first_builds):
     """Four processes load the library from an empty cache at once: one compiles, the
     others wait on the lock and load its file; no temporary file is left behind."""
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
-            "from megaserve.kernels import cpu_ext; cpu_ext.load(); print('loaded')")
-    env = {**__import__("os").environ, "MEGASERVE_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(4)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    cache, procs, outs = first_builds
     assert all(p.returncode == 0 and "loaded" in out for p, out in zip(procs, outs)), outs
-    assert sum(out.count("built the CPU kernels") for out in outs) == 1
-    files = sorted(p.name for p in (tmp_path / "cpu_ext").rglob("*") if p.is_file())
+    assert sum(out.count("built the CPU kernels (baseline)") for out in outs) == 1
+    files = sorted(p.relative_to(cache / "cpu_ext").parts[1] for p in
+                   (cache / "cpu_ext").rglob("*") if p.is_file() and
+                   p.relative_to(cache / "cpu_ext").parts[0].startswith("baseline-"))
     assert files == ["build.lock", "megaserve_cpu_ext.so"]
 
 
