@@ -223,6 +223,7 @@ class _Listener:
         self._health = ("LOADING", False, "")
         self._published_at = time.monotonic()
         self._conns: dict[int, _Conn] = {}
+        self._next_expiry = 0.0
         self._handoffs: collections.deque[socket.socket] = collections.deque()
         self._selector = selectors.DefaultSelector()
         chan.setblocking(False)
@@ -245,7 +246,10 @@ class _Listener:
                         self._flush_handoffs()
                 else:
                     self._on_readable(key.data)
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            if now >= self._next_expiry:  # (a pass over every connection: not per wake-up)
+                self._expire(now)
+                self._next_expiry = now + 0.25
 
     def _read_channel(self) -> bool:
         """Applies the server's messages; False once the channel is closed."""

@@ -23,7 +23,8 @@ async def _health_on_loop(request: web.Request) -> web.Response:
     return web.json_response({"status": "FROM_THE_APP"})
 
 
-async def _with_listener(body, *, stale_after: float = 10.0, on_exit=None) -> None:
+async def _with_listener(body, *, stale_after: float = 10.0, on_exit=None,
+                         idle_timeout: float = 5.0) -> None:
     """Runs ``body(listener, loop)`` in a thread while an app with a listener serves on this loop."""
     app = web.Application()
     app.router.add_get("/version", _version)
@@ -36,7 +37,7 @@ async def _with_listener(body, *, stale_after: float = 10.0, on_exit=None) -> No
         loop.create_task(loop.connect_accepted_socket(runner.server, sock))
 
     listener = HttpListener("127.0.0.1", 0, loop, adopt, stale_after=stale_after,
-                            on_exit=on_exit)
+                            on_exit=on_exit, idle_timeout=idle_timeout)
     listener.publish(Health("SERVING", True))
     listener.start()
     try:
@@ -162,3 +163,13 @@ def test_a_lost_listener_process_is_reported():
 
     asyncio.run(_with_listener(body, on_exit=reasons.append))
     assert "HTTP listener process exited" in reasons[0], reasons
+
+
+def test_a_silent_connection_is_closed_after_the_idle_timeout():
+    def body(listener: HttpListener, _loop) -> None:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=30) as silent:
+            started = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the listener, nothing sent
+            assert time.monotonic() - started >= 0.4
+
+    asyncio.run(_with_listener(body, idle_timeout=0.5))
