@@ -32,6 +32,7 @@ from megaserve.server.auth import identity, matching_key, normalize_keys
 from megaserve.server.grpc_protocol import (
     SERVICE_NAME, BadMessage, deserialize_generate, logprobs_to_proto, parse_generate,
     safe_deserializer)
+from megaserve.server.sampling_checks import check_for_model
 from megaserve.service import LIVENESS_NAME
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class GenerationService:
             parsed = parse_generate(request)
             request_id = parsed.request_id or uuid.uuid4().hex
             with core.admit(request_id, self._owner(context)) as engine_id:
-                params = core.check_for_model(parsed.params)
+                params = check_for_model(core.engine, parsed.params)
                 prompt_ids = await core.prepare(parsed.prompt, params, _input_field(request))
                 async with contextlib.aclosing(
                         core.stream(engine_id, prompt_ids, params)) as deltas:

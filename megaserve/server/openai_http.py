@@ -36,6 +36,7 @@ from megaserve.server.http_errors import (
     API_KEY, MAX_BODY_BYTES, authenticate, close_after, error_response, json_errors, read_body)
 from megaserve.server.metrics import CONTENT_TYPE
 from megaserve.server.openai_models import openapi_document
+from megaserve.server.sampling_checks import check_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ async def _prepare(core: ServingCore, req: oai.OpenAIRequest, prompt: Any, index
             max_tokens=1 if req.max_tokens is None else req.max_tokens, **sampling)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
-    params = core.check_for_model(params, grammar_field)
+    params = check_for_model(engine, params, grammar_field)
     prompt_ids = await core.prepare(prompt, params, field)
     if req.max_tokens is None:  # chat default: fill the context
         params = dataclasses.replace(params, max_tokens=engine.max_model_len - len(prompt_ids))
