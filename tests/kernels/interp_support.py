@@ -51,8 +51,9 @@ def fixed_order_dot(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
 def install() -> None:
     """Patch the interpreter: fixed-order ``tl.dot``; ``int()`` of 1-element tensors; integer
     XOR/OR reductions in one numpy call (exact, so the same bits as the interpreter's own);
-    cheaper dtype and builtin look-ups (:func:`_install_fast_patching`). Call it once, before
-    any kernel runs."""
+    cheaper dtype and builtin look-ups, no discarded overflow checks
+    (:func:`_install_fast_patching`), no re-patching at helper calls inside a launch
+    (:func:`_install_launch_scoped_patching`). Call it once, before any kernel runs."""
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
@@ -159,6 +160,42 @@ def _install_fast_patching(tl, interp) -> None:
         return checked(self, lhs, rhs, binary_op)
 
     TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
+    _install_launch_scoped_patching(tl, interp)
+
+
+def _install_launch_scoped_patching(tl, interp) -> None:
+    """The interpreter patches ``triton.language`` (``_patch_lang``) at each launch, undone
+    when the launch ends, and again at every call of a ``@triton.jit`` helper inside it.
+    A helper whose module sees only language modules the launch has patched finds every
+    builtin patched already and re-sets closures that behave the same; its patches are
+    undone with the launch's. That call is skipped here; any other runs as before."""
+    full_patch_lang = interp._patch_lang
+    launch = {"depth": 0, "patched": []}  # language modules patched by the current launch
+
+    def patch_lang(fn):
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        patched = launch["patched"]
+        if launch["depth"] and langs and all(any(m is p for p in patched) for m in langs):
+            return interp._LangPatchScope()  # nothing to do, nothing to undo
+        scope = full_patch_lang(fn)
+        if launch["depth"]:
+            patched.extend(langs)
+        return scope
+
+    grid_call = interp.GridExecutor.__call__
+
+    def launch_call(self, *args, **kwargs):
+        outer = launch["patched"]
+        launch["patched"] = []
+        launch["depth"] += 1
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launch["depth"] -= 1
+            launch["patched"] = outer
+
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = launch_call
 
 
 def probe() -> bytes:

@@ -5,6 +5,8 @@ the interpreter's own bits."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from tests.kernels import interp_support
@@ -82,7 +84,8 @@ def _installed_originals(interp) -> list[tuple[object, str, object]]:
     """What install() replaces, to put back after a test in this (non-interpreter) process."""
     patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
                (interp.ReduceOps, "apply_impl"), (interp, "_get_np_dtype"),
-               (interp, "_patch_builtin")]
+               (interp, "_patch_builtin"), (interp, "_patch_lang"),
+               (interp.GridExecutor, "__call__")]
     return [(owner, name, getattr(owner, name)) for owner, name in patched]
 
 
@@ -160,3 +163,56 @@ def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> No
         TritonSemantic.binary_op_sanitize_overflow_impl = checked
         for owner, name, value in originals:
             setattr(owner, name, value)
+
+
+def test_helper_calls_inside_a_launch_patch_nothing_more() -> None:
+    """Under the interpreter (a child process), with install(): a kernel whose programs
+    call a ``@triton.jit`` helper computes the same values, patches the language once (at
+    the launch, not again per helper call) and leaves it as it found it."""
+    results = interp_support.child_results(__file__, timeout=300)
+    interp_support.assert_check_passed(results, "launch_scope")
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    import json
+
+    import torch
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    interp_support.install()
+
+    @triton.jit
+    def _plus_one(x):
+        return x + 1
+
+    @triton.jit
+    def _plus_two_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, _plus_one(_plus_one(tl.load(x_ptr + offs))))
+
+    def _launch_scope() -> None:
+        spaces = (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)
+        before = {(id(ns), name): getattr(ns, name) for ns in spaces for name in dir(ns)}
+        walks = []
+        walk = interp._patch_builtin
+        interp._patch_builtin = lambda *a: (walks.append(a[0]), walk(*a))[1]
+        x = torch.arange(12, dtype=torch.float32)
+        out = torch.zeros_like(x)
+        _plus_two_kernel[(3,)](x, out, BLOCK=4)  # 3 programs, 2 helper calls each
+        interp._patch_builtin = walk
+        assert torch.equal(out, x + 2), out
+        # the launch's own patch: tl, tl.tensor, tl.math, the descriptor base; no more
+        assert len(walks) == 4, len(walks)
+        after = {(id(ns), name): getattr(ns, name) for ns in spaces for name in dir(ns)}
+        assert after.keys() == before.keys()
+        changed = [k[1] for k in before if after[k] is not before[k]
+                   and not (k[1].startswith("__") and after[k] == before[k])]  # bound methods
+        assert not changed, f"the launch left the language patched: {changed}"
+
+    try:
+        _launch_scope()
+        print(json.dumps({"check": "launch_scope", "ok": True}), flush=True)
+    except Exception as e:  # reported to the parent test, which fails on it
+        print(json.dumps({"check": "launch_scope", "ok": False, "error": repr(e)}), flush=True)
