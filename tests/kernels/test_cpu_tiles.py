@@ -70,10 +70,12 @@ def test_linear_every_tile_height_and_column_tail(k, n, each_build):
     _assert_same_in_every_build(each_build(run))
 
 
-@pytest.mark.parametrize("d, inter", [(40, 24), (64, 48), (96, 100)])
+@pytest.mark.parametrize("d, inter", [(40, 24), (64, 48), (96, 100), (300, 280)])
 def test_expert_ffn_odd_widths(d, inter, each_build):
-    """Hidden and intermediate widths that are not multiples of a panel or a vector;
-    experts loaded with 1..13 rows (every micro-kernel height, tiles of EXPERT_ROW_TILE)."""
+    """Hidden and intermediate widths that are not multiples of a panel or a vector, and
+    (300, 280) wide enough for several column tasks of both GEMMs with a partial last one
+    (256 gate/up and 128 output columns a task); experts loaded with 1..13 rows (every
+    micro-kernel height) and with a block of EXPERT_ROW_TILE rows and 2 more."""
     g = torch.Generator().manual_seed(d + inter)
     e = 5
     w_gate_up = torch.randn(e, 2 * inter, d, generator=g) / 8
