@@ -34,7 +34,8 @@ constexpr int cv_for(int rows) {
 
 // ROWS x (CV * VW) of c from `a` (rows lda apart) and the panels at b (b: the first
 // column's place in its panel; vector v at b + (v / VPP) * pstride + (v % VPP) * VW).
-// Keeps `cols` <= CV * VW columns. `prefetch` (or null): NR floats a k to fetch into L2.
+// Keeps `cols` <= CV * VW columns. `prefetch` (or null): at every prefetch_every-th k, the
+// NR floats at prefetch + k * NR are fetched into L2 (a hint: never faults, never a bit).
 template <int ROWS, int CV>
 inline void micro_kernel(const float* a, int64_t lda, const float* b, int64_t pstride,
                          int64_t k_len, float* c, int64_t ldc, int cols, const float* prefetch,
@@ -107,8 +108,7 @@ inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t 
                            passes);
 }
 
-// rows x the columns of panels [panel_begin, panel_end) of a @ W^T (panel_begin a multiple
-// of BLOCK_PANELS).
+// rows x the columns of panels [panel_begin, panel_end) of a @ W^T.
 //   * rows <= MR: one pass, column blocks of BLOCK_PANELS panels (few rows take kernels
 //     wider than a panel: enough independent accumulators);
 //   * more rows: panel by panel, the rows in ceil(rows / MR) passes of near-equal height
