@@ -34,6 +34,11 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE_SHA256 = "d088938dffe0840a04c65b10f32494bf6f5a4c952c344c769732ff9f367d85d6"
 
 
+# The environment of an interpreter child. The interpreter runs one program at a time in
+# Python; torch's intra-op threads (the tests' tensor set-up and copies) only spin there.
+CHILD_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+
 def fixed_order_dot(a: np.ndarray, b: np.ndarray, d: np.ndarray) -> np.ndarray:
     """``d + a @ b`` summed serially over k in ``d``'s dtype.
 
@@ -232,7 +237,7 @@ def child_results(test_file: str, timeout: int = 540) -> dict[str, dict]:
     """Run ``test_file --child`` with TRITON_INTERPRET=1 (the variable must be set before
     kernels are defined) and return its :func:`run_checks` lines by check name; raises
     RuntimeError with the child's stderr when it reported nothing."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **CHILD_ENV)
     proc = subprocess.run([sys.executable, test_file, "--child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     results = {}

@@ -101,7 +101,9 @@ def _child() -> None:
 
 
 def test_attention_launch_switches_keep_bits() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    from tests.kernels.interp_support import CHILD_ENV
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), **CHILD_ENV)
     proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=540)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
