@@ -86,7 +86,8 @@ def install() -> None:
     # one element at a time in Python (ReduceOps.generic_reduce): tl.sort's bitonic network
     # runs an xor_sum per stage, seconds per launch. XOR and OR of integers are exact in any
     # order, so one numpy reduction gives the element-by-element fold's bits.
-    exact_bitwise = {tl.standard._xor_combine: np.bitwise_xor, tl.standard._or_combine: np.bitwise_or}
+    exact_bitwise = {tl.standard._xor_combine: np.bitwise_xor,
+                     tl.standard._or_combine: np.bitwise_or}
     generic_apply = interp.ReduceOps.apply_impl
 
     def apply_impl(self, input):
@@ -104,8 +105,9 @@ def install() -> None:
 
 def _install_fast_patching(tl, interp) -> None:
     """Work the interpreter repeats per operation, made cheap with the same results. Two
-    look-ups: the numpy dtype of a Triton dtype from one table built once (``_get_np_dtype`` rebuilt its 19-entry dict per call), and ``_patch_builtin``
-    (run for five namespaces at every launch and every call of a ``@triton.jit`` helper)
+    look-ups: the numpy dtype of a Triton dtype from one table built once
+    (``_get_np_dtype`` rebuilt its 19-entry dict per call), and ``_patch_builtin`` (run
+    for five namespaces at every launch and every call of a ``@triton.jit`` helper)
     walking only the names that hold Triton builtins instead of ``inspect.getmembers``
     of the whole namespace. Nothing assigns new builtins to these namespaces, so the names
     taken here, before any kernel runs, are every name the full walk could patch. And the
