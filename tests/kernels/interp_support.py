@@ -167,7 +167,27 @@ def _install_fast_patching(tl, interp) -> None:
         return checked(self, lhs, rhs, binary_op)
 
     TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
+
+    _install_lazy_type_names(tl)
     _install_launch_scoped_patching(tl, interp)
+
+
+def _install_lazy_type_names(tl) -> None:
+    """A tuple type formats its name ("[field:type,...]", every member's repr) when built,
+    and the interpreter builds one per ``triton.language`` tuple, millions per check; the
+    name is read for messages only. Formatted when read instead, from the same fields
+    (which nothing changes after construction)."""
+    tuple_type = tl.core.tuple_type
+
+    def tuple_type_init(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [''] * len(types)
+
+    def tuple_type_name(self):
+        return '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']'
+
+    tuple_type.__init__ = tuple_type_init
+    tuple_type.name = property(tuple_type_name)
 
 
 def _install_launch_scoped_patching(tl, interp) -> None:

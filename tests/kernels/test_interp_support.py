@@ -76,17 +76,28 @@ def test_bitwise_reductions_give_the_interpreters_own_bits() -> None:
                         assert np.array_equal(got.handle.data, want.handle.data), (axis,
                                                                                    keep_dims)
     finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
+        _restore(originals)
 
 
 def _installed_originals(interp) -> list[tuple[object, str, object]]:
     """What install() replaces, to put back after a test in this (non-interpreter) process."""
+    import triton.language as tl
+
     patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
                (interp.ReduceOps, "apply_impl"), (interp, "_get_np_dtype"),
                (interp, "_patch_builtin"), (interp, "_patch_lang"),
-               (interp.GridExecutor, "__call__")]
+               (interp.GridExecutor, "__call__"), (tl.core.tuple_type, "__init__")]
     return [(owner, name, getattr(owner, name)) for owner, name in patched]
+
+
+def _restore(originals: list[tuple[object, str, object]]) -> None:
+    """Undo install() in this process: the replaced functions back, the lazy name gone."""
+    import triton.language as tl
+
+    for owner, name, value in originals:
+        setattr(owner, name, value)
+    if isinstance(tl.core.tuple_type.__dict__.get("name"), property):
+        del tl.core.tuple_type.name
 
 
 class _RecordingScope:
@@ -125,8 +136,27 @@ def test_fast_lookups_give_the_interpreters_results() -> None:
             own["_patch_builtin"](ns, interp.interpreter_builder, full)
             assert fast.names and fast.names == full.names, ns
     finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
+        _restore(originals)
+
+
+def test_tuple_type_names_are_the_interpreters() -> None:
+    """install()'s tuple types name themselves when asked, with the name their constructor
+    formatted: "[field:type,...]"."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    members = [tl.int32, tl.block_type(tl.float16, [4, 8]), tl.core.constexpr_type(3)]
+    want = [tl.core.tuple_type(members, ["a", "b", "c"]).name,
+            tl.core.tuple_type(members).name]
+    originals = _installed_originals(interp)
+    interp_support.install()
+    try:
+        lazy = tl.core.tuple_type(members, ["a", "b", "c"])
+        assert "name" not in vars(lazy)  # not formatted at construction
+        assert [lazy.name, str(tl.core.tuple_type(members))] == want
+        assert want[0].startswith("[a:int32,b:<") and want[0].endswith(",c:constexpr_type[3]]")
+    finally:
+        _restore(originals)
 
 
 def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> None:
@@ -161,8 +191,7 @@ def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> No
             raise AssertionError("debug on: the overflow went unreported")
     finally:
         TritonSemantic.binary_op_sanitize_overflow_impl = checked
-        for owner, name, value in originals:
-            setattr(owner, name, value)
+        _restore(originals)
 
 
 def test_helper_calls_inside_a_launch_patch_nothing_more() -> None:
