@@ -82,8 +82,10 @@ def test_bitwise_reductions_give_the_interpreters_own_bits() -> None:
 def _installed_originals(interp) -> list[tuple[object, str, object]]:
     """What install() replaces, to put back after a test in this (non-interpreter) process."""
     import triton.language as tl
+    from triton.language.semantic import TritonSemantic
 
-    patched = [(interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
+    patched = [(TritonSemantic, "binary_op_sanitize_overflow_impl"),
+               (interp.InterpreterBuilder, "create_dot"), (interp, "_patch_lang_tensor"),
                (interp.ReduceOps, "apply_impl"), (interp, "_get_np_dtype"),
                (interp, "_patch_builtin"), (interp, "_patch_lang"),
                (interp.GridExecutor, "__call__"), (tl.core.tuple_type, "__init__")]
@@ -169,8 +171,8 @@ def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> No
     import triton.runtime.interpreter as interp
     from triton.language.semantic import TritonSemantic
 
-    originals = _installed_originals(interp)
     checked = TritonSemantic.binary_op_sanitize_overflow_impl
+    originals = _installed_originals(interp)
     interp_support.install()
     try:
         assert TritonSemantic.binary_op_sanitize_overflow_impl is not checked
@@ -190,7 +192,6 @@ def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> No
         else:
             raise AssertionError("debug on: the overflow went unreported")
     finally:
-        TritonSemantic.binary_op_sanitize_overflow_impl = checked
         _restore(originals)
 
 
