@@ -1,6 +1,6 @@
 #!/bin/bash
 # Device-plane roles as processes on nvidia-h200-x2: GPU tests, then the layout
-# bench. Usage (repository root, after scripts/device_setup.sh): bash lab/ep_device.sh
+# bench. Usage (repository root, after lab/device/setup.sh): bash lab/ep_device.sh
 # check|bench256|bench1024 [seconds]. Writes to $OUT when set.
 set -o pipefail
 mode=${1:-check}

@@ -11,7 +11,7 @@
 #   bash lab/fp8_device.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/device_setup.sh
+source lab/device/setup.sh
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 step() {  # step NAME SECONDS CMD...

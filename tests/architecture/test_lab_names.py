@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
 import types
 from pathlib import Path
 
@@ -80,3 +81,13 @@ def test_paths_named_in_lab_exist(path):
     named = SCRIPT_PATH.findall(path.read_text(errors="replace"))
     missing = sorted({name for name in named if not (ROOT / name).exists()})
     assert not missing, f"{path.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+def test_experiments_and_device_scripts_live_in_lab():
+    """No ``scripts/`` folder beside the packages: experiments and device entry points are
+    in ``lab/`` (``lab/device/`` for a GPU machine), the benchmarks a user runs are
+    ``megaserve bench``."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "scripts"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert not listed.stdout.split(), f"files under scripts/: {listed.stdout.split()}"
+    assert (ROOT / "lab/device/setup.sh").is_file()

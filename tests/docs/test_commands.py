@@ -14,7 +14,7 @@ classified by an HTML comment on the line before its fence, ``<!-- docs-test: KI
 
 Whatever the kind, every ``megaserve`` command in a block must name a real command, and
 every ``--flag`` it passes must be one that command's ``--help`` lists; every script a block
-runs (``lab/*.py``, ``scripts/*.sh``) must exist. A block with no classification fails.
+runs (``lab/...``) must exist. A block with no classification fails.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ UNMARKED = {
         ("skip", "needs a Kubernetes cluster with KubeRay"),
     ("docs/planner.md", "megaserve plan --model mixtral-8x22b --cluster examples/cluster.yaml --tpot-ms 150 \\"):
         ("skip", "a synopsis: [optional] flags and | alternatives"),
-    ("docs/planner.md", "source scripts/device_setup.sh"): ("gpu", ""),
+    ("docs/planner.md", "source lab/device/setup.sh"): ("gpu", ""),
     ("docs/planner.md", "python3 -m megaserve.cli bench throughput --model random:qwen3-30b-a3b:48 --dtype bfloat16 --device cuda \\"):
         ("gpu", ""),
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Disaggregation across the GPUs of one host (nvidia-h200-x2), issue 34's device plane.
-# From the repository root:  bash scripts/device_disagg.sh PHASE   (results under $OUT)
+# Disaggregation across the GPUs of one host (nvidia-h200-x2): the device data plane.
+# From the repository root:  bash lab/device/disagg.sh PHASE   (results under $OUT)
 #   profile: nccl diagnosis, bench device-plane at batch 256 (traces) and 1024
 #   tests:   the device plane's GPU tests (bitwise across GPUs, cuda_ipc and nccl)
 #   bench:   the benchmark table of docs/results/disaggregation.md
@@ -9,8 +9,8 @@
 # Every step has its own timeout, capped so the whole script ends within BUDGET_S; a failed
 # or timed-out step is recorded in summary.txt and the next one runs.
 set -u
-cd "$(dirname "$0")/.."
-source scripts/device_setup.sh
+cd "$(dirname "$0")/../.."
+source lab/device/setup.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-./out-disagg}
 mkdir -p "$OUT"
@@ -39,7 +39,7 @@ step() {  # step NAME LOG TIMEOUT_S CMD...: run CMD, appending to $OUT/LOG, with
 BENCH="python3 -m megaserve.cli bench device-plane --model $MODEL --input-len 64 --output-len 256"
 case $PHASE in
 profile)
-  step nccl_diag nccl.log 100 python3 scripts/nccl_plane_diag.py 1
+  step nccl_diag nccl.log 100 python3 lab/device/nccl_plane_diag.py 1
   TR=/tmp/traces; mkdir -p $TR/b256
   MEGASERVE_EXPERT_TRACE=$TR/b256 step bench_b256 bench.log 260 $BENCH --num-prompts 256 \
     --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2 --trace-dir $TR/b256
@@ -47,7 +47,7 @@ profile)
     --layouts cuda_ipc:1
   tar czf "$OUT/traces.tgz" -C $TR . ;;
 check)  # tests and benchmarks of a change, one call
-  step nccl_diag nccl.log 60 python3 scripts/nccl_plane_diag.py 1
+  step nccl_diag nccl.log 60 python3 lab/device/nccl_plane_diag.py 1
   step tests_gpu tests.log 220 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 200 \
     tests/megaserve/test_device_plane_gpu.py -k "across or never_synchronises or no_host_sync or lost or inproc-1-1-1"
   TR=/tmp/traces; mkdir -p $TR/b256

@@ -8,7 +8,7 @@ is the CPU's widest unless ``MEGASERVE_CPU_ISA`` (avx512, avx2, baseline) names 
 ``--cpu-threads 1`` every kernel runs on this thread, and the numbers hardly move with the
 load of a shared machine.
 
-    python scripts/cpu_decode_profile.py [--cpu-threads N] [--num-seqs 64] [--cpu-time]
+    python lab/cpu_decode_profile.py [--cpu-threads N] [--num-seqs 64] [--cpu-time]
 """
 
 from __future__ import annotations
