@@ -97,7 +97,10 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
     poller = HealthPoller(server.grpc_address)
     pids: list[int] = []
     try:
-        server.wait_ready(240)
+        # Four Ray actors each import torch and load a shard: 240 s was not enough beside two
+        # CPU hogs and a suite. The server fails by itself if they never start (its start-up
+        # deadline); this bound only catches a hang.
+        server.wait_ready(900)
         # Placement, from the state API: attention on the H100 node, experts on the L40S one.
         workers = [a for a in _worker_actors(cluster) if a.class_name == "RayWorker"]
         assert len(workers) == 4, workers
@@ -113,7 +116,7 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         pids = [a.pid for a in workers]
 
         poller.start()
-        wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 60, "SERVING")
+        wait_for(lambda: poller.history and poller.history[-1][1] == "SERVING", 300, "SERVING")
         (victim,) = [a for a in workers if "-expert-0-" in a.name]
         # The actor's process dies mid-stream: a lost worker.
         kill_mid_stream(server.grpc_address, poller, expected, victim.pid)
@@ -126,9 +129,9 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         (victim,) = [a for a in workers if "-expert-1-" in a.name]
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
-        wait_for(lambda: poller.first("NOT_SERVING", killed) is not None, 60, "NOT_SERVING")
+        wait_for(lambda: poller.first("NOT_SERVING", killed) is not None, 300, "NOT_SERVING")
         wait_for(lambda: poller.first("SERVING", poller.first("NOT_SERVING", killed)) is not None,
-                 120, "health back after the idle kill")
+                 600, "health back after the idle kill")
         again = Stream(server.grpc_address, *REQUESTS[1])
         again.run()
         assert again.error is None and list(again.complete.output_ids) == expected[1].token_ids
@@ -139,7 +142,7 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         streams = [Stream(server.grpc_address, p, s) for p, s in REQUESTS]
         for s in streams:
             s.start()
-        wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
+        wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 300,
                  "first tokens of every stream")
         server.proc.send_signal(signal.SIGTERM)
         for s in streams:
