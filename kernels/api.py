@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from .fp8 import BlockFp8
+from .fp8 import BlockFp8, dequantize
 
 # Keys per attention split. Fixed, so a query's reduction order depends only on its own
 # position: a decode token and the same token inside a (chunked) prefill agree bitwise.
@@ -262,19 +262,29 @@ def sigmoid_topk_route(
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """:func:`linear` for a block-FP8 weight (e4m3 `[N, K]`, float32 scale_inv per 128 x 128
-    block); contract in :mod:`kernels.fp8`."""
-    from .fp8 import fp8_linear as run
+    block; :mod:`kernels.fp8`): x `[M, K]`, returns `[M, N]` in x.dtype. CUDA: activations
+    quantized per token and 128-group, fp32 accumulation, row-invariant (Triton); CPU: the
+    weight dequantized to x.dtype, then :func:`linear`."""
+    if x.is_cuda:
+        from .triton_impl.fp8_gemm import fp8_linear as gpu_linear
 
-    return run(x, weight, scale_inv)
+        return gpu_linear(x, weight, scale_inv)
+    return linear(x, dequantize(weight, scale_inv, x.dtype))
 
 
 def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
                    s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
                    *, rows_per_token: int = 1) -> torch.Tensor:
-    """:func:`expert_ffn` on block-FP8 expert weights; contract in :mod:`kernels.fp8`."""
-    from .fp8 import fp8_expert_ffn as run
+    """:func:`expert_ffn` on block-FP8 expert weights (w_gate_up `[E, 2I, D]`, w_down
+    `[E, D, I]` e4m3 with their scales; :mod:`kernels.fp8`). Returns `[R, D]` in x.dtype;
+    each routed row's result is independent of the other rows. CPU: the weights
+    dequantized to x.dtype, then :func:`expert_ffn`."""
+    if x.is_cuda:
+        from .triton_impl.fp8_moe import fp8_expert_ffn as gpu_ffn
 
-    return run(x, expert_ids, w_gate_up, s_gate_up, w_down, s_down, rows_per_token=rows_per_token)
+        return gpu_ffn(x, expert_ids, w_gate_up, s_gate_up, w_down, s_down, rows_per_token)
+    return expert_ffn(x, expert_ids, dequantize(w_gate_up, s_gate_up, x.dtype),
+                      dequantize(w_down, s_down, x.dtype), rows_per_token=rows_per_token)
 
 
 def expert_ffn(

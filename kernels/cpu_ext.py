@@ -48,7 +48,7 @@ ISA_FLAGS = {
 }
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
+SIGNATURES = {
     "ms_linear": [_P, _I64, _I64, _P, _I64, _P, _P, _INT],
     "ms_expert_ffn": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _INT],
     "ms_rms_norm": [_P, _P, _P, _I64, _I64, _F32, _P, _P, _INT],
@@ -89,13 +89,13 @@ def library_path(isa: str) -> Path:
     """Where the library for ``isa`` lives (built or not); raises CpuKernelBuildError
     when no compiler is found or the source is missing."""
     files = _source_files()
-    compiler = _compiler()
+    compiler = compiler_path()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout
     digest = hashlib.sha256()
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    for part in (" ".join(_flags(isa)).encode(), version.encode()):
+    for part in (" ".join(compile_flags(isa)).encode(), version.encode()):
         digest.update(part)
     return cache_dir() / f"{isa}-{digest.hexdigest()[:16]}" / "megaserve_cpu_ext.so"
 
@@ -112,7 +112,7 @@ def build(isa: str) -> Path:
             return path
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         sources = [str(f) for f in _source_files() if f.suffix == ".cpp"]
-        cmd = [_compiler(), *_flags(isa), *sources, "-o", str(tmp)]
+        cmd = [compiler_path(), *compile_flags(isa), *sources, "-o", str(tmp)]
         start = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
@@ -131,7 +131,7 @@ def load(isa: str | None = None) -> ctypes.CDLL:
     if isa is None and _lib is not None:
         return _lib
     lib = ctypes.CDLL(str(build(isa or default_isa())))
-    for name, argtypes in _SIGNATURES.items():
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ms_panel_width.argtypes, lib.ms_panel_width.restype = [], ctypes.c_int
@@ -150,11 +150,13 @@ def _source_files() -> list[Path]:
     return files
 
 
-def _flags(isa: str) -> list[str]:
+def compile_flags(isa: str) -> list[str]:
+    """The compiler flags of the ``isa`` build (``ISA_FLAGS``' keys)."""
     return [*BASE_FLAGS, *ISA_FLAGS[isa]]
 
 
-def _compiler() -> str:
+def compiler_path() -> str:
+    """The C++ compiler (``$CXX``, default g++) on PATH; CpuKernelBuildError without one."""
     name = os.environ.get("CXX", "g++")
     path = shutil.which(name)
     if path is None:

@@ -1,7 +1,9 @@
-"""Block-FP8 GEMMs (kernel API): CUDA runs the batch-invariant Triton kernels of
-:mod:`kernels.triton_impl.fp8_gemm` (linears) and :mod:`kernels.triton_impl.fp8_moe`
-(experts); other devices dequantize the weights and run the backend's float kernels
-(the bits differ from CUDA's, as everywhere between devices).
+"""Block-FP8 weights (:class:`BlockFp8`) and their dequantization. The GEMMs over them are
+``kernels.api.fp8_linear`` / ``fp8_expert_ffn``: CUDA runs the batch-invariant Triton
+kernels of :mod:`kernels.triton_impl.fp8_gemm` (linears) and
+:mod:`kernels.triton_impl.fp8_moe` (experts); other devices dequantize the weights
+(:func:`dequantize`) and run the backend's float kernels (the bits differ from CUDA's, as
+everywhere between devices).
 
 Weights are e4m3 `[N, K]` (experts `[E, N, K]`) with float32 ``scale_inv`` of one value per
 128 x 128 block, the DeepSeek-V3 / Qwen3-FP8 checkpoint format.
@@ -67,31 +69,3 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
     scale = scale_inv.float().repeat_interleave(BLOCK, -2)[..., :n, :]
     scale = scale.repeat_interleave(BLOCK, -1)[..., :k]
     return (weight.float() * scale).to(dtype)
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for a block-FP8 weight: x `[M, K]`; returns `[M, N]` in x.dtype.
-    CUDA: activations quantized per token and 128-group, fp32 accumulation, row-invariant."""
-    if x.is_cuda:
-        from .triton_impl.fp8_gemm import fp8_linear as gpu_linear
-
-        return gpu_linear(x, weight, scale_inv)
-    from .api import linear
-
-    return linear(x, dequantize(weight, scale_inv, x.dtype))
-
-
-def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.Tensor,
-                   s_gate_up: torch.Tensor, w_down: torch.Tensor, s_down: torch.Tensor,
-                   *, rows_per_token: int = 1) -> torch.Tensor:
-    """``kernels.expert_ffn`` on block-FP8 expert weights (w_gate_up `[E, 2I, D]`, w_down
-    `[E, D, I]` e4m3 with their scales). Returns `[R, D]` in x.dtype; each routed row's
-    result is independent of the other rows."""
-    if x.is_cuda:
-        from .triton_impl.fp8_moe import fp8_expert_ffn as gpu_ffn
-
-        return gpu_ffn(x, expert_ids, w_gate_up, s_gate_up, w_down, s_down, rows_per_token)
-    from .api import expert_ffn
-
-    return expert_ffn(x, expert_ids, dequantize(w_gate_up, s_gate_up, x.dtype),
-                      dequantize(w_down, s_down, x.dtype), rows_per_token=rows_per_token)

@@ -31,10 +31,11 @@ from megaserve.kernels import cpu, cpu_ext
 def build(name: str, src: Path, out_dir: Path) -> ctypes.CDLL:
     out = out_dir / f"{name}.so"
     sources = sorted(str(f) for f in src.glob("*.cpp"))
-    subprocess.run([cpu_ext._compiler(), *cpu_ext._flags(cpu_ext.default_isa()), *sources,
+    flags = cpu_ext.compile_flags(cpu_ext.default_isa())
+    subprocess.run([cpu_ext.compiler_path(), *flags, *sources,
                     "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
-    for fn_name, argtypes in cpu_ext._SIGNATURES.items():
+    for fn_name, argtypes in cpu_ext.SIGNATURES.items():
         if hasattr(lib, fn_name):  # an older source may lack a kernel
             fn = getattr(lib, fn_name)
             fn.argtypes, fn.restype = argtypes, None
