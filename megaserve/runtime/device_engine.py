@@ -56,7 +56,7 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
                                             ReplicaInbox, StepBarrier, Stop, WorkerFailed,
                                             WorkerReady)
 from megaserve.runtime.engine_client import EngineClient
-from megaserve.runtime.factory import device_plane_reason
+from megaserve.runtime.layout import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
 from megaserve.runtime.routing import replica_router
 from megaserve.sampling_params import SamplingParams

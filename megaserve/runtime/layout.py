@@ -82,6 +82,35 @@ def nccl_gpu_clash(config: EngineConfig, num_gpus: int | None = None) -> str | N
     return None
 
 
+def _experts_on_other_gpus(config: EngineConfig) -> bool:
+    """True where the expert workers get GPUs of their own (device_engine.expert_device)."""
+    import torch
+
+    return config.device == "cuda" and torch.cuda.device_count() > 1
+
+
+def device_plane_reason(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot run on the device data plane, or None if it can."""
+    if not config.device.startswith("cuda"):
+        return "the device data plane needs CUDA"
+    if config.colocated or config.data_parallel:
+        return ("data_parallel_size runs its workers on the host data plane (co-located "
+                "expert parallelism, or whole engines)")
+    if config.attention_gpus is not None or config.expert_gpus is not None:
+        return "attention_gpus / expert_gpus place the workers of the host data plane"
+    if config.transport == "nccl" and not _experts_on_other_gpus(config):
+        return ("nccl connects no two processes on one GPU: the device data plane puts the "
+                "expert workers on the other GPUs (device='cuda' with several visible)")
+    if config.attention_replicas > 1 and config.transport == "inproc":
+        # In one process, a replica loading a kernel module waits for every stream of the
+        # context, including an expert worker's that waits on another replica's flag.
+        return ("several attention replicas on the device data plane need expert workers "
+                "in processes (transport cuda_ipc, tcp or rdma)")
+    if config.speculative_config is not None:
+        return "speculative decoding runs on the host data plane"
+    return None
+
+
 def runs_device_roles(config: EngineConfig) -> bool:
     """Whether ``config``'s workers are device-plane processes (module docstring): CUDA,
     ``transport="cuda_ipc"``, not ``data_plane="host"``, and co-located expert

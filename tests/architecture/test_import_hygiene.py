@@ -27,23 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECKED_FOLDERS = ("megaserve", "comm", "kernels", "planner", "deploy", "lab")
 
 # Import cycles not broken yet: the modules of one cycle -> why.
-KNOWN_CYCLES = {
-    frozenset({"megaserve.runtime.device_engine", "megaserve.runtime.factory"}):
-        "factory.make_engine builds the device-plane engine, whose pieces call back into the "
-        "factory; the runtime is being restructured by its owners",
-    frozenset({"megaserve.kernels.api", "megaserve.kernels.fp8"}):
-        "api forwards fp8_linear / fp8_expert_ffn to kernels.fp8, whose CPU path "
-        "(dequantize) calls api.linear / api.expert_ffn back; just landed, for its owner "
-        "to break (the CPU path can call kernels.cpu directly)",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 # Private names taken across modules: "path: the import or attribute" -> why.
-KNOWN_PRIVATE_IMPORTS = {
-    "lab/cpu_kernel_ab.py: cpu_ext._compiler":
-        "builds two trees' CPU kernels side by side with cpu_ext's own compiler settings",
-    "lab/cpu_kernel_ab.py: cpu_ext._flags": "as above",
-    "lab/cpu_kernel_ab.py: cpu_ext._SIGNATURES": "as above",
-}
+KNOWN_PRIVATE_IMPORTS: dict[str, str] = {}
 
 _CYCLES_SCRIPT = """
 import json, sys
