@@ -115,11 +115,9 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("megaserve bench device-layouts: needs a CUDA GPU")
         return 2
-    model = args.model
-    if model.startswith("random:"):
-        from megaserve.bench.random_model import resolve_random_model
+    from megaserve.bench.random_model import model_path
 
-        model = str(resolve_random_model(model))
+    model = model_path(args.model)
     base = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

@@ -79,11 +79,9 @@ def _engine(args):
     from megaserve.engine.config import EngineConfig
     from megaserve.engine.engine import LLMEngine
 
-    model = args.model
-    if model.startswith("random:"):
-        from megaserve.bench import random_model
+    from megaserve.bench.random_model import model_path
 
-        model = str(random_model.resolve_random_model(model))
+    model = model_path(args.model)
     max_len = args.input_len + args.warmup_steps + 2 * args.steps + 8
     options = {}
     if args.async_scheduling and "async_scheduling" in EngineConfig.__dataclass_fields__:

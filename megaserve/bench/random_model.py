@@ -109,6 +109,12 @@ def resolve_random_model(name: str, weights: str = "device") -> Path:
     return path
 
 
+def model_path(name: str, weights: str = "device") -> str:
+    """What an engine's ``model`` should be for a benchmark's ``--model``: the checkpoint
+    directory of a ``random:`` name (:func:`resolve_random_model`), else ``name`` itself."""
+    return str(resolve_random_model(name, weights)) if name.startswith("random:") else name
+
+
 def _write_small(path: Path, files: dict[str, dict]) -> None:
     """Write small JSON files (each atomically: concurrent callers write the same bytes)."""
     path.mkdir(parents=True, exist_ok=True)
