@@ -1,14 +1,83 @@
 #!/usr/bin/env bash
-# GPU test files in one device call, one log each (results under $OUT, default /tmp/out):
+# GPU tests in one device call, one log per group (results under $OUT, default /tmp/out):
 #   bash lab/device/gpu_tests.sh [pytest files...]
-# With no files: the single-GPU engine tests (device plane, prefix cache, speculative
-# decoding, KV sizing, the CUDA engine). summary.txt has one line per file: rc and pytest's
-# last line.
+#   bash lab/device/gpu_tests.sh runtime [group...]
+# With no arguments: the single-GPU engine tests (device plane, prefix cache, speculative
+# decoding, KV sizing, the CUDA engine), one file at a time. `runtime`: every GPU test of the
+# disaggregated runtime (device plane, co-located EP, disaggregation, the exchange kernels) in
+# priority groups (RUNTIME_GROUPS below; name groups to run only those). Each group is one
+# pytest run, not -x, with a per-test limit (TEST_LIMIT, default 170 s; faulthandler dumps
+# the stacks of a test still running 15 s before it) and the whole call's budget
+# (BUDGET, default 480 s from the script's start): a group starts only with >= 60 s left,
+# gets what is left, and 20 s before its end every worker process of the group dumps its
+# Python stacks (faulthandler on SIGUSR1, device_workers / device_engine). Every process a
+# group started is killed when it ends. Three files (the device tool returns at most 8):
+# runtime.log (every group's output, appended as it runs), gpu.txt (the GPUs, then one line
+# per group: rc, seconds since the start, pytest's last line), verdicts.txt (one line per
+# test).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source lab/device/setup.sh
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+
+P=tests/megaserve/test_device_plane_gpu.py
+E=tests/megaserve/test_colocated_ep_gpu.py
+D=tests/megaserve/test_disaggregation_gpu.py
+declare -A RUNTIME_GROUPS=(
+    [kernels]="tests/kernels/test_plane_gpu.py"
+    [attn2]="$P::test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise \
+$P::test_a_killed_expert_process_mid_stream_on_gpus_streams_complete_bitwise"
+    [ep]="$E::test_colocated_ep_steady_decode_never_synchronises \
+$E::test_colocated_ep_on_the_device_plane_equals_one_gpu"
+    [across]="$P::test_device_plane_across_gpus_is_bitwise_colocated \
+$P::test_steady_decode_across_gpus_never_synchronises"
+    [disagg]="$D"
+    [plane1]="$P::test_device_plane_is_bitwise_colocated \
+$P::test_decode_steps_have_no_host_sync_and_constant_host_messages \
+$P::test_a_lost_expert_worker_is_a_typed_error_not_a_hang"
+    [eptcp]="$E::test_colocated_ep_over_two_gpus_equals_one_gpu"
+)
+RUNTIME_ORDER=(kernels attn2 ep across disagg plane1 eptcp)
+
+start=$SECONDS
+budget=${BUDGET:-480}
+test_limit=${TEST_LIMIT:-170}
+
+run_group() {  # name, pytest arguments...
+    local name=$1; shift
+    local left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 60 ]; then
+        echo "$name skipped: ${left}s left" | tee -a "$OUT/gpu.txt"; return
+    fi
+    local log="$OUT/runtime.log"
+    echo "===== group $name: $* (${left}s left)" >> "$log"
+    local from; from=$(wc -l < "$log")
+    setsid python -m pytest -q -rfEsxp -m gpu -p no:cacheprovider --timeout "$test_limit" \
+        -o faulthandler_timeout=$((test_limit - 15)) "$@" >> "$log" 2>&1 &
+    local pid=$!
+    (   sleep $((left - 20))
+        for p in $(pgrep -g "$pid"); do [ "$p" != "$pid" ] && kill -USR1 "$p" 2>/dev/null; done
+        sleep 10; kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    ) & local watcher=$!
+    wait "$pid"; local rc=$?
+    kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
+    kill -KILL -- "-$pid" 2>/dev/null  # processes the group left behind
+    echo "$name rc=$rc $((SECONDS - start))s $(tail -n +"$from" "$log" | tail -1)" \
+        | tee -a "$OUT/gpu.txt"
+}
+
+if [ "${1:-}" = runtime ]; then
+    shift
+    groups=("$@"); [ ${#groups[@]} -gt 0 ] || groups=("${RUNTIME_ORDER[@]}")
+    for g in "${groups[@]}"; do
+        # shellcheck disable=SC2086  # node ids split on whitespace
+        run_group "$g" ${RUNTIME_GROUPS[$g]}
+    done
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/runtime.log" > "$OUT/verdicts.txt"
+    exit 0
+fi
+
 files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(tests/megaserve/test_device_plane_gpu.py
     tests/megaserve/test_prefix_cache_gpu.py tests/megaserve/test_spec_decode_gpu.py
