@@ -151,13 +151,14 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
 # (block_m, up_n, down_n, warps, stages, x_in_loop, h_in_loop, fused)
 MOE_SWEEP = ((64, 64, 128, 4, 3, 1, 1, 1), (64, 64, 128, 4, 3, 1, 0, 1),
              (64, 64, 128, 4, 3, 0, 0, 1), (64, 32, 64, 4, 4, 1, 1, 1),
-             (64, 128, 128, 4, 3, 0, 0, 0), (64, 64, 128, 4, 4, 0, 0, 0),
-             (64, 128, 128, 4, 3, 1, 0, 0), (128, 128, 128, 8, 3, 0, 0, 0),
-             (64, 256, 128, 4, 3, 0, 0, 0))
+             (64, 32, 64, 4, 4, 0, 0, 1), (64, 128, 128, 4, 3, 0, 0, 0),
+             (64, 128, 128, 4, 4, 0, 0, 0), (64, 64, 64, 4, 4, 0, 0, 0),
+             (64, 128, 128, 8, 3, 0, 0, 0), (64, 128, 128, 4, 3, 1, 0, 0),
+             (128, 128, 128, 8, 3, 0, 0, 0), (64, 256, 128, 4, 3, 0, 0, 0))
 # (block_m, block_n, warps, stages, parts, quant_a)
 LINEAR_SWEEP = ((64, 64, 4, 4, 1, 1), (64, 64, 4, 3, 1, 1), (64, 32, 4, 4, 1, 1),
                 (64, 128, 4, 3, 1, 1), (64, 64, 4, 4, 0, 1), (64, 64, 4, 4, 1, 0),
-                (64, 128, 4, 3, 0, 0))
+                (64, 128, 4, 3, 0, 0), (64, 128, 4, 4, 1, 0))
 
 
 def sweep(batches: list[int], bandwidth: float) -> None:
@@ -204,6 +205,87 @@ def sweep(batches: list[int], bandwidth: float) -> None:
             print(f"{name:10} M={m:3d}: bf16 {t16:6.1f} fp8 " + " ".join(f"{t:6.1f}" for t in times)
                   + f"  roof {roof:5.1f}")
         del fp8, bf16
+
+
+def _compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int,
+                  num_stages: int) -> dict:
+    """Compile ``fn`` for sm_90 (an H100/H200) without a GPU: {regs, stack (spilled bytes),
+    smem (bytes), qgmma (fp8 wgmma instructions in the SASS)}."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = ptr_types.get(name, "i32")
+        if name.endswith("_ptr") or name.startswith("stride") or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as the JIT marks them at these shapes
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
+    return dict(regs=int(m[1]), stack=int(m[2]), smem=compiled.metadata.shared,
+                qgmma=sass.count("QGMMA"), async_copies=compiled.asm["ttgir"].count("async_copy"))
+
+
+def resources() -> None:
+    """Registers, spills, shared memory and QGMMA count of the FP8 kernels at the planned
+    launches, compiled for sm_90 on this machine (no GPU needed)."""
+    from .triton_impl import fp8_gemm, fp8_moe
+
+    moe_ptrs = dict(a_ptr="*bf16", as_ptr="*fp32", w_ptr="*fp8e4nv", wsc_ptr="*fp32",
+                    c_ptr="*bf16", ids_ptr="*i64", order_ptr="*i32", offsets_ptr="*i32")
+    rows_launches = {1: 8, 64: 512, 256: 2048, 1024: 8192}
+    for batch, rows in rows_launches.items():
+        lp = fp8_moe.plan_moe(rows, 128)
+        inline = rows <= fp8_moe.INLINE_ALIGN_MAX_ROWS
+        for name, n, swiglu, quant, gather in (
+                ("gate_up", 768 if lp.fused else 1536, lp.fused, lp.x_in_loop, True),
+                ("down", 2048, False, lp.h_in_loop, False)):
+            ptrs = dict(moe_ptrs, a_ptr="*bf16" if quant else "*fp8e4nv",
+                        c_ptr="*fp32" if swiglu else "*bf16")
+            if name == "down":
+                ptrs["a_ptr"] = ("*fp32" if lp.fused else "*bf16") if quant else "*fp8e4nv"
+            block_n = lp.up_n if name == "gate_up" else lp.down_n
+            cx = dict(QUANT_A=quant, SWIGLU=swiglu, ROUND=1, GATHER=gather,
+                      SCATTER=not gather, ROWS_PER_TOKEN=8 if gather else 1, INLINE=inline,
+                      BLOCK_M=lp.block_m, BLOCK_N=block_n, BLOCK_E=128,
+                      BLOCK_R=max(16, rows) if inline else 16,
+                      WS_SCALAR=block_n <= 128, GROUP=128, FP8_MAX=448.0)
+            res = _compile_sm90(fp8_moe._fp8_expert_kernel, ptrs, cx, lp.num_warps,
+                                lp.num_stages)
+            print(f"expert {name:7} batch {batch:5d} {lp}: {res}", flush=True)
+    lin_ptrs = dict(a_ptr="*bf16", as_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32",
+                    c_ptr="*bf16", ws_ptr="*fp32")
+    for m in (1, 256, 4096):
+        for n, k in ((5120, 2048), (2048, 4096)):
+            lp = fp8_gemm.plan_linear(m, n, k)
+            sg = fp8_gemm.split_groups(n, k)
+            splits = -(-(-(-k // 128)) // sg)
+            ptrs = dict(lin_ptrs) if lp.quant_a else dict(lin_ptrs, a_ptr="*fp8e4nv",
+                                                          as_ptr="*fp32")
+            cx = dict(SPLIT_GROUPS=sg, SPLITS=splits, PARTS=lp.parts and splits > 1,
+                      QUANT_A=lp.quant_a, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, GROUP=128,
+                      FP8_MAX=448.0)
+            res = _compile_sm90(fp8_gemm._fp8_linear_kernel, ptrs, cx, lp.num_warps,
+                                lp.num_stages)
+            print(f"linear {n}x{k} M={m:5d} {lp}: {res}", flush=True)
 
 
 def summarize_decode(bf16_json: str, fp8_json: str) -> None:
@@ -257,7 +339,13 @@ def main() -> None:
                         help="only summarise two `megaserve bench decode --json-out` files")
     parser.add_argument("--decode-roofline", metavar="FP8",
                         help="only summarise one fp8 decode file against its roofline")
+    parser.add_argument("--resources", action="store_true",
+                        help="only compile the FP8 kernels for sm_90 (no GPU needed) and print "
+                             "registers, spills, shared memory and QGMMA count")
     args = parser.parse_args()
+    if args.resources:
+        resources()
+        return
     if args.decode_json:
         summarize_decode(*args.decode_json)
         return

@@ -111,19 +111,31 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 @triton.jit
-def load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, QUANT_A: tl.constexpr,
+def load_raw(a_ptr, rows, row_ok, g, g_end, K, stride_am, GROUP: tl.constexpr):
+    """Group g of the float A rows ``rows`` as stored (`[ROWS, 128]`; zeros where masked
+    or g >= g_end). The K loops that quantize A load group g + 1 during step g: its
+    latency overlaps the step instead of stalling it."""
+    kk = g * GROUP + tl.arange(0, GROUP)
+    ok = row_ok[:, None] & (kk < K)[None, :] & (g < g_end)
+    return tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :], mask=ok,
+                   other=0.0)
+
+
+@triton.jit
+def load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, a_raw, QUANT_A: tl.constexpr,
                FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
     """Group g of the A rows ``rows`` as an FP8 GEMM operand: (e4m3 `[ROWS, 128]`, scale
-    `[ROWS]`). QUANT_A: a holds float rows, quantized here (:func:`quantize_tile`); else a
-    holds e4m3 rows whose scales ``a_s`` the caller loaded (:func:`load_scales`, one
-    group ahead: no load latency inside the step). The same bits either way."""
-    kk = g * GROUP + tl.arange(0, GROUP)
-    ok = row_ok[:, None] & (kk < K)[None, :]
-    at = a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
+    `[ROWS]`). QUANT_A: ``a_raw`` holds the group's float values (:func:`load_raw`, one
+    step ahead), quantized here (:func:`quantize_tile`); else a holds e4m3 rows, loaded
+    here (the compiler pipelines the load), whose scales ``a_s`` the caller loaded
+    (:func:`load_scales`, one group ahead). The same bits either way."""
     if QUANT_A:
-        q, scale = quantize_tile(tl.load(at, mask=ok, other=0.0).to(tl.float32), FP8_MAX)
+        q, scale = quantize_tile(a_raw.to(tl.float32), FP8_MAX)
         return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
     else:
+        kk = g * GROUP + tl.arange(0, GROUP)
+        ok = row_ok[:, None] & (kk < K)[None, :]
+        at = a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
         return tl.load(at, mask=ok, other=0.0), a_s
 
 
@@ -171,11 +183,21 @@ def _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols, col_ok, g_lo,
     first_col = tl.program_id(1) * BLOCK_N
     b_s = weight_scales(bs_ptr, cols, col_ok, first_col, g_lo, g_hi, stride_bsn, WS_SCALAR, GROUP)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT_A:
+        a_raw = load_raw(a_ptr, rows, row_ok, g_lo, g_hi, K, stride_am, GROUP)
+    else:
+        a_raw = a_s
     for g in range(g_lo, g_hi):
         a_s_next = load_scales(as_rows, row_ok, g + 1, g_hi, QUANT_A)
         b_s_next = weight_scales(bs_ptr, cols, col_ok, first_col, g + 1, g_hi, stride_bsn,
                                  WS_SCALAR, GROUP)
-        a, a_s = load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, QUANT_A, FP8_MAX, GROUP)
+        if QUANT_A:
+            a_raw_next = load_raw(a_ptr, rows, row_ok, g + 1, g_hi, K, stride_am, GROUP)
+        else:
+            a_raw_next = a_raw
+        a, a_s = load_group(a_ptr, rows, row_ok, g, K, stride_am, a_s, a_raw, QUANT_A,
+                            FP8_MAX, GROUP)
+        a_raw = a_raw_next
         kk = g * GROUP + tl.arange(0, GROUP)
         b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
         part = part + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * scale_cols(b_s, WS_SCALAR)

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_scales, quantize_rows,
-                       scale_cols, silu_mul_quantize_rows, swiglu, weight_scales)
+from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_raw, load_scales,
+                       quantize_rows, scale_cols, silu_mul_quantize_rows, swiglu,
+                       weight_scales)
 from .moe import INLINE_ALIGN_MAX_ROWS, align, max_tiles, rows_at, tile_of
 
 
@@ -89,6 +90,10 @@ def _fp8_expert_kernel(
                         GROUP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT_A:
+        a_raw = load_raw(a_ptr, src, row_ok, 0, num_groups, K, stride_am, GROUP)
+    else:
+        a_raw = a_s
     for g in range(0, num_groups):
         # group g + 1's scales load during step g (no load latency inside a step)
         a_s_next = load_scales(as_rows, row_ok, g + 1, num_groups, QUANT_A)
@@ -99,7 +104,13 @@ def _fp8_expert_kernel(
                                      stride_wsn, WS_SCALAR, GROUP)
         else:
             u_s_next = u_s
-        a, a_s = load_group(a_ptr, src, row_ok, g, K, stride_am, a_s, QUANT_A, FP8_MAX, GROUP)
+        if QUANT_A:  # group g + 1's rows load during step g
+            a_raw_next = load_raw(a_ptr, src, row_ok, g + 1, num_groups, K, stride_am, GROUP)
+        else:
+            a_raw_next = a_raw
+        a, a_s = load_group(a_ptr, src, row_ok, g, K, stride_am, a_s, a_raw, QUANT_A,
+                            FP8_MAX, GROUP)
+        a_raw = a_raw_next
         kk = g * GROUP + tl.arange(0, GROUP)
         w_ok = col_ok[:, None] & (kk < K)[None, :]
         b = tl.load(g_rows + kk[None, :], mask=w_ok, other=0.0)
