@@ -49,7 +49,7 @@ import queue
 import threading
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Listener, wait
+from multiprocessing.connection import Client, Listener
 
 import torch
 
@@ -301,6 +301,39 @@ def run_device_worker(spec: WorkerSpec, inbox, outbox) -> None:
             listener.close()
 
 
+def serve_replica_sockets(listener: Listener, expected: int, receive, failed,
+                          device: torch.device | None = None) -> None:
+    """Accept ``expected`` replica connections on ``listener`` and hand every message of
+    each to ``receive`` (in that socket's order) on a thread of its own, started as soon
+    as the socket is accepted; returns once all are accepted. The first exception of a
+    reader or of the accepting goes to ``failed``; a closed socket ends its reader.
+
+    Replicas connect during their start-up turns, one at a time, and the first one's
+    warm-up ticks need this expert role while the next still waits for its turn:
+    accepting every socket before reading any would deadlock with two or more remote
+    replicas."""
+    def read(conn) -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            while True:
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    return
+                receive(message)
+        except BaseException as e:  # noqa: BLE001 - the caller reports it
+            failed(e)
+
+    try:
+        for n in range(expected):
+            conn = listener.accept()
+            threading.Thread(target=read, args=(conn,), daemon=True,
+                             name=f"megaserve-replica-socket-{n}").start()
+    except BaseException as e:  # noqa: BLE001 - the caller reports it
+        failed(e)
+
+
 @dataclass
 class _Peers:
     replica_inboxes: list
@@ -427,21 +460,14 @@ class _DeviceWorker:
             self.engine.step()
 
     def _read_sockets(self, expected: int) -> None:
-        """The expert role's messages from the other processes' replicas."""
-        torch.cuda.set_device(self.device)
-        try:
-            conns = [self.listener.accept() for _ in range(expected)]
-            while conns:
-                for conn in wait(conns):
-                    try:
-                        message = conn.recv()
-                    except EOFError:
-                        conns.remove(conn)
-                        continue
-                    self.expert.receive(message)
-        except BaseException as e:  # noqa: BLE001 - the main loop reports it
-            logger.exception("expert worker %d: socket reader failed", self.expert_index)
+        """The expert role's messages from the other processes' replicas
+        (:func:`serve_replica_sockets`)."""
+        def failed(e: BaseException) -> None:
+            logger.error("expert worker %d: socket reader failed", self.expert_index, exc_info=e)
             self.expert.failed = f"{type(e).__name__}: {e}"
+
+        serve_replica_sockets(self.listener, expected, self.expert.receive, failed,
+                              self.device)
 
     def _parent_gone(self) -> bool:
         try:

@@ -7,6 +7,7 @@ interleaved). The CUDA side is in test_colocated_ep_gpu.py and test_device_plane
 
 from __future__ import annotations
 
+import queue
 import threading
 from multiprocessing.connection import Client, Listener
 
@@ -14,7 +15,8 @@ import pytest
 
 from megaserve.engine.config import EngineConfig
 from megaserve.runtime.device_plane import GraphStep
-from megaserve.runtime.device_workers import ProcessBarrier, StepGate, _SocketLink, _subsets
+from megaserve.runtime.device_workers import (ProcessBarrier, StepGate, _SocketLink, _subsets,
+                                              serve_replica_sockets)
 from megaserve.runtime.factory import uses_device_plane
 from megaserve.runtime.layout import (comm_world, ready_messages, runs_device_roles,
                                       worker_specs)
@@ -115,6 +117,44 @@ def test_reports_cross_process_sockets_once_per_step_and_expert_worker() -> None
         barriers[0].begin(3, (1,))
     for lis in listeners:
         lis.close()
+
+
+def test_an_expert_role_serves_the_first_replica_before_the_next_one_connects() -> None:
+    """Replicas connect to an expert worker one at a time (each in its start-up turn),
+    and the first one's warm-up ticks need the expert role before the second connects:
+    serve_replica_sockets reads each socket as soon as it is accepted (accepting every
+    socket first deadlocked 2 attention processes + 1 expert process on GPUs), keeps
+    each socket's order, and hands a reader's exception to ``failed``."""
+    secret = b"0123456789abcdef"
+    listener = Listener(("127.0.0.1", 0), authkey=secret)
+    got: queue.Queue = queue.Queue()
+    errors: queue.Queue = queue.Queue()
+
+    def receive(message) -> None:
+        if message == "bad":
+            raise ValueError("unexpected message 'bad'")
+        got.put(message)
+
+    acceptor = threading.Thread(target=serve_replica_sockets,
+                                args=(listener, 2, receive, errors.put), daemon=True)
+    acceptor.start()
+    first = Client(listener.address, authkey=secret)
+    first.send("replica 0: warm-up tick")
+    assert got.get(timeout=120) == "replica 0: warm-up tick"  # the second is not there yet
+    second = Client(listener.address, authkey=secret)
+    for n in range(3):
+        first.send(("replica 0", n))
+        second.send(("replica 1", n))
+    received = [got.get(timeout=120) for _ in range(6)]
+    for replica in ("replica 0", "replica 1"):
+        assert [n for r, n in received if r == replica] == [0, 1, 2]
+    acceptor.join(120)
+    assert not acceptor.is_alive() and errors.empty()
+    second.send("bad")
+    assert isinstance(errors.get(timeout=120), ValueError)
+    first.close()
+    second.close()
+    listener.close()
 
 
 def test_expert_graphs_captured_at_start_cover_every_participant_set() -> None:
