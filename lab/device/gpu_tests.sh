@@ -9,8 +9,9 @@
 # pytest run, not -x, with a per-test limit (TEST_LIMIT, default 170 s; faulthandler dumps
 # the stacks of a test still running 15 s before it) and the whole call's budget
 # (BUDGET, default 480 s from the script's start): a group starts only with >= 60 s left,
-# gets what is left, and 20 s before its end every worker process of the group dumps its
-# Python stacks (faulthandler on SIGUSR1, device_workers / device_engine). Every process a
+# gets what is left. When a test's faulthandler dump appears, and 20 s before the group's
+# end, every process of the group that catches SIGUSR1 (device_workers, device_engine:
+# faulthandler) dumps its Python stacks into the same log. Every process a
 # group started is killed when it ends. Three files (the device tool returns at most 8):
 # runtime.log (every group's output, appended as it runs), gpu.txt (the GPUs, then one line
 # per group: rc, seconds since the start, pytest's last line), verdicts.txt (one line per
@@ -27,22 +28,34 @@ D=tests/megaserve/test_disaggregation_gpu.py
 declare -A RUNTIME_GROUPS=(
     [kernels]="tests/kernels/test_plane_gpu.py"
     [attn2]="$P::test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise \
+$P::test_two_attention_processes_steady_decode_never_synchronises \
 $P::test_a_killed_expert_process_mid_stream_on_gpus_streams_complete_bitwise"
     [ep]="$E::test_colocated_ep_steady_decode_never_synchronises \
 $E::test_colocated_ep_on_the_device_plane_equals_one_gpu"
     [across]="$P::test_device_plane_across_gpus_is_bitwise_colocated \
 $P::test_steady_decode_across_gpus_never_synchronises"
-    [disagg]="$D"
+    [disagg]="$D -k not(tcp)"
+    [disaggtcp]="$D -k tcp"
     [plane1]="$P::test_device_plane_is_bitwise_colocated \
 $P::test_decode_steps_have_no_host_sync_and_constant_host_messages \
 $P::test_a_lost_expert_worker_is_a_typed_error_not_a_hang"
     [eptcp]="$E::test_colocated_ep_over_two_gpus_equals_one_gpu"
 )
-RUNTIME_ORDER=(kernels attn2 ep across disagg plane1 eptcp)
+RUNTIME_ORDER=(kernels attn2 ep across disagg plane1 eptcp disaggtcp)
 
 start=$SECONDS
 budget=${BUDGET:-480}
 test_limit=${TEST_LIMIT:-170}
+
+dump_workers() {  # pgid: SIGUSR1 to the group's processes that catch it (faulthandler)
+    local d mask
+    for d in /proc/[0-9]*; do
+        [ "${d#/proc/}" != "$1" ] || continue
+        [ "$(awk '{print $5}' "$d/stat" 2>/dev/null)" = "$1" ] || continue
+        mask=$(awk '/^SigCgt/{print $2}' "$d/status" 2>/dev/null)
+        [ -n "$mask" ] && (( 0x$mask & 0x200 )) && kill -USR1 "${d#/proc/}" 2>/dev/null
+    done
+}
 
 run_group() {  # name, pytest arguments...
     local name=$1; shift
@@ -56,8 +69,15 @@ run_group() {  # name, pytest arguments...
     setsid python -m pytest -q -rfEsxp -m gpu -p no:cacheprovider --timeout "$test_limit" \
         -o faulthandler_timeout=$((test_limit - 15)) "$@" >> "$log" 2>&1 &
     local pid=$!
-    (   sleep $((left - 20))
-        for p in $(pgrep -g "$pid"); do [ "$p" != "$pid" ] && kill -USR1 "$p" 2>/dev/null; done
+    (   # a test's faulthandler dump (15 s before its limit): its worker processes' stacks
+        # too; 20 s before the group's end: stacks, then the whole group killed
+        seen=0; until_s=$((SECONDS + left - 20))
+        while [ $SECONDS -lt $until_s ]; do
+            sleep 2
+            n=$(tail -n +"$from" "$log" | grep -c "^Timeout (")
+            if [ "$n" -gt "$seen" ]; then seen=$n; dump_workers "$pid"; fi
+        done
+        dump_workers "$pid"
         sleep 10; kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
     ) & local watcher=$!
     wait "$pid"; local rc=$?

@@ -130,10 +130,15 @@ class StepGate:
 
 class ExpertRole:
     """The expert role of a process: its server, behind one lock (the process's replica
-    thread and its socket reader both launch on the server's stream)."""
+    thread and its socket readers all launch on the server's stream).
 
-    def __init__(self, server: ExpertServer) -> None:
+    ``own_sync_debug``: the process runs no replica, so a graph step is launched under
+    its StepReport's ``sync_debug`` (``torch.cuda.set_sync_debug_mode`` is per process:
+    a co-located process's replica thread sets it for the whole step instead)."""
+
+    def __init__(self, server: ExpertServer, own_sync_debug: bool = False) -> None:
         self.server = server
+        self.own_sync_debug = own_sync_debug
         self.gate = StepGate()
         self._lock = threading.Lock()
         self.failed: str | None = None
@@ -146,7 +151,15 @@ class ExpertRole:
             if isinstance(message, StepReport):
                 step = self.gate.add(message)
                 if step is not None:
-                    self.server.graph_step(step.rows, step.replicas)
+                    mode = message.sync_debug if self.own_sync_debug else None
+                    previous = torch.cuda.get_sync_debug_mode()
+                    if mode is not None:
+                        torch.cuda.set_sync_debug_mode(mode)
+                    try:
+                        self.server.graph_step(step.rows, step.replicas)
+                    finally:
+                        if mode is not None:
+                            torch.cuda.set_sync_debug_mode(previous)
                     self.graph_steps += 1
             elif isinstance(message, GraphStep):  # one replica: no lockstep to gate
                 self.server.graph_step(message.rows, message.replicas)
@@ -203,21 +216,27 @@ class ProcessBarrier:
         self.links = links  # each with .put(message)
         self._step: int | None = None
         self._participants: tuple[int, ...] = ()
+        self._sync_debug: str | None = None
         self._reported = True
         self.host_messages = 0
         self.graph_steps = 0
 
-    def begin(self, step: int, participants: tuple[int, ...]) -> None:
+    def begin(self, step: int, participants: tuple[int, ...],
+              sync_debug: str | None = None) -> None:
+        """Global step ``step`` of ``participants`` starts (``sync_debug``: its RunStep's,
+        passed on in the StepReport)."""
         if self.replica not in participants:
             raise ValueError(f"replica {self.replica} runs step {step} without taking part "
                              f"in it (participants {participants})")
         self._step, self._participants, self._reported = step, tuple(participants), False
+        self._sync_debug = sync_debug
 
     def report(self, replica: int, rows: int | None) -> None:
         if self._reported:
             return
         self._reported = True
-        message = StepReport(self._step, self.replica, rows, self._participants)
+        message = StepReport(self._step, self.replica, rows, self._participants,
+                             self._sync_debug)
         for link in self.links:
             link.put(message)
         self.host_messages += len(self.links)
@@ -375,7 +394,7 @@ class _DeviceWorker:
         if self.expert_index is not None:
             server = ExpertServer(part, self.expert_index, shape, own_expert,
                                   peers.replica_inboxes, self.moe_layers, device)
-            self.expert = ExpertRole(server)
+            self.expert = ExpertRole(server, own_sync_debug=self.replica is None)
             remote = sum(1 for c in cards if c["replica"] is not None
                          and c["expert"] != self.expert_index)
             self._reader = threading.Thread(target=self._read_sockets, args=(remote,),
@@ -520,7 +539,7 @@ class _DeviceWorker:
 
     def _run_step(self, message: RunStep) -> None:
         if self.barrier is not None:
-            self.barrier.begin(message.step, message.replicas)
+            self.barrier.begin(message.step, message.replicas, message.sync_debug)
         previous = torch.cuda.get_sync_debug_mode()
         if message.sync_debug is not None:
             torch.cuda.set_sync_debug_mode(message.sync_debug)

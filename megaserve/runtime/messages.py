@@ -77,12 +77,14 @@ class StepReport:
 
     ``rows``: its decode graph's rows per micro-batch (None: an eager step, whose ticks
     are messages of their own, or nothing to run). ``participants``: every replica of the
-    step, so the expert worker knows whom to wait for."""
+    step, so the expert worker knows whom to wait for. ``sync_debug``: the step's
+    ``RunStep.sync_debug``, which an expert-only process launches the step's graph under."""
 
     step: int
     replica: int
     rows: int | None
     participants: tuple[int, ...]
+    sync_debug: str | None = None
 
 
 @dataclass(frozen=True)

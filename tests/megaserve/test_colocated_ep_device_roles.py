@@ -119,6 +119,21 @@ def test_reports_cross_process_sockets_once_per_step_and_expert_worker() -> None
         lis.close()
 
 
+def test_a_step_report_carries_its_steps_sync_debug_mode() -> None:
+    """An expert-only process launches a step's graph under the mode the front-end's
+    RunStep set for the step's replicas (steady decode under "error" covers every role):
+    the replica passes it on in each StepReport."""
+    sent: queue.Queue = queue.Queue()
+    barrier = ProcessBarrier(0, [sent])
+    barrier.begin(5, (0, 1), "error")
+    barrier.report(0, 8)
+    barrier.begin(6, (0,))
+    barrier.report(0, None)
+    assert [sent.get_nowait(), sent.get_nowait()] == [
+        StepReport(5, 0, 8, (0, 1), "error"), StepReport(6, 0, None, (0,), None)]
+    assert sent.empty()
+
+
 def test_an_expert_role_serves_the_first_replica_before_the_next_one_connects() -> None:
     """Replicas connect to an expert worker one at a time (each in its start-up turn),
     and the first one's warm-up ticks need the expert role before the second connects:

@@ -79,16 +79,73 @@ def _assert_device_roles_ran_graphs(kind, stats, replicas, workers) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs 2 GPUs")
-@pytest.mark.parametrize("m", [1, 2])
-def test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise(colocated, m) -> None:
+@pytest.mark.parametrize("transport,m", [("cuda_ipc", 1), ("cuda_ipc", 2), ("nccl", 1),
+                                         ("nccl", 2)])
+def test_two_attention_processes_on_gpu0_experts_on_gpu1_are_bitwise(colocated, transport,
+                                                                      m) -> None:
     """MegaScale-Infer's shape on one host: two attention replica processes on GPU 0, one
-    expert process on GPU 1 (cuda_ipc, lockstep, CUDA graphs on both roles), bitwise
-    equal to the co-located engine on one GPU (greedy with logprobs, seeded, uneven
-    lengths: the replicas step alone once the other is done)."""
+    expert process on GPU 1, bitwise equal to the co-located engine on one GPU (greedy
+    with logprobs, seeded, uneven lengths: the replicas step alone once the other is
+    done). cuda_ipc: device-plane processes (lockstep, CUDA graphs on both roles). nccl:
+    the host data plane's processes over NCCL frames (the device-plane processes map
+    each other's buffers over CUDA IPC; nccl there is the one-replica front-end's relay)."""
     seqs, kind, stats = _run(attention_replicas=2, expert_workers=1, microbatches=m,
-                             transport="cuda_ipc", attention_gpus=(0, 0), expert_gpus=(1,))
-    _assert_device_roles_ran_graphs(kind, stats, 2, 1)
+                             transport=transport, attention_gpus=(0, 0), expert_gpus=(1,))
+    if transport == "cuda_ipc":
+        _assert_device_roles_ran_graphs(kind, stats, 2, 1)
+    else:
+        assert kind == "DisaggregatedEngine"
+        assert sorted(stats) == [0] and stats[0].rows > 0  # the expert worker's, at stop
     assert seqs == colocated
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs")
+def test_two_attention_processes_steady_decode_never_synchronises(colocated) -> None:
+    """Two attention processes on GPU 0, one expert process on GPU 1 (cuda_ipc), async
+    scheduling: once the decode graphs run, six steady steps of every role run under
+    ``set_sync_debug_mode("error")`` (each replica's whole step; the expert process's
+    graph launches, under its StepReports' mode). A synchronisation fails the process
+    and forces a restart, so none may happen; the tokens stay bitwise one GPU's."""
+    from megaserve.engine.config import EngineConfig
+    from megaserve.runtime.factory import make_engine
+
+    engine = make_engine(EngineConfig(
+        model="builtin:tiny-moe", device="cuda", dtype="bfloat16", max_num_seqs=8,
+        kv_cache_memory_bytes=1 << 28, attention_replicas=2, expert_workers=1,
+        transport="cuda_ipc", attention_gpus=(0, 0), expert_gpus=(1,),
+        async_scheduling=True))
+    try:
+        assert engine.device_roles
+        # No logprobs: a step returning them reads its tokens first (by design).
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        outputs = {}
+
+        def collect(outs):
+            for out in outs:
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+
+        for _ in range(4):  # prefill, then decode graphs
+            collect(engine.step())
+        engine.step_sync_debug = "error"
+        steady = 0
+        while engine.has_unfinished_requests() and steady < 6:
+            collect(engine.step())
+            steady += 1
+        engine.step_sync_debug = None
+        while engine.has_unfinished_requests():
+            collect(engine.step())
+        assert steady == 6
+        assert engine.health().restarts == 0, engine.health()
+    finally:
+        engine.shutdown()
+    # The expert process replayed its step graphs (one per global graph step).
+    assert sum(s.expert_graph_steps for s in engine.expert_stats.values()) >= steady
+    assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == [
+        token_ids for token_ids, _ in colocated[:len(PROMPTS)]]
 
 
 def test_decode_steps_have_no_host_sync_and_constant_host_messages() -> None:
