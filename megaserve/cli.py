@@ -28,6 +28,7 @@ BENCHMARKS = {
     "planner": ("megaserve.planner.bench:main", "plan a 1,000-GPU heterogeneous inventory, against baselines"),
     "cpu": ("megaserve.bench.cpu:main", "the CPU path on a tiny random Mixtral"),
     "device-plane": ("megaserve.bench.device_plane:main", "the device data plane against the co-located engine"),
+    "device-layouts": ("megaserve.bench.device_layouts:main", "multi-GPU layouts (EP, DP, split) per GPU against one GPU"),
     "plane-tick": ("megaserve.bench.plane_tick:main", "one tick's dispatch + combine across GPUs vs NCCL send/recv"),
     "host": ("megaserve.bench.host:main", "host (Python) time per decode step, by phase"),
 }

@@ -6,6 +6,10 @@
 #   bench:   the benchmark table of docs/results/disaggregation.md
 #   speed:   the split's cost (plane kernels, bitwise across GPUs, tick vs NCCL, batch 256 A/B)
 #   speed2:  batch 1024, m = 3 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
+#   layouts: megaserve bench device-layouts, one call: Qwen3-30B-A3B:48 at 256 and 1024
+#            sequences per replica (one GPU, EP over 2, DP over 2, 1+1 at m = 1, 2, 3), then
+#            Qwen3-235B-A22B:LAYERS_235B (default 27: experts <= 90% of one H200), EP over 2
+#            vs 1+1 at equal sequences, 64 and 2048 prompt tokens; JSON under $OUT
 # Every step has its own timeout, capped so the whole script ends within BUDGET_S; a failed
 # or timed-out step is recorded in summary.txt and the next one runs.
 set -u
@@ -87,6 +91,19 @@ speed2)  # batch 1024 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
     --model random:qwen3-235b-a22b:${LAYERS_235B:-20} --input-len 64 --output-len 256 \
     --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
     --layouts cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW ;;
+layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", one call
+  DL="python3 -m megaserve.bench.device_layouts"
+  cleanup() {  # worker processes a killed step left behind (this machine runs only this script)
+    for p in $(pgrep -f "multiprocessing.spawn|multiprocessing.forkserver"); do kill -9 "$p" 2>/dev/null; done; }
+  step l30b layouts.log ${L30B_S:-300} $DL --model $MODEL --cases 64x256,64x1024 --whole 64x256 \
+    --layouts ${LAYOUTS_30B:-ep:2,split:1,dp:2,split:2,split:3} --json "$OUT/l30b.json" \
+    --measurements "$OUT/m30b.json"
+  cleanup
+  step l235b layouts.log 300 $DL --model random:qwen3-235b-a22b:${LAYERS_235B:-27} \
+    --cases ${CASES_235B:-64x1024,2048x256} --batch-is total --whole none \
+    --kv-cache-memory-bytes $((36 << 30)) --baseline ep:2 --layouts split:1 \
+    --json "$OUT/l235b.json" --measurements "$OUT/m235b.json"
+  cleanup ;;
 bench)
   step bench_b256 bench.log 250 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2,cuda_ipc:3
   step bench_b1024 bench.log 250 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1 ;;

@@ -1,14 +1,15 @@
-"""``megaserve bench device-layouts``: multi-GPU layouts of one host against one GPU.
+"""``megaserve bench device-layouts``: multi-GPU layouts of one host against a baseline.
 
-Every layout serves the same workload (greedy, ``--input-len`` in, ``--output-len`` out);
-the co-located single-process engine on one GPU (CUDA graphs) is measured first in the
-same run as the baseline, and each layout's tok/s is reported whole and per GPU::
+Every layout serves the same cases; the baseline layout (``--baseline``, default the
+co-located single-process engine on one GPU, CUDA graphs) is measured first in the same
+run, and each layout's tokens/s is reported whole and per GPU::
 
-    megaserve bench device-layouts --model random:qwen3-30b-a3b:48 --num-prompts 256 \\
-        --max-num-seqs 256 --layouts ep:2,attn2:1,dp:2
+    megaserve bench device-layouts --model random:qwen3-30b-a3b:48 --cases 64x256,64x1024 \\
+        --whole 64x256 --layouts ep:2,dp:2,split:1,split:2 --json out.json
 
 Layouts (``--layouts``, comma-separated):
 
+* ``colocated``: one engine in this process on one GPU;
 * ``ep:N``: co-located expert parallelism over N GPUs on the device plane
   (``data_parallel_size=N, enable_expert_parallel=True, transport="cuda_ipc"``: process i
   on GPU i is attention replica i and expert worker i);
@@ -18,30 +19,137 @@ Layouts (``--layouts``, comma-separated):
 * ``split:m``: one attention replica on GPU 0 + one expert process on GPU 1, m
   micro-batches (the device plane's one-process front-end).
 
-Per layout: tok/s of the whole workload (prefill included) over its wall time, per GPU,
-the ratio per GPU to one GPU, and the steady decode step (10 steps after 6, every
-sequence decoding).
+A case ``IxB`` is ``I`` prompt tokens and ``B`` sequences **per attention replica** (a
+layout with R replicas serves ``R * B``; with ``--batch-is total`` B is the layout's,
+``ceil(B / R)`` per replica), ``--output-len`` tokens each. Per layout and
+case:
+
+* ``steady``: the ``R * B`` prompts are prefilled, decode runs until every sequence has a
+  token plus :data:`SETTLE_STEPS` steps (graphs captured and replayed), then
+  :data:`TIMED_STEPS` steps are timed: ``ms_step`` (the TPOT at that batch) and
+  ``tok_s = R * B / ms_step``, whole and per GPU;
+* for the cases in ``--whole``: the whole workload (``R * B`` fresh prompts, prefill
+  included, every request to ``--output-len``) over its wall time, whole and per GPU.
+
+One engine per layout serves every case (``max_num_seqs`` = the largest B). ``--json``
+writes every row as it is measured (a run cut short keeps what finished);
+``--measurements`` writes the planner's measurement file (planner/measurements.py) of the
+rows it can express (co-located on one GPU, co-located EP, 1 attention + n_e experts).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import random
 import time
+from dataclasses import dataclass
+
+SETTLE_STEPS = 4  # decode steps after every sequence has a token, before timing
+TIMED_STEPS = 10
 
 
-def _workload(vocab: int, num_prompts: int, input_len: int, seed: int) -> list[dict]:
-    import random
+@dataclass(frozen=True)
+class Case:
+    """``input_len`` prompt tokens, ``batch`` sequences per attention replica."""
 
+    input_len: int
+    batch: int
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.batch < 1:
+            raise ValueError(f"a case needs input_len >= 1 and batch >= 1, got {self}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.input_len}x{self.batch}"
+
+
+def parse_cases(text: str) -> list[Case]:
+    """``"64x256,2048x128"`` -> cases; ValueError naming a malformed entry."""
+    cases = []
+    for item in filter(None, text.split(",")):
+        left, sep, right = item.partition("x")
+        if not sep or not left.isdigit() or not right.isdigit():
+            raise ValueError(f"case {item!r}: expected INPUT_LENxBATCH, e.g. 64x256")
+        cases.append(Case(int(left), int(right)))
+    if not cases:
+        raise ValueError("no cases: give e.g. --cases 64x256")
+    return cases
+
+
+def layout_config(name: str, base: dict, device: str = "cuda"):
+    """(EngineConfig, GPUs used, attention replicas) of a ``--layouts`` entry; ValueError
+    for an unknown one. ``device="cpu"`` runs the same layouts over ``tcp`` (a check of the
+    harness: no GPUs, the counts are the processes a GPU run would place)."""
+    from megaserve.engine.config import EngineConfig
+
+    link = "cuda_ipc" if device.startswith("cuda") else "tcp"
+    kind, _, arg = name.partition(":")
+    if kind == "colocated" and not arg:
+        return EngineConfig(**base, device=f"{device}:0" if device == "cuda" else device), 1, 1
+    if kind in ("ep", "dp") and arg.isdigit() and int(arg) >= 2:
+        n = int(arg)
+        if kind == "ep":
+            return EngineConfig(**base, device=device, data_parallel_size=n,
+                                enable_expert_parallel=True, transport=link), n, n
+        return EngineConfig(**base, device=device, data_parallel_size=n, transport="tcp"), n, n
+    if kind.startswith("attn") and kind[4:].isdigit() and arg.isdigit():
+        r, e = int(kind[4:]), int(arg)
+        gpus = dict(attention_gpus=(0,) * r, expert_gpus=tuple(range(1, 1 + e))) if link == "cuda_ipc" else {}
+        return EngineConfig(**base, device=device, attention_replicas=r, expert_workers=e,
+                            transport=link, **gpus), 1 + e, r
+    if kind == "split" and (arg or "1").isdigit():
+        return EngineConfig(**base, device=device, disaggregate=True, transport=link,
+                            microbatches=int(arg or 1)), 2, 1
+    raise ValueError(f"unknown layout {name!r}: use colocated, ep:N, dp:N (N >= 2), attnR:E or split:m")
+
+
+def _prompts(vocab: int, count: int, input_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(input_len)]}
-            for _ in range(num_prompts)]
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(count)]
 
 
-def _run_all(engine, prompts, params, tag: str) -> tuple[float, int, int]:
-    """(wall s, generated tokens, steps) of serving ``prompts`` to the end."""
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def steady(engine, prompts: list[list[int]], params, device: str, tag: str) -> dict:
+    """Decode ms per step with every sequence of ``prompts`` decoding (module docstring);
+    the requests are aborted afterwards. ``steps_to_decode``: steps until each had a token."""
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", p["prompt_token_ids"], params)
+        engine.add_request(f"{tag}{i}", p, params)
+    started, steps = set(), 0
+    while len(started) < len(prompts):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("every request finished before all were decoding: raise --output-len")
+        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        steps += 1
+    for _ in range(SETTLE_STEPS):
+        engine.step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        engine.step()
+    _sync(device)
+    ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
+    for i in range(len(prompts)):
+        engine.abort_request(f"{tag}{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"ms_step": ms, "steps_to_decode": steps, "timed_steps": TIMED_STEPS}
+
+
+def whole(engine, prompts: list[list[int]], params, device: str, tag: str) -> dict:
+    """The whole workload over its wall time: generated tokens / s and steps."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    _sync(device)
     start = time.perf_counter()
     generated = steps = 0
     while engine.has_unfinished_requests():
@@ -49,49 +157,85 @@ def _run_all(engine, prompts, params, tag: str) -> tuple[float, int, int]:
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
         steps += 1
-    return time.perf_counter() - start, generated, steps
+    _sync(device)
+    wall = time.perf_counter() - start
+    return {"whole_tok_s": generated / wall, "whole_s": wall, "whole_steps": steps,
+            "generated": generated}
 
 
-def _steady_ms(engine, prompts, params) -> float:
-    """Wall ms per decode step with every sequence of ``prompts`` decoding."""
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", p["prompt_token_ids"], params)
-    for _ in range(6):
-        engine.step()
-    start, steps = time.perf_counter(), 10
-    for _ in range(steps):
-        engine.step()
-    ms = (time.perf_counter() - start) / steps * 1e3
-    for i in range(len(prompts)):
-        engine.abort_request(f"s{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
-    return ms
+def per_replica(case: Case, replicas: int, total: bool) -> int:
+    """Sequences per attention replica of ``case`` (``total``: ``case.batch`` is the
+    layout's, split evenly, rounded up)."""
+    return -(-case.batch // replicas) if total else case.batch
 
 
-def layout_config(name: str, base: dict):
-    """(EngineConfig, GPUs used) of a ``--layouts`` entry; ValueError for an unknown one."""
-    from megaserve.engine.config import EngineConfig
+def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[str], output_len: int,
+                   device: str, seed: int, total: bool = False) -> list[dict]:
+    """One engine for layout ``name`` (``max_num_seqs``: the largest batch per replica);
+    a row per case (module docstring)."""
+    from megaserve import SamplingParams
+    from megaserve.runtime.factory import make_engine
 
-    kind, _, arg = name.partition(":")
-    if kind == "colocated":
-        return EngineConfig(**base, device="cuda:0"), 1
-    if kind == "ep":
-        n = int(arg)
-        return EngineConfig(**base, device="cuda", data_parallel_size=n,
-                            enable_expert_parallel=True, transport="cuda_ipc"), n
-    if kind == "dp":
-        n = int(arg)
-        return EngineConfig(**base, device="cuda", data_parallel_size=n, transport="tcp"), n
-    if kind.startswith("attn") and kind[4:].isdigit():
-        r, e = int(kind[4:]), int(arg)
-        return EngineConfig(**base, device="cuda", attention_replicas=r, expert_workers=e,
-                            transport="cuda_ipc", attention_gpus=(0,) * r,
-                            expert_gpus=tuple(range(1, 1 + e))), 1 + e
-    if kind == "split":
-        return EngineConfig(**base, device="cuda", disaggregate=True, transport="cuda_ipc",
-                            microbatches=int(arg or 1)), 2
-    raise ValueError(f"unknown layout {name!r}: use colocated, ep:N, dp:N, attnR:E or split:m")
+    _, _, replicas = layout_config(name, base, device)
+    base = {**base, "max_num_seqs": max(per_replica(c, replicas, total) for c in cases)}
+    config, gpus, replicas = layout_config(name, base, device)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine = make_engine(config)
+    start_s = time.perf_counter() - started
+    rows = []
+    try:
+        for n, case in enumerate(cases):
+            count = replicas * per_replica(case, replicas, total)
+            row = {"layout": name, "engine": type(engine).__name__, "gpus": gpus,
+                   "replicas": replicas, "m": config.microbatches, "input_len": case.input_len,
+                   "output_len": output_len, "batch": count // replicas, "seqs": count,
+                   "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "async_scheduling": config.async_scheduling, "start_s": start_s}
+            prompts = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n)
+            row.update(steady(engine, prompts, params, device, f"s{n}."))
+            row["tok_s"] = count / row["ms_step"] * 1e3
+            row["tok_s_gpu"] = row["tok_s"] / gpus
+            if case.name in whole_cases:
+                fresh = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n + 1)
+                row.update(whole(engine, fresh, params, device, f"w{n}."))
+                row["whole_tok_s_gpu"] = row["whole_tok_s"] / gpus
+            rows.append(row)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def measurement_runs(rows: list[dict]) -> list[dict]:
+    """The planner's runs (planner/measurements.py) of the rows it can express: a steady
+    row as a decode-only run, a whole row as a run with prefill."""
+    runs = []
+    for r in rows:
+        kind, _, arg = r["layout"].partition(":")
+        if kind == "colocated":
+            where = {"layout": "colocated"}
+        elif kind == "ep":
+            where = {"layout": "colocated", "ep": int(arg)}
+        elif kind == "split":
+            where = {"layout": "disaggregated", "n_e": 1, "m": r["m"]}
+        else:
+            continue  # dp:N (N copies of one GPU) and attnR:E have no planner run kind
+        shape = {"input_len": r["input_len"], "output_len": r["output_len"]}
+        runs.append({**where, **shape, "batch": r["seqs"], "step_ms": round(r["ms_step"], 3),
+                     "tok_s": round(r["tok_s"], 1)})
+        if "whole_tok_s" in r:
+            runs.append({**where, **shape, "num_prompts": r["seqs"], "max_num_seqs": r["batch"] * r["replicas"],
+                         "max_num_batched_tokens": r["max_num_batched_tokens"],
+                         "tok_s": round(r["whole_tok_s"], 1), "includes_prefill": True})
+    return runs
+
+
+def _write(path: str | None, payload: dict) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:
@@ -99,61 +243,112 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:qwen3-30b-a3b:48")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the same layouts over tcp (checks the harness, not speed)")
+    parser.add_argument("--cases", default="64x256", help="INPUT_LENxBATCH per attention replica, comma-separated")
+    parser.add_argument("--batch-is", choices=("replica", "total"), default="replica",
+                        help="total: a case's BATCH is the layout's sequences, split over its replicas")
+    parser.add_argument("--whole", default=None,
+                        help="cases also timed as a whole workload (default: the first; 'none': no case)")
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=16 << 30)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--baseline", default="colocated", help="the layout measured first")
     parser.add_argument("--layouts", default="ep:2")
+    parser.add_argument("--async-scheduling", choices=("on", "off", "default"), default="default")
+    parser.add_argument("--json", default=None, help="write every row here as it is measured")
+    parser.add_argument("--measurements", default=None, help="write the planner's measurement file here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dry-run", action="store_true", help="check every layout's config, then stop")
     args = parser.parse_args(argv)
+    cases = parse_cases(args.cases)
+    whole_cases = ({cases[0].name} if args.whole is None else set() if args.whole == "none"
+                   else {c.name for c in parse_cases(args.whole)})
+    layouts = [args.baseline, *(n for n in args.layouts.split(",") if n and n != args.baseline)]
+    if args.measurements:
+        from megaserve.bench.profile_out import planner_model
+
+        planner_model(args.model)  # ValueError now, not after the run
     import torch
 
-    from megaserve import SamplingParams
-    from megaserve.runtime.factory import make_engine
-
-    if not torch.cuda.is_available():
-        print("megaserve bench device-layouts: needs a CUDA GPU")
-        return 2
     from megaserve.bench.random_model import model_path
 
-    model = model_path(args.model)
-    base = dict(model=model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                kv_cache_memory_bytes=args.kv_cache_memory_bytes)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    warm_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    rows = []
-    for name in ["colocated", *args.layouts.split(",")]:
-        config, gpus = layout_config(name, base)
-        started = time.perf_counter()
-        engine = make_engine(config)
-        start_s = time.perf_counter() - started
+    base = dict(model=model_path(args.model), dtype=args.dtype, max_num_seqs=max(c.batch for c in cases),
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes)  # per layout: measure_layout
+    if args.max_num_batched_tokens:
+        base["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.async_scheduling != "default":
+        base["async_scheduling"] = args.async_scheduling == "on"
+    for name in layouts:  # every name checked before the first engine
+        config, gpus, replicas = layout_config(name, base, args.device)
+        if args.dry_run:
+            print(f"{name}: {gpus} GPU(s), {replicas} replica(s), m={config.microbatches}, "
+                  f"transport {config.transport}, async {config.async_scheduling}, "
+                  f"cases {[c.name for c in cases]}")
+    if args.dry_run:
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("megaserve bench device-layouts: needs a CUDA GPU (or --device cpu)")
+        return 2
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    payload = {"device": device_name, "gpus_visible": torch.cuda.device_count() if args.device == "cuda" else 0,
+               "model": args.model, "dtype": args.dtype, "output_len": args.output_len,
+               "cases": [c.name for c in cases], "batch_is": args.batch_is, "baseline": args.baseline,
+               "tree": os.environ.get("MEGASERVE_TREE", "unknown"), "torch": torch.__version__,
+               "rows": [], "failed": {}}
+    for name in layouts:
         try:
-            warm = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed + 1)
-            _run_all(engine, warm, warm_params, "w")  # prefill shapes, decode graphs
-            prompts = _workload(engine.vocab_size, args.num_prompts, args.input_len, args.seed)
-            wall, generated, steps = _run_all(engine, prompts, params, "t")
-            steady = _steady_ms(engine, prompts, params)
-        finally:
-            engine.shutdown()
-        row = {"layout": name, "engine": type(engine).__name__, "gpus": gpus,
-               "tok_s": generated / wall, "tok_s_gpu": generated / wall / gpus,
-               "steps": steps, "steady_ms": steady, "start_s": start_s}
-        rows.append(row)
-        print("measured", row, flush=True)
-        del engine
+            rows = measure_layout(name, dict(base), cases, whole_cases, args.output_len, args.device, args.seed,
+                                  total=args.batch_is == "total")
+        except Exception as e:  # the other layouts still run; the JSON says which failed
+            payload["failed"][name] = f"{type(e).__name__}: {e}"
+            print(f"layout {name!r} FAILED: {type(e).__name__}: {e}", flush=True)
+            rows = []
+        for row in rows:
+            print("measured", row, flush=True)
+        payload["rows"] += rows
+        _write(args.json, payload)
         gc.collect()
-        torch.cuda.empty_cache()
-    base_gpu = rows[0]["tok_s_gpu"]
-    print(f"device: {torch.cuda.get_device_name()} x {torch.cuda.device_count()}  model: "
-          f"{args.model} {args.dtype}  {args.num_prompts} x ({args.input_len} in + "
-          f"{args.output_len} out), greedy, max_num_seqs {args.max_num_seqs}")
-    print(f"{'layout':<10} {'GPUs':>4} {'tok/s':>9} {'tok/s/GPU':>9} {'per GPU vs 1':>12} "
-          f"{'steady ms/step':>14} {'start s':>7}")
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    _print_table(payload)
+    if args.measurements:
+        _write(args.measurements, measurements_file(payload))
+    return 0 if not payload["failed"] else 1
+
+
+def measurements_file(payload: dict) -> dict:
+    """The planner's measurement file of a run's payload (planner/measurements.py)."""
+    from megaserve.bench.devices import catalog_gpu
+    from megaserve.bench.profile_out import planner_model
+
+    preset, layers = planner_model(payload["model"])
+    return {"format": "megaserve-measurements/1", "gpu": catalog_gpu(payload["device"]) or payload["device"],
+            "device": payload["device"], "model": preset, "num_layers": layers, "dtype": payload["dtype"],
+            "source": {"command": "megaserve bench device-layouts", "commit": payload["tree"],
+                       "what": "steady decode (batch, step_ms) and whole workloads (includes_prefill)"},
+            "runs": measurement_runs(payload["rows"])}
+
+
+def _print_table(payload: dict) -> None:
+    rows = payload["rows"]
+    print(f"device: {payload['device']} x {payload['gpus_visible']}  model: {payload['model']} "
+          f"{payload['dtype']}  out {payload['output_len']}, greedy; baseline {payload['baseline']}")
+    print(f"{'layout':<10} {'case':>9} {'GPUs':>4} {'ms/step':>8} {'tok/s/GPU':>9} {'vs base':>8} "
+          f"{'whole tok/s/GPU':>15} {'vs base':>8}")
+    key = (lambda r: (r["input_len"], r["seqs"])) if payload["batch_is"] == "total" else \
+        (lambda r: (r["input_len"], r["batch"]))
+    base = {key(r): r for r in rows if r["layout"] == payload["baseline"]}
     for r in rows:
-        print(f"{r['layout']:<10} {r['gpus']:>4} {r['tok_s']:>9.0f} {r['tok_s_gpu']:>9.0f} "
-              f"{r['tok_s_gpu'] / base_gpu:>11.2f}x {r['steady_ms']:>14.2f} {r['start_s']:>7.0f}")
-    return 0
+        b = base.get(key(r))
+        ratio = f"{r['tok_s_gpu'] / b['tok_s_gpu']:.2f}x" if b else "-"
+        whole_gpu = r.get("whole_tok_s_gpu")
+        whole_ratio = (f"{whole_gpu / b['whole_tok_s_gpu']:.2f}x"
+                       if whole_gpu and b and b.get("whole_tok_s_gpu") else "-")
+        print(f"{r['layout']:<10} {r['input_len']:>4}x{r['batch']:<4} {r['gpus']:>4} {r['ms_step']:>8.2f} "
+              f"{r['tok_s_gpu']:>9.0f} {ratio:>8} {whole_gpu or 0:>15.0f} {whole_ratio:>8}")
+    for name, why in payload["failed"].items():
+        print(f"{name}: FAILED {why}")
 
 
 if __name__ == "__main__":

@@ -279,7 +279,7 @@ def _measure(layout: _Layout, base: dict, params, args) -> dict:
         from megaserve.bench.device_layouts import layout_config
         from megaserve.runtime.factory import make_engine
 
-        config, _ = layout_config(transport.removeprefix("layout:"),
+        config, *_ = layout_config(transport.removeprefix("layout:"),
                                   {k: v for k, v in base.items() if k != "device"})
         engine = make_engine(config)
     else:
