@@ -42,7 +42,7 @@ FP8_MAX = 448.0
 GROUP = 128  # activation group = weight block = the K step of every FP8 GEMM
 _TARGET_PROGRAMS = 132  # one per SM of an H100/H200: the decode split rule's budget
 _MIN_SPLIT_GROUPS = 4
-DECODE_MAX_M = 64  # rows up to which a linear quantizes in its K loop and splits K
+DECODE_MAX_M = 64  # rows up to which $MEGASERVE_FP8_LINEAR replaces the planned launch
 
 
 @triton.jit
@@ -307,18 +307,20 @@ _LAUNCH_ENV = "MEGASERVE_FP8_LINEAR"  # tuning runs: "m,n,warps,stages,parts,qua
 def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
     """The launch for an `[m, k] x [n, k]^T` product (a speed choice, bit-neutral).
 
-    Decode (M <= DECODE_MAX_M): 64-column tiles, activation quantized in the K loop, one
-    program per split where the weight has more than one; larger M: one quantize launch,
-    64 x 128 tiles (128 x 128, 8 warps, from 1024 rows), splits folded in registers."""
+    Below 1024 rows: one :func:`quantize_rows` launch, 64 x 64 tiles, 4 stages, one
+    program per (tile, split) and a fold launch where the weight has more than one split
+    (the most programs on the weights; H200, ``fp8_bench --sweep``: at M = 1 and 64 this
+    ran the Qwen3-30B-A3B qkv / o_proj and DeepSeek-V3 o_proj in 9.6 / 9.3 / 53 us against
+    17.0 / 12.2 / 119 quantizing in the K loop); from 1024 rows: 128 x 128 tiles, 8 warps,
+    splits folded in registers. ``$MEGASERVE_FP8_LINEAR`` replaces the launch up to
+    ``DECODE_MAX_M`` rows (tuning runs)."""
     if m <= DECODE_MAX_M:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return LinearLaunch(*v[:4], *(bool(f) for f in v[4:]))
-        return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP),
-                            quant_a=True)
     if m < 1024:
-        return LinearLaunch(64, 128, 4, 3)
+        return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP))
     return LinearLaunch(128, 128, 8, 3)
 
 

@@ -104,7 +104,8 @@ def test_fp8_linear_launches_give_the_same_bits(n, k):
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         ref = fp8_linear(x, q, s, launch=LinearLaunch())
         for lp in (LinearLaunch(64, 64, parts=True, quant_a=True), LinearLaunch(128, 128, 8),
-                   LinearLaunch(64, 32, 4, 4, quant_a=True), LinearLaunch(64, 256, parts=True)):
+                   LinearLaunch(64, 32, 4, 4, quant_a=True), LinearLaunch(64, 256, parts=True),
+                   LinearLaunch(64, 64, 4, 4, parts=True)):
             assert torch.equal(fp8_linear(x, q, s, launch=lp), ref), f"M={m} {lp}"
 
 
