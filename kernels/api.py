@@ -260,6 +260,18 @@ def sigmoid_topk_route(
                       renormalize, scaling)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 router logits ``x.float() @ weight.T`` (DeepSeek-V3's gate): x `[T, D]`,
+    weight `[E, D]` float32; returns `[T, E]` float32, each row a function of its own x
+    row. CUDA: a Triton FMA-chain kernel (:mod:`triton_impl.mla_router`); CPU:
+    :func:`linear` in float32."""
+    if x.is_cuda:
+        from .triton_impl.mla_router import router_logits as gpu_router
+
+        return gpu_router(x, weight)
+    return linear(x.float(), weight)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """:func:`linear` for a block-FP8 weight (e4m3 `[N, K]`, float32 scale_inv per 128 x 128
     block; :mod:`kernels.fp8`): x `[M, K]`, returns `[M, N]` in x.dtype. CUDA: activations

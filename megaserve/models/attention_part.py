@@ -146,10 +146,11 @@ class AttentionPart:
         """x `[T, D]` → (topk_ids `[T, k]` int64, topk_weights `[T, k]` float32).
 
         Sigmoid scoring (DeepSeek-V3): the router runs in float32 (its weight is kept in
-        float32, as HF keeps it) and ``kernels.sigmoid_topk_route`` picks the experts."""
+        float32, as HF keeps it; ``kernels.router_logits``) and
+        ``kernels.sigmoid_topk_route`` picks the experts."""
         cfg, w = self.config, self.layers[layer]
         if cfg.scoring == "sigmoid":
-            logits = kernels.linear(x.float(), w.router)  # [T, E] fp32
+            logits = kernels.router_logits(x, w.router)  # [T, E] fp32
             return kernels.sigmoid_topk_route(logits, w.router_bias, cfg.top_k, cfg.num_groups,
                                               cfg.topk_groups, cfg.norm_topk_prob,
                                               cfg.routed_scaling_factor)

@@ -12,7 +12,7 @@ import pytest
 from tests.kernels import interp_support
 from tests.kernels.poison import poisoned_empty
 
-CHECKS = ["mla"]
+CHECKS = ["mla", "router"]
 RANK, ROPE, HEADS, BLOCK = 64, 16, 20, 16  # 20 heads: a partial head block
 
 
@@ -69,6 +69,31 @@ def check_mla(torch, ti) -> None:
         first = _run(torch, ti, q[9:29], cache, tables[3:4], [20], [20], scale)
         second = _run(torch, ti, q[29:42], cache, tables[3:4], [33], [13], scale)
         assert torch.equal(torch.cat([first, second]), full[9:42]), "chunked prefill differs"
+
+
+def check_router(torch, ti) -> None:
+    """The float32 router GEMM: values against float64, each row's bits alone and in any
+    batch (M 1..70, ragged E and D tiles), from bf16 and float32 rows."""
+    from megaserve.kernels.triton_impl.mla_router import router_logits
+
+    torch.manual_seed(3)
+    w = torch.randn(40, 100)  # 40 experts: a partial column tile; D 100: a partial K step
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(70, 100).to(dtype)
+        with poisoned_empty():
+            full = router_logits(x, w)
+        ref = x.double() @ w.double().T
+        bound = x.double().abs() @ w.double().abs().T
+        assert bool(((full.double() - ref).abs() <= bound * 2**-20).all()), f"values {dtype}"
+        for m in (1, 3, 16, 17, 69):
+            assert torch.equal(router_logits(x[:m], w), full[:m]), f"M={m} {dtype}"
+        assert torch.equal(router_logits(x[33:34], w)[0], full[33]), "row alone"
+    try:
+        router_logits(x, w.bfloat16())
+    except ValueError as e:
+        assert "float32" in str(e)
+    else:
+        raise AssertionError("a bf16 router weight was accepted")
 
 
 def _child() -> None:
