@@ -82,8 +82,10 @@ class Run:
             raise ValueError("a run needs step_ms and batch (decode only), or num_prompts and max_num_seqs")
         if self.step_ms is not None and (self.batch < 1 or not self.step_ms > 0):
             raise ValueError("a decode-only run needs batch >= 1 and step_ms > 0")
-        if self.step_ms is not None and self.batch % (self.m * self.ep):
-            raise ValueError(f"batch {self.batch} must divide into m x ep = {self.m * self.ep} equal parts")
+        if self.step_ms is not None and self.batch < self.m * self.ep:
+            # Unequal parts are allowed (256 sequences in m = 3 micro-batches): the model
+            # takes the mean part, batch / (m * ep).
+            raise ValueError(f"batch {self.batch} must give each of m x ep = {self.m * self.ep} parts a sequence")
 
     @property
     def label(self) -> str:

@@ -1,0 +1,62 @@
+"""``megaserve bench device-layouts`` on CPU: layouts, cases, the rows and the planner's file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaserve.bench import device_layouts as dl
+from megaserve.planner.measurements import parse_runs
+
+
+def test_layout_names_give_the_processes_and_gpus_a_gpu_run_would_place() -> None:
+    base = dict(model="builtin:tiny-moe", max_num_seqs=4)
+    config, gpus, replicas = dl.layout_config("ep:2", base, "cuda")
+    assert (gpus, replicas, config.expert_workers, config.transport) == (2, 2, 2, "cuda_ipc")
+    assert config.enable_expert_parallel
+    config, gpus, replicas = dl.layout_config("attn2:1", base, "cuda")
+    assert (gpus, replicas, config.attention_gpus, config.expert_gpus) == (2, 2, (0, 0), (1,))
+    config, gpus, replicas = dl.layout_config("split:3", base, "cpu")
+    assert (gpus, replicas, config.microbatches, config.transport) == (2, 1, 3, "tcp")
+    config, gpus, replicas = dl.layout_config("dp:2", base, "cuda")
+    assert (gpus, replicas, config.data_parallel, config.expert_workers) == (2, 2, True, 1)
+    for bad in ("ep:1", "ep:x", "split:x", "attn2", "tp:2", "colocated:2"):
+        with pytest.raises(ValueError, match="unknown layout"):
+            dl.layout_config(bad, base, "cuda")
+
+
+def test_cases_parse_and_split_over_replicas() -> None:
+    assert dl.parse_cases("64x256,2048x128") == [dl.Case(64, 256), dl.Case(2048, 128)]
+    for bad in ("64", "64x", "x8", "64x0", ""):
+        with pytest.raises(ValueError):
+            dl.parse_cases(bad)
+    assert dl.per_replica(dl.Case(64, 255), 2, total=True) == 128
+    assert dl.per_replica(dl.Case(64, 255), 2, total=False) == 255
+
+
+def test_a_colocated_cpu_run_times_steady_decode_and_the_whole_workload(tmp_path) -> None:
+    base = dict(model="builtin:tiny-moe", dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    rows = dl.measure_layout("colocated", base, [dl.Case(8, 4), dl.Case(16, 2)], {"8x4"}, 12, "cpu", 0)
+    assert [(r["input_len"], r["batch"], r["seqs"]) for r in rows] == [(8, 4, 4), (16, 2, 2)]
+    for r in rows:
+        assert r["ms_step"] > 0 and r["tok_s"] == pytest.approx(r["seqs"] / r["ms_step"] * 1e3)
+    assert rows[0]["generated"] == 4 * 12 and rows[0]["whole_tok_s"] > 0
+    assert "whole_tok_s" not in rows[1]
+    # The planner reads the rows back as its runs: two decode-only runs and one with prefill.
+    payload = {"model": "random:qwen3-30b-a3b:2", "device": "NVIDIA H200", "dtype": "bfloat16",
+               "tree": "t", "rows": rows}
+    data = json.loads(json.dumps(dl.measurements_file(payload)))
+    runs = parse_runs(data, "rows")
+    assert [(r.batch, r.num_prompts, r.step_ms is None) for r in runs] == [
+        (4, 0, False), (0, 4, True), (2, 0, False)]
+    assert data["gpu"] == "H200" and runs[0].tok_s == pytest.approx(rows[0]["tok_s"], rel=1e-3)
+
+
+def test_planner_runs_name_the_layout_of_each_row() -> None:
+    common = dict(input_len=64, output_len=256, ms_step=10.0, tok_s=100.0, replicas=1, batch=3, seqs=3)
+    rows = [dict(common, layout="ep:2", m=1, seqs=6, replicas=2), dict(common, layout="split:3", m=3),
+            dict(common, layout="dp:2", m=1), dict(common, layout="attn2:1", m=1)]
+    runs = dl.measurement_runs(rows)
+    assert [(r["layout"], r.get("ep"), r.get("m"), r["batch"]) for r in runs] == [
+        ("colocated", 2, None, 6), ("disaggregated", None, 3, 3)]
