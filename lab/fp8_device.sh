@@ -6,7 +6,7 @@
 #          the built-in plan; launches never change a bit; PROFILE=N: N profiled steps in
 #          the first fp8 run's JSON, its top kernels), then (DS_LAYERS > 0)
 #          random:deepseek-v3:$DS_LAYERS fp8 decode at batch 64 and 256.
-#   GPU 1: the FP8 GPU tests (MLA_TEST=1: and the MLA ones), then the FP8 GEMM benchmark
+#   GPU 1: the FP8 GPU tests (MLA_TEST=1: and the MLA / DeepSeek engine ones), then the FP8 GEMM benchmark
 #          (SWEEP=1: and the launch sweep).
 # Each step has its own time limit; summary.txt has one rc line per step.
 #   LAUNCHES="default/default" PROFILE=2 SWEEP=1 MLA_TEST=1 DS_LAYERS=13 bash lab/fp8_device.sh
@@ -51,8 +51,8 @@ decode() {  # decode NAME MODEL BATCHES PROFILE_STEPS [extra flags]
     export CUDA_VISIBLE_DEVICES=1
     step fp8_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider \
         tests/kernels/test_fp8_gpu.py
-    [ -z "${MLA_TEST:-}" ] || step mla_gpu_tests 90 python -m pytest -q -m gpu \
-        -p no:cacheprovider tests/kernels/test_mla_gpu.py
+    [ -z "${MLA_TEST:-}" ] || step mla_gpu_tests 150 python -m pytest -q -m gpu \
+        -p no:cacheprovider tests/kernels/test_mla_gpu.py tests/megaserve/test_deepseek_gpu.py
     step fp8_bench "${BENCH_S:-200}" python -m megaserve.kernels.fp8_bench \
         --gemm-sizes 64 256 4096 --batches 1 64 256 1024 ${SWEEP:+--sweep}
 ) &
