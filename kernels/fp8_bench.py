@@ -266,7 +266,7 @@ def resources() -> None:
                       BLOCK_M=lp.block_m, BLOCK_N=block_n, BLOCK_E=128,
                       BLOCK_R=max(16, rows) if inline else 16,
                       WS_SCALAR=block_n <= 128, GROUP=128, FP8_MAX=448.0)
-            res = _compile_sm90(fp8_moe._fp8_expert_kernel, ptrs, cx, lp.num_warps,
+            res = _compile_sm90(fp8_moe.expert_kernel, ptrs, cx, lp.num_warps,
                                 lp.num_stages)
             print(f"expert {name:7} batch {batch:5d} {lp}: {res}", flush=True)
     lin_ptrs = dict(a_ptr="*bf16", as_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32",
@@ -281,7 +281,7 @@ def resources() -> None:
             cx = dict(SPLIT_GROUPS=sg, SPLITS=splits, PARTS=lp.parts and splits > 1,
                       QUANT_A=lp.quant_a, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, GROUP=128,
                       FP8_MAX=448.0)
-            res = _compile_sm90(fp8_gemm._fp8_linear_kernel, ptrs, cx, lp.num_warps,
+            res = _compile_sm90(fp8_gemm.linear_kernel, ptrs, cx, lp.num_warps,
                                 lp.num_stages)
             print(f"linear {n}x{k} M={m:5d} {lp}: {res}", flush=True)
 

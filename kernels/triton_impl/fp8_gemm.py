@@ -373,3 +373,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         _fold_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
                                                    NUM_SPLITS=splits, BLOCK=block, num_warps=4)
     return out
+
+
+# The jitted linear, for ahead-of-time compiles (fp8_bench --resources).
+linear_kernel = _fp8_linear_kernel

@@ -291,3 +291,7 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
              quant_a=lp.h_in_loop, swiglu=False, gather=False, scatter=True,
              block_n=lp.down_n, **common)
     return out
+
+
+# The jitted grouped GEMM, for ahead-of-time compiles (fp8_bench --resources).
+expert_kernel = _fp8_expert_kernel
