@@ -45,3 +45,21 @@ def test_mla_kernel_values_and_invariance(dtype):
     first = _run(q[:128], cache, tables[:1], [128], [128], scale)
     second = _run(q[128:300], cache, tables[:1], [300], [172], scale)
     assert torch.equal(torch.cat([first, second]), full[:300])
+
+
+def test_router_logits_match_float64_and_are_batch_invariant():
+    """DeepSeek-V3's float32 router GEMM (7168 -> 256) at M in 1..4096: within float32
+    rounding of the float64 product, and every row's bits the same at every M."""
+    from megaserve.kernels import router_logits
+
+    torch.manual_seed(2)
+    w = torch.randn(256, 7168, device="cuda") * 0.02
+    x = torch.randn(4096, 7168, device="cuda").bfloat16()
+    full = router_logits(x, w)
+    ref = x.double() @ w.double().T
+    bound = x.double().abs() @ w.double().abs().T
+    assert bool(((full.double() - ref).abs() <= bound * 7168 * 2**-23).all())
+    for m in (1, 7, 64, 255, 1000):
+        assert torch.equal(router_logits(x[:m], w), full[:m]), f"M={m}"
+    perm = torch.randperm(4096, device="cuda")
+    assert torch.equal(router_logits(x[perm], w), full[perm])
