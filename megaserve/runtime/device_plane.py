@@ -763,6 +763,12 @@ class ExpertServer:
         self.profile = profile
         self.waits_by_rows: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
         self._captured_waits: list = []
+        # The index tensors of eager ticks (one replica) and of the full set are made now:
+        # made at a first tick, their host-to-device copy synchronises (a serving process
+        # may run under set_sync_debug_mode("error")).
+        for r in range(shape.num_replicas):
+            self._select((r,))
+        self._select(tuple(range(shape.num_replicas)))
 
     def _select(self, replicas: tuple[int, ...]) -> torch.Tensor | slice:
         """Index of the replicas ``replicas`` in the inbox's first dimension."""

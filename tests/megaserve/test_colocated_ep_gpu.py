@@ -24,7 +24,9 @@ def _signature(outs):
 
 @pytest.fixture(scope="module")
 def single_gpu():
-    with LLM(dtype="bfloat16", device="cuda:0") as llm:
+    # A small KV cache: the layouts' worker processes size theirs from the GPU's free
+    # memory, and this process's allocator keeps what its engine took cached.
+    with LLM(dtype="bfloat16", device="cuda:0", kv_cache_memory_bytes=1 << 28) as llm:
         return _signature(llm.generate(PROMPTS, PARAMS))
 
 
@@ -66,7 +68,7 @@ def test_colocated_ep_steady_decode_never_synchronises(single_gpu):
         assert engine.device_roles
         for i in greedy:  # no logprobs: a step returning them reads its tokens (by design)
             params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-            engine.add_request(f"r{i}", PROMPTS[i], params)
+            engine.add_request(f"r{i}", PROMPTS[i]["prompt_token_ids"], params)
         outputs = {}
 
         def collect(outs):
@@ -97,7 +99,7 @@ def test_colocated_ep_over_two_gpus_equals_one_gpu(single_gpu, attention_gpus):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     with LLM(dtype="bfloat16", device="cuda", data_parallel_size=2,
-             enable_expert_parallel=True, transport="tcp",
+             enable_expert_parallel=True, transport="tcp", kv_cache_memory_bytes=1 << 28,
              attention_gpus=attention_gpus) as llm:
         engine = llm.engine
         got = _signature(llm.generate(PROMPTS, PARAMS))

@@ -22,7 +22,9 @@ def _signature(outs):
 
 @pytest.fixture(scope="module")
 def single_gpu():
-    with LLM(dtype="bfloat16", device="cuda:0") as llm:
+    # A small KV cache: the layouts' worker processes size theirs from the GPU's free
+    # memory, and this process's allocator keeps what its engine took cached.
+    with LLM(dtype="bfloat16", device="cuda:0", kv_cache_memory_bytes=1 << 28) as llm:
         return _signature(llm.generate(PROMPTS, PARAMS))
 
 
@@ -49,7 +51,10 @@ def test_disaggregated_gpus_equal_single_gpu(single_gpu, transport, replicas, ex
             LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas,
                 expert_workers=experts, microbatches=microbatches, transport=transport,
                 data_plane="host")
+    # kv_cache_memory_bytes: the one-replica layouts run their engine in this process,
+    # whose allocator keeps it cached for the next layout's processes on the same GPU.
     with LLM(dtype="bfloat16", device="cuda", attention_replicas=replicas, expert_workers=experts,
-             microbatches=microbatches, transport=transport) as llm:
+             microbatches=microbatches, transport=transport,
+             kv_cache_memory_bytes=1 << 28) as llm:
         got = _signature(llm.generate(PROMPTS, PARAMS))
     assert got == single_gpu
