@@ -40,6 +40,11 @@ $P::test_steady_decode_across_gpus_never_synchronises"
 $P::test_decode_steps_have_no_host_sync_and_constant_host_messages \
 $P::test_a_lost_expert_worker_is_a_typed_error_not_a_hang"
     [eptcp]="$E::test_colocated_ep_over_two_gpus_equals_one_gpu"
+    # steady decode of every role under sync-debug "error", and the 2 + 2 cuda_ipc layout
+    [steady]="$E::test_colocated_ep_steady_decode_never_synchronises \
+$P::test_steady_decode_across_gpus_never_synchronises \
+$P::test_two_attention_processes_steady_decode_never_synchronises \
+$D::test_disaggregated_gpus_equal_single_gpu[2-2-4-cuda_ipc]"
 )
 RUNTIME_ORDER=(kernels attn2 ep across disagg plane1 eptcp disaggtcp)
 
