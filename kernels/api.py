@@ -260,6 +260,18 @@ def sigmoid_topk_route(
                       renormalize, scaling)
 
 
+def per_head_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x `[T, H, K]`, weights `[H, N, K]` → `[T, H, N]` in x.dtype: head h is
+    ``linear(x[:, h], weights[h])`` (MLA's absorbed W_UK and W_UV), row-invariant. CUDA: one
+    Triton launch for every head (:func:`triton_impl.mla.per_head_linear`); CPU: one
+    :func:`linear` per head."""
+    if x.is_cuda:
+        from .triton_impl.mla import per_head_linear as run
+
+        return run(x, weights)
+    return torch.stack([linear(x[:, h], weights[h]) for h in range(weights.shape[0])], dim=1)
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """float32 router logits ``x.float() @ weight.T`` (DeepSeek-V3's gate): x `[T, D]`,
     weight `[E, D]` float32; returns `[T, E]` float32, each row a function of its own x

@@ -121,3 +121,63 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
         num_warps=4, num_stages=2,
     )
     return out
+
+
+# Tiles of the per-head linear: fixed, so a row's arithmetic never depends on T.
+_HEAD_BLOCK_M = 64
+_HEAD_BLOCK_N = 64
+_HEAD_BLOCK_K = 64
+
+
+@triton.jit
+def _head_linear_kernel(x_ptr, w_ptr, out_ptr, T, N, K,
+                        stride_xt, stride_xh, stride_wh, stride_wn, stride_ot, stride_oh,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """Head pid2, tokens [BLOCK_M * pid0, +BLOCK_M), columns [BLOCK_N * pid1, +BLOCK_N):
+    out[t, h, n] = round(sum over k of x[t, h, k] * w[h, n, k]), fp32 dots over BLOCK_K
+    steps of k in ascending order."""
+    h = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + h * stride_xh + rows.to(tl.int64)[:, None] * stride_xt
+    w_rows = w_ptr + h * stride_wh + cols.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        a = tl.load(x_rows + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_rows + (k0 + kk)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    o_ptrs = out_ptr + h * stride_oh + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def per_head_linear(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """x `[T, H, K]` (any strides with unit last stride), weights `[H, N, K]` of x's dtype
+    → `[T, H, N]` in x.dtype: head h is ``x[:, h] @ weights[h].T`` with fp32 accumulation,
+    one launch for every head (MLA's absorbed W_UK and W_UV). Fixed tiles: a row's bits
+    never depend on T. ValueError on mismatched shapes or dtypes."""
+    t, heads, k = x.shape
+    if weights.dim() != 3 or weights.shape[0] != heads or weights.shape[2] != k \
+            or weights.dtype != x.dtype:
+        raise ValueError(f"per_head_linear: weights must be {x.dtype} [{heads}, N, {k}], got "
+                         f"{weights.dtype} {list(weights.shape)}")
+    n = weights.shape[1]
+    out = torch.empty(t, heads, n, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    grid = (triton.cdiv(t, _HEAD_BLOCK_M), triton.cdiv(n, _HEAD_BLOCK_N), heads)
+    _head_linear_kernel[grid](
+        x, weights, out, t, n, k, x.stride(0), x.stride(1), weights.stride(0),
+        weights.stride(1), out.stride(0), out.stride(1), BLOCK_M=_HEAD_BLOCK_M,
+        BLOCK_N=_HEAD_BLOCK_N, BLOCK_K=_HEAD_BLOCK_K, IEEE=x.dtype == torch.float32,
+        num_warps=4, num_stages=3)
+    return out

@@ -63,3 +63,23 @@ def test_router_logits_match_float64_and_are_batch_invariant():
         assert torch.equal(router_logits(x[:m], w), full[:m]), f"M={m}"
     perm = torch.randperm(4096, device="cuda")
     assert torch.equal(router_logits(x[perm], w), full[perm])
+
+
+def test_per_head_linear_matches_float64_and_is_batch_invariant():
+    """MLA's absorbed W_UK (q_nope 128 -> latent 512) and W_UV (512 -> 128) per head, 128
+    heads, in one launch: within bf16 rounding of float64, every token's bits the same at
+    every T, from q_nope's strided view as from a copy."""
+    from megaserve.kernels import per_head_linear
+
+    torch.manual_seed(5)
+    for n, k in ((512, 128), (128, 512)):
+        w = (torch.randn(HEADS, n, k, device="cuda") * k ** -0.5).bfloat16()
+        q = torch.randn(4096, HEADS, k + 64, device="cuda").bfloat16()
+        x = q[..., :k]
+        full = per_head_linear(x, w)
+        ref = torch.einsum("thk,hnk->thn", x[:64].double(), w.double())
+        bound = torch.einsum("thk,hnk->thn", x[:64].abs().double(), w.abs().double())
+        assert bool(((full[:64].double() - ref).abs() <= bound * 2**-7).all()), f"{n}x{k}"
+        assert torch.equal(per_head_linear(x.contiguous(), w), full)
+        for t in (1, 3, 64, 65, 1000):
+            assert torch.equal(per_head_linear(x[:t], w), full[:t]), f"T={t} {n}x{k}"

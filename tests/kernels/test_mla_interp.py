@@ -12,7 +12,7 @@ import pytest
 from tests.kernels import interp_support
 from tests.kernels.poison import poisoned_empty
 
-CHECKS = ["mla", "router"]
+CHECKS = ["mla", "router", "head_linear"]
 RANK, ROPE, HEADS, BLOCK = 64, 16, 20, 16  # 20 heads: a partial head block
 
 
@@ -94,6 +94,35 @@ def check_router(torch, ti) -> None:
         assert "float32" in str(e)
     else:
         raise AssertionError("a bf16 router weight was accepted")
+
+
+def check_head_linear(torch, ti) -> None:
+    """MLA's per-head linear (absorbed W_UK / W_UV) in one launch: values against float64,
+    a token's bits alone and in any batch (T 1..70, ragged N and K tiles), from a strided
+    view (q_nope inside q) as from a contiguous copy, and a clear error on bad weights."""
+    from megaserve.kernels.triton_impl.mla import per_head_linear
+
+    torch.manual_seed(4)
+    heads, n, k = 3, 70, 80
+    for dtype in (torch.float16, torch.float32):  # (interp_support's dot has no bf16)
+        w = torch.randn(heads, n, k).to(dtype)
+        q = torch.randn(70, heads, k + 16).to(dtype)
+        x = q[..., :k]  # strided, as q_nope inside q
+        with poisoned_empty():
+            full = per_head_linear(x, w)
+        ref = torch.einsum("thk,hnk->thn", x.double(), w.double())
+        bound = torch.einsum("thk,hnk->thn", x.double().abs(), w.double().abs())
+        tol = 2**-10 if dtype == torch.float16 else 2**-20  # output rounding to x.dtype
+        assert bool(((full.double() - ref).abs() <= bound * tol).all()), f"values {dtype}"
+        assert torch.equal(per_head_linear(x.contiguous(), w), full), f"contiguous {dtype}"
+        for t in (1, 5, 64, 65):
+            assert torch.equal(per_head_linear(x[:t], w), full[:t]), f"T={t} {dtype}"
+    try:
+        per_head_linear(x, w[:, :, :-1])
+    except ValueError as e:
+        assert "per_head_linear" in str(e)
+    else:
+        raise AssertionError("mismatched weights were accepted")
 
 
 def _child() -> None:
