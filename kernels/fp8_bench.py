@@ -14,6 +14,11 @@ its weights that they come from device memory, not the L2 (as in a model's layer
    an engine's decode step.
 3. ``--sweep``: the expert FFN and the decode linears under each bit-neutral launch
    (``Fp8MoeLaunch``, ``LinearLaunch``), to choose the defaults.
+
+``--resources`` needs no GPU: it compiles the kernels at their planned launches for sm_90
+and prints registers, spilled bytes, shared memory, QGMMA and async-copy counts (a K loop
+without async copies is not software-pipelined). ``--decode-json`` / ``--decode-roofline``
+summarise ``megaserve bench decode --json-out`` files.
 """
 
 from __future__ import annotations
