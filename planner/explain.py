@@ -186,15 +186,19 @@ def compare_layouts(model: ModelSpec, work: perf.Workload, cluster: Cluster, ato
     if w != "disaggregated" and "disaggregated" in best:
         ds, dsel = best["disaggregated"]
         lines.extend(disaggregation_loss(model, work, cluster, profile, ds.row(dsel.atom_ids[0]), w,
-                                         key(wsel) / max(key(dsel), 1e-12), what))
+                                         key(wsel) / max(key(dsel), 1e-12), what,
+                                         winner_facts=wf))
     return "\n".join(lines)
 
 
 def disaggregation_loss(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, r: dict,
-                        winner: str, ratio: float, what: str) -> list[str]:
+                        winner: str, ratio: float, what: str,
+                        winner_facts: dict | None = None) -> list[str]:
     """Why the disaggregated unit ``r`` (an Atoms row) loses: its per-GPU throughput against
     one co-located GPU of its attention type running the same batch, and what the split adds
-    per MoE layer (dispatch + combine, the split overhead, the expert side's fixed costs)."""
+    per MoE layer (dispatch + combine, the split overhead, the expert side's fixed costs).
+    Where the model does not fit one GPU, the per-GPU comparison is with the winner
+    (``winner_facts``: its ``_unit_facts``), not with that hypothetical GPU."""
     from megaserve.planner.colocated import colocated_max_batch, colocated_step
 
     g = cluster.gpus[r["attn_gpu"]]
@@ -216,12 +220,24 @@ def disaggregation_loss(model: ModelSpec, work: perf.Workload, cluster: Cluster,
         lines.append(f"  the model does not fit one {g.name}: the co-located alternative is EP or TP over several GPUs")
     lines.append(
         f"  the split {'adds' if per_layer_us >= 0 else 'saves'} {abs(per_layer_us):.0f} us per MoE layer "
-        f"(step {t_split * 1e3:.2f} vs {t_one * 1e3:.2f} ms over {L} layers at m={r['m']}"
+        f"(step {t_split * 1e3:.2f} vs {t_one * 1e3:.2f} ms{'' if fits else ' of a GPU that could hold it'} "
+        f"over {L} layers at m={r['m']}"
         f"{'' if per_layer_us >= 0 else ', by overlapping the two sides'}): dispatch + combine 2 x T_c = {2 * r['t_c'] * 1e6:.0f} us (calibrated split "
         f"overhead {float(hw.split_oh) * 1e6:.0f} us included), the expert side's fixed layer cost, and "
         f"{'the pipeline of ' + str(r['m']) + ' micro-batches (each reads the experts again)' if r['m'] > 1 else 'no overlap (m = 1: each side waits for the other)'}")
+    if fits or winner_facts is None:
+        lines.append(
+            f"  per GPU: {r['throughput'] / r['gpus']:,.0f} (split) vs {batch / t_one:,.0f} tok/s (one co-located "
+            f"GPU); disaggregation wins only where one GPU cannot hold the model or its KV at the SLO's batch, or "
+            f"where the split step falls below 1/{unit_gpus:g} of the co-located one ({t_one / unit_gpus * 1e3:.2f} "
+            f"ms here)")
+        return lines
+    wf, wr = winner_facts, winner_facts["row"]
+    need = batch / (unit_gpus * wf["per_gpu"])  # the split step that would match the winner per GPU
     lines.append(
-        f"  per GPU: {r['throughput'] / r['gpus']:,.0f} (split) vs {batch / t_one:,.0f} tok/s (one co-located GPU); "
-        f"disaggregation wins only where one GPU cannot hold the model or its KV at the SLO's batch, or where "
-        f"the split step falls below 1/{unit_gpus:g} of the co-located one ({t_one / unit_gpus * 1e3:.2f} ms here)")
+        f"  per GPU: {r['throughput'] / r['gpus']:,.0f} (split) vs {wf['per_gpu']:,.0f} tok/s ({winner}: "
+        f"{wf['seqs_per_gpu']:.0f} sequences per GPU in {wr['tpot'] * 1e3:.2f} ms a step, every GPU running "
+        f"attention and its share of the experts); the split's {batch} sequences share {unit_gpus:g} GPUs, of "
+        f"which only the attention GPU holds KV, so it wins only where its step falls below {need * 1e3:.2f} ms "
+        f"(it takes {t_split * 1e3:.2f})")
     return lines

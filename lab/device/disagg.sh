@@ -8,7 +8,7 @@
 #   speed2:  batch 1024, m = 3 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
 #   layouts: megaserve bench device-layouts, one call: Qwen3-30B-A3B:48 at 256 and 1024
 #            sequences per replica (one GPU, EP over 2, DP over 2, 1+1 at m = 1, 2, 3), then
-#            Qwen3-235B-A22B:LAYERS_235B (default 27: experts <= 90% of one H200), EP over 2
+#            Qwen3-235B-A22B:LAYERS_235B (default 26: experts <= 90% of 141 GB), EP over 2
 #            vs 1+1 at equal sequences, 64 and 2048 prompt tokens; JSON under $OUT
 # Every step has its own timeout, capped so the whole script ends within BUDGET_S; a failed
 # or timed-out step is recorded in summary.txt and the next one runs.
@@ -99,7 +99,7 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
     --layouts ${LAYOUTS_30B:-ep:2,split:1,dp:2,split:2,split:3} --json "$OUT/l30b.json" \
     --measurements "$OUT/m30b.json"
   cleanup
-  step l235b layouts.log 300 $DL --model random:qwen3-235b-a22b:${LAYERS_235B:-27} \
+  step l235b layouts.log 300 $DL --model random:qwen3-235b-a22b:${LAYERS_235B:-26} \
     --cases ${CASES_235B:-64x1024,2048x256} --batch-is total --whole none \
     --kv-cache-memory-bytes $((36 << 30)) --baseline ep:2 --layouts split:1 \
     --json "$OUT/l235b.json" --measurements "$OUT/m235b.json"

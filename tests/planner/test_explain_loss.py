@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 H200X2 = "inventory:\n  H200: {count: 2, gpus_per_node: 2}\n"
 
@@ -47,3 +49,29 @@ def test_explain_says_when_and_why_disaggregation_loses(tmp_path):
     # at batch 256, m = 1 (as measured): the split adds time per layer, it does not save it
     out = plan(tmp_path, "--max-batch", "256", "--explain")
     assert re.search(r"the split adds \d+ us per MoE layer \(step [\d.]+ vs [\d.]+ ms over 48 layers at m=1", out)
+
+
+def test_explain_compares_with_colocated_ep_where_the_model_does_not_fit_one_gpu(tmp_path):
+    """Qwen3-235B-A22B's shape at 26 layers (its experts <= 90% of one H200's 141 GB): one GPU
+    cannot hold it, so the split is compared per GPU with co-located EP over the same two
+    GPUs, and the step it would need to match EP follows from EP's per-GPU throughput."""
+    import json
+
+    from megaserve.bench.random_model import hf_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_config("qwen3-235b-a22b", 26)))
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(H200X2)
+    out = subprocess.run([sys.executable, "-m", "megaserve.cli", "plan", "--model", str(config), "--cluster",
+                          str(cluster), "--input-len", "64", "--output-len", "256", "--max-batch", "1024",
+                          "--explain"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout.split("disaggregation loses here: ")[1]
+    assert text.startswith("colocated EP gets") and "the model does not fit one H200" in text
+    m = re.search(r"per GPU: ([\d,]+) \(split\) vs ([\d,]+) tok/s \(colocated EP: .*the split's (\d+) sequences "
+                  r"share 2 GPUs.* below (\d+\.\d+) ms \(it takes (\d+\.\d+)\)", text)
+    assert m, text
+    split_gpu, ep_gpu, seqs, need_ms, takes_ms = (float(g.replace(",", "")) for g in m.groups())
+    assert split_gpu < ep_gpu and takes_ms > need_ms
+    assert need_ms == pytest.approx(seqs / (2 * ep_gpu) * 1e3, rel=2e-3)
