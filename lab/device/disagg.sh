@@ -92,18 +92,28 @@ speed2)  # batch 1024 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
     --num-prompts 256 --max-num-seqs 256 --kv-cache-memory-bytes $((8 << 30)) \
     --layouts cuda_ipc:1@$KW,colocated:1+async,cuda_ipc:1+async@$KW ;;
 layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", one call
+  # Each layout in a process of its own with its own limit (a layout that hangs costs only
+  # that), the baseline first; then one table and JSON per model (--merge).
   DL="python3 -m megaserve.bench.device_layouts"
   cleanup() {  # worker processes a killed step left behind (this machine runs only this script)
     for p in $(pgrep -f "multiprocessing.spawn|multiprocessing.forkserver"); do kill -9 "$p" 2>/dev/null; done; }
-  step l30b layouts.log ${L30B_S:-300} $DL --model $MODEL --cases 64x256,64x1024 --whole 64x256 \
-    --layouts ${LAYOUTS_30B:-ep:2,split:1,dp:2,split:2,split:3} --json "$OUT/l30b.json" \
-    --measurements "$OUT/m30b.json"
-  cleanup
-  step l235b layouts.log 300 $DL --model random:qwen3-235b-a22b:${LAYERS_235B:-26} \
-    --cases ${CASES_235B:-64x1024,2048x256} --batch-is total --whole none \
-    --kv-cache-memory-bytes $((36 << 30)) --baseline ep:2 --layouts split:1 \
-    --json "$OUT/l235b.json" --measurements "$OUT/m235b.json"
-  cleanup ;;
+  A30="--model $MODEL --cases 64x256,64x1024 --whole 64x256"
+  files=()
+  for spec in ${LAYOUTS_30B:-colocated=60 ep:2=150 split:1=70 split:3=60 split:2=60 dp:2=90}; do
+    name=${spec%=*}; f="$OUT/l30b-${name/:/}.json"; files+=("$f")
+    step "30b-$name" layouts.log "${spec#*=}" $DL $A30 --baseline "$name" --layouts "" --json "$f"
+    cleanup
+  done
+  step 30b-table layouts.log 30 $DL --merge "${files[@]}" --json "$OUT/l30b.json" --measurements "$OUT/m30b.json"
+  A235="--model random:qwen3-235b-a22b:${LAYERS_235B:-26} --cases ${CASES_235B:-64x1024,2048x256} --batch-is total
+    --whole none --kv-cache-memory-bytes $((36 << 30))"
+  files=()
+  for spec in ${LAYOUTS_235B:-ep:2=150 split:1=120}; do
+    name=${spec%=*}; f="$OUT/l235b-${name/:/}.json"; files+=("$f")
+    step "235b-$name" layouts.log "${spec#*=}" $DL $A235 --baseline "$name" --layouts "" --json "$f"
+    cleanup
+  done
+  step 235b-table layouts.log 30 $DL --merge "${files[@]}" --json "$OUT/l235b.json" --measurements "$OUT/m235b.json" ;;
 bench)
   step bench_b256 bench.log 250 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2,cuda_ipc:3
   step bench_b1024 bench.log 250 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1 ;;

@@ -183,6 +183,7 @@ def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[st
     started = time.perf_counter()
     engine = make_engine(config)
     start_s = time.perf_counter() - started
+    print(f"layout {name}: {type(engine).__name__} started in {start_s:.1f} s", flush=True)
     rows = []
     try:
         for n, case in enumerate(cases):
@@ -260,7 +261,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--measurements", default=None, help="write the planner's measurement file here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="check every layout's config, then stop")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="no run: print the table of these --json files (one per layout, one call) "
+                             "and write --json / --measurements from them; the first file's baseline counts")
     args = parser.parse_args(argv)
+    if args.merge:
+        found = [path for path in args.merge if os.path.exists(path)]
+        if not found:
+            print("megaserve bench device-layouts --merge: none of the files exists")
+            return 1
+        payload = merge([json.load(open(path)) for path in found])
+        for path in sorted(set(args.merge) - set(found)):  # a run killed before its first row
+            payload["failed"][os.path.basename(path)] = "no result: the run ended before its first row"
+        _write(args.json, payload)
+        _print_table(payload)
+        if args.measurements:
+            _write(args.measurements, measurements_file(payload))
+        return 0
     cases = parse_cases(args.cases)
     whole_cases = ({cases[0].name} if args.whole is None else set() if args.whole == "none"
                    else {c.name for c in parse_cases(args.whole)})
@@ -315,6 +332,20 @@ def main(argv: list[str]) -> int:
     if args.measurements:
         _write(args.measurements, measurements_file(payload))
     return 0 if not payload["failed"] else 1
+
+
+def merge(payloads: list[dict]) -> dict:
+    """One payload of several runs' payloads (each layout in a process of its own, so a
+    layout that hangs costs only its own time limit): rows and failures concatenated, the
+    first payload's conditions. ValueError if the runs measured different models or cases."""
+    first = dict(payloads[0], rows=[], failed={})
+    for p in payloads:
+        if (p["model"], p["output_len"], p["cases"], p["batch_is"]) != \
+                (first["model"], first["output_len"], first["cases"], first["batch_is"]):
+            raise ValueError("merge: the files measured different models, cases or output lengths")
+        first["rows"] += p["rows"]
+        first["failed"].update(p["failed"])
+    return first
 
 
 def measurements_file(payload: dict) -> dict:

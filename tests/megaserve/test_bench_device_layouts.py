@@ -60,3 +60,27 @@ def test_planner_runs_name_the_layout_of_each_row() -> None:
     runs = dl.measurement_runs(rows)
     assert [(r["layout"], r.get("ep"), r.get("m"), r["batch"]) for r in runs] == [
         ("colocated", 2, None, 6), ("disaggregated", None, 3, 3)]
+
+
+def test_merge_joins_per_layout_runs_and_names_a_run_that_left_no_file(tmp_path, capsys) -> None:
+    common = dict(model="random:qwen3-30b-a3b:2", output_len=256, cases=["64x4"], batch_is="replica",
+                  device="NVIDIA H200", gpus_visible=2, dtype="bfloat16", tree="t")
+    row = dict(input_len=64, output_len=256, batch=4, seqs=4, replicas=1, gpus=1, m=1, ms_step=10.0,
+               tok_s=400.0, tok_s_gpu=400.0)
+    files = []
+    for name, gpus in (("colocated", 1), ("split:1", 2)):
+        path = tmp_path / f"{name.replace(':', '')}.json"
+        path.write_text(json.dumps(dict(common, baseline=name, failed={},
+                                        rows=[dict(row, layout=name, gpus=gpus, tok_s_gpu=400.0 / gpus)])))
+        files.append(str(path))
+    out = tmp_path / "all.json"
+    assert dl.main(["--merge", *files, str(tmp_path / "ep2.json"), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["baseline"] == "colocated" and [r["layout"] for r in merged["rows"]] == ["colocated", "split:1"]
+    assert "ep2.json" in merged["failed"]
+    table = capsys.readouterr().out
+    assert "0.50x" in table  # split:1's tok/s per GPU against the first file's baseline
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(dict(common, cases=["64x8"], baseline="x", failed={}, rows=[])))
+    with pytest.raises(ValueError, match="different"):
+        dl.main(["--merge", files[0], str(bad)])
