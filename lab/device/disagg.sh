@@ -97,21 +97,27 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
   DL="python3 -m megaserve.bench.device_layouts"
   cleanup() {  # worker processes a killed step left behind (this machine runs only this script)
     for p in $(pgrep -f "multiprocessing.spawn|multiprocessing.forkserver"); do kill -9 "$p" 2>/dev/null; done; }
+  stacks() {  # 12 s before a layout's limit: every worker's Python stacks into layouts.log (SIGUSR1)
+    sleep "$1"; for p in $(pgrep -f "multiprocessing.spawn"); do kill -USR1 "$p" 2>/dev/null; done; }
+  layout() {  # layout TAG NAME LIMIT ARGS...: one layout in a process of its own, stacks at a hang
+    local tag=$1 name=$2 limit=$3; shift 3
+    stacks $((limit - 12)) & local watcher=$!
+    step "$tag-$name" layouts.log "$limit" $DL "$@" --baseline "$name" --layouts "" \
+      --stacks-after $((limit - 10)) --json "$OUT/l$tag-${name/:/}.json"
+    kill $watcher 2>/dev/null; wait $watcher 2>/dev/null; cleanup; }
   A30="--model $MODEL --cases 64x256,64x1024 --whole 64x256"
   files=()
   for spec in ${LAYOUTS_30B:-colocated=60 ep:2=150 split:1=70 split:3=60 split:2=60 dp:2=90}; do
-    name=${spec%=*}; f="$OUT/l30b-${name/:/}.json"; files+=("$f")
-    step "30b-$name" layouts.log "${spec#*=}" $DL $A30 --baseline "$name" --layouts "" --json "$f"
-    cleanup
+    name=${spec%=*}; files+=("$OUT/l30b-${name/:/}.json")
+    layout 30b "$name" "${spec#*=}" $A30
   done
   step 30b-table layouts.log 30 $DL --merge "${files[@]}" --json "$OUT/l30b.json" --measurements "$OUT/m30b.json"
   A235="--model random:qwen3-235b-a22b:${LAYERS_235B:-26} --cases ${CASES_235B:-64x1024,2048x256} --batch-is total
     --whole none --kv-cache-memory-bytes $((36 << 30))"
   files=()
   for spec in ${LAYOUTS_235B:-ep:2=150 split:1=120}; do
-    name=${spec%=*}; f="$OUT/l235b-${name/:/}.json"; files+=("$f")
-    step "235b-$name" layouts.log "${spec#*=}" $DL $A235 --baseline "$name" --layouts "" --json "$f"
-    cleanup
+    name=${spec%=*}; files+=("$OUT/l235b-${name/:/}.json")
+    layout 235b "$name" "${spec#*=}" $A235
   done
   step 235b-table layouts.log 30 $DL --merge "${files[@]}" --json "$OUT/l235b.json" --measurements "$OUT/m235b.json" ;;
 bench)

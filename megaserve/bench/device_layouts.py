@@ -261,6 +261,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--measurements", default=None, help="write the planner's measurement file here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true", help="check every layout's config, then stop")
+    parser.add_argument("--stacks-after", type=float, default=None, metavar="S",
+                        help="dump this process's Python stacks to stderr after S seconds (a hang's "
+                             "evidence; worker processes dump theirs on SIGUSR1)")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="no run: print the table of these --json files (one per layout, one call) "
                              "and write --json / --measurements from them; the first file's baseline counts")
@@ -278,6 +281,10 @@ def main(argv: list[str]) -> int:
         if args.measurements:
             _write(args.measurements, measurements_file(payload))
         return 0
+    if args.stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks_after, exit=False)
     cases = parse_cases(args.cases)
     whole_cases = ({cases[0].name} if args.whole is None else set() if args.whole == "none"
                    else {c.name for c in parse_cases(args.whole)})
