@@ -24,7 +24,7 @@ if [ "$mode" = bench256 ] || [ "$mode" = bench1024 ]; then
     n=${mode#bench}
     stacks $((limit - 20)) & watcher=$!
     timeout "$limit" python3 -m megaserve.bench.device_layouts --model random:qwen3-30b-a3b:48 \
-        --input-len 64 --output-len 256 --num-prompts "$n" --max-num-seqs "$n" \
-        --layouts "${LAYOUTS:-ep:2,attn2:1}" 2>&1 | tee "$out/bench$n.log"
+        --cases "64x$n" --whole "64x$n" --output-len 256 --stacks-after $((limit - 10)) \
+        --layouts "${LAYOUTS:-ep:2,attn2:1}" --json "$out/bench$n.json" 2>&1 | tee "$out/bench$n.log"
     kill $watcher 2>/dev/null
 fi
