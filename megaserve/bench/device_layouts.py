@@ -34,7 +34,8 @@ case:
 One engine per layout serves every case (``max_num_seqs`` = the largest B). ``--json``
 writes every row as it is measured (a run cut short keeps what finished);
 ``--measurements`` writes the planner's measurement file (planner/measurements.py) of the
-rows it can express (co-located on one GPU, co-located EP, 1 attention + n_e experts).
+rows it can express (co-located on one GPU, co-located EP, 1 attention + n_e experts,
+DP as one of its one-GPU engines).
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[st
 
 def measurement_runs(rows: list[dict]) -> list[dict]:
     """The planner's runs (planner/measurements.py) of the rows it can express: a steady
-    row as a decode-only run, a whole row as a run with prefill."""
+    row as a decode-only run, a whole row as a run with prefill (``dp:N`` as one of its N
+    one-GPU engines; ``attnR:E`` is left out)."""
     runs = []
     for r in rows:
         kind, _, arg = r["layout"].partition(":")
@@ -219,15 +221,20 @@ def measurement_runs(rows: list[dict]) -> list[dict]:
             where = {"layout": "colocated", "ep": int(arg)}
         elif kind == "split":
             where = {"layout": "disaggregated", "n_e": 1, "m": r["m"]}
+        elif kind == "dp":
+            where = {"layout": "colocated"}  # N independent one-GPU engines: one of them
         else:
-            continue  # dp:N (N copies of one GPU) and attnR:E have no planner run kind
+            continue  # attnR:E has no planner run kind
+        # A DP row is recorded as one of its engines: its sequences and tok/s divided by N.
+        copies = r["replicas"] if kind == "dp" else 1
         shape = {"input_len": r["input_len"], "output_len": r["output_len"]}
-        runs.append({**where, **shape, "batch": r["seqs"], "step_ms": round(r["ms_step"], 3),
-                     "tok_s": round(r["tok_s"], 1)})
+        runs.append({**where, **shape, "batch": r["seqs"] // copies, "step_ms": round(r["ms_step"], 3),
+                     "tok_s": round(r["tok_s"] / copies, 1)})
         if "whole_tok_s" in r:
-            runs.append({**where, **shape, "num_prompts": r["seqs"], "max_num_seqs": r["batch"] * r["replicas"],
+            runs.append({**where, **shape, "num_prompts": r["seqs"] // copies,
+                         "max_num_seqs": r["batch"] * r["replicas"] // copies,
                          "max_num_batched_tokens": r["max_num_batched_tokens"],
-                         "tok_s": round(r["whole_tok_s"], 1), "includes_prefill": True})
+                         "tok_s": round(r["whole_tok_s"] / copies, 1), "includes_prefill": True})
     return runs
 
 

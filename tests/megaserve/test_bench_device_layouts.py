@@ -57,9 +57,10 @@ def test_planner_runs_name_the_layout_of_each_row() -> None:
     common = dict(input_len=64, output_len=256, ms_step=10.0, tok_s=100.0, replicas=1, batch=3, seqs=3)
     rows = [dict(common, layout="ep:2", m=1, seqs=6, replicas=2), dict(common, layout="split:3", m=3),
             dict(common, layout="dp:2", m=1), dict(common, layout="attn2:1", m=1)]
+    rows[2].update(seqs=6, replicas=2)  # dp:2: two one-GPU engines of 3 sequences
     runs = dl.measurement_runs(rows)
-    assert [(r["layout"], r.get("ep"), r.get("m"), r["batch"]) for r in runs] == [
-        ("colocated", 2, None, 6), ("disaggregated", None, 3, 3)]
+    assert [(r["layout"], r.get("ep"), r.get("m"), r["batch"], r["tok_s"]) for r in runs] == [
+        ("colocated", 2, None, 6, 100.0), ("disaggregated", None, 3, 3, 100.0), ("colocated", None, None, 3, 50.0)]
 
 
 def test_merge_joins_per_layout_runs_and_names_a_run_that_left_no_file(tmp_path, capsys) -> None:
