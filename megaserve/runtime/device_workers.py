@@ -31,7 +31,8 @@ expert role). Hence: one process at a time builds, compiles and captures at star
 (:func:`_startup_turn`, a host file lock), capturing every decode graph of its replica,
 every expert graph ``(c, P)`` (each after one eager tick of that shape) and running a few
 eager prefill steps (:data:`WARM_UP_PROMPT_LENGTHS`, greedy with logprobs and seeded
-sampling) so that serving rarely loads a kernel; a replica reports before it replays, and
+sampling, then one prompt at each of :func:`warm_up_prompt_lengths` up to the largest
+prefill step) so that serving rarely loads a kernel; a replica reports before it replays, and
 eager ticks are sent after their dispatch is enqueued (every flag an expert waits on is
 already on some stream). A new kernel variant first met inside a step by two processes
 at once can still deadlock (the step's watchdog then raises after ``timeout_s``).
@@ -267,6 +268,23 @@ def _subsets(num_replicas: int) -> list[tuple[int, ...]]:
 # Prompt lengths of the start-up warm-up (Triton specialises integer arguments on 1, on
 # multiples of 16, and the rest).
 WARM_UP_PROMPT_LENGTHS = (1, 17, 32)
+WARM_UP_TALL_FROM = 64  # above this many rows a linear picks a tall launch by the row count
+
+
+def warm_up_prompt_lengths(longest: int) -> list[int]:
+    """Lengths of the warm-up's one-prompt prefill steps from :data:`WARM_UP_TALL_FROM`
+    tokens up to ``longest`` (the largest prefill step the replica can run): 2^i and
+    2^i + 1 (Triton's multiple-of-16 specialisation) and ``longest`` itself. Linears choose
+    their launch by the row count (``kernels/triton_impl/matmul.py:plan_launch``: the
+    cheapest of four tall configurations above 64 rows), so a step of many prompt tokens
+    meets kernel variants a short warm-up never compiled. Empty below 64 tokens."""
+    lengths, n = [], WARM_UP_TALL_FROM
+    while n <= longest:
+        lengths += [n, n + 1] if n < longest else [n]
+        n *= 2
+    if longest > WARM_UP_TALL_FROM and longest not in lengths:
+        lengths.append(longest)
+    return lengths
 
 
 @contextlib.contextmanager
@@ -477,6 +495,16 @@ class _DeviceWorker:
                                         [(7 * i + n) % 100 for i in range(length)], params)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+        # Tall prefill steps, one prompt each (the prompts above run as one step of ~100
+        # tokens): within the step size, the model length and the KV pool.
+        engine, config = self.engine, self.spec.engine
+        longest = min(config.max_num_batched_tokens, engine.max_model_len - 1,
+                      (engine.pool.num_blocks - 1) * config.block_size)
+        for n, length in enumerate(warm_up_prompt_lengths(longest)):
+            engine.add_request(f"megaserve-warm-up-tall-{n}",
+                               [(7 * i + n + 3) % 100 for i in range(length)], kinds[0])
+            while engine.has_unfinished_requests():
+                engine.step()
 
     def _read_sockets(self, expected: int) -> None:
         """The expert role's messages from the other processes' replicas
