@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megaserve.bench import device_layouts as dl
+from megaserve.bench import layouts_report
 from megaserve.planner.measurements import parse_runs
 
 
@@ -46,7 +47,7 @@ def test_a_colocated_cpu_run_times_steady_decode_and_the_whole_workload(tmp_path
     # The planner reads the rows back as its runs: two decode-only runs and one with prefill.
     payload = {"model": "random:qwen3-30b-a3b:2", "device": "NVIDIA H200", "dtype": "bfloat16",
                "tree": "t", "rows": rows}
-    data = json.loads(json.dumps(dl.measurements_file(payload)))
+    data = json.loads(json.dumps(layouts_report.measurements_file(payload)))
     runs = parse_runs(data, "rows")
     assert [(r.batch, r.num_prompts, r.step_ms is None) for r in runs] == [
         (4, 0, False), (0, 4, True), (2, 0, False)]
@@ -58,7 +59,7 @@ def test_planner_runs_name_the_layout_of_each_row() -> None:
     rows = [dict(common, layout="ep:2", m=1, seqs=6, replicas=2), dict(common, layout="split:3", m=3),
             dict(common, layout="dp:2", m=1), dict(common, layout="attn2:1", m=1)]
     rows[2].update(seqs=6, replicas=2)  # dp:2: two one-GPU engines of 3 sequences
-    runs = dl.measurement_runs(rows)
+    runs = layouts_report.measurement_runs(rows)
     assert [(r["layout"], r.get("ep"), r.get("m"), r["batch"], r["tok_s"]) for r in runs] == [
         ("colocated", 2, None, 6, 100.0), ("disaggregated", None, 3, 3, 100.0), ("colocated", None, None, 3, 50.0)]
 
