@@ -7,9 +7,14 @@ mode=${1:-check}
 limit=${2:-200}
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.used --format=csv
-stacks() {  # every megaserve process's Python stacks (faulthandler on SIGUSR1), on a hang
+export MEGASERVE_BENCH_RUN="ep-device-$$-$(date +%s)"  # inherited by this run's processes only
+stacks() {  # this run's worker processes' Python stacks (faulthandler on SIGUSR1), on a hang
     sleep "$1"
-    for p in $(pgrep -f "multiprocessing.spawn"); do kill -USR1 "$p" 2>/dev/null; done
+    for e in /proc/[0-9]*/environ; do
+        grep -qz "^MEGASERVE_BENCH_RUN=$MEGASERVE_BENCH_RUN\$" "$e" 2>/dev/null || continue
+        p=${e#/proc/}; p=${p%/environ}
+        grep -q multiprocessing.spawn "/proc/$p/cmdline" 2>/dev/null && kill -USR1 "$p" 2>/dev/null
+    done
 }
 if [ "$mode" = check ]; then
     stacks "${STACKS_AT:-$((limit - 20))}" & watcher=$!

@@ -95,10 +95,16 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
   # Each layout in a process of its own with its own limit (a layout that hangs costs only
   # that), the baseline first; then one table and JSON per model (--merge).
   DL="python3 -m megaserve.bench.device_layouts"
-  cleanup() {  # worker processes a killed step left behind (this machine runs only this script)
-    for p in $(pgrep -f "multiprocessing.spawn|multiprocessing.forkserver"); do kill -9 "$p" 2>/dev/null; done; }
-  stacks() {  # 12 s before a layout's limit: every worker's Python stacks into layouts.log (SIGUSR1)
-    sleep "$1"; for p in $(pgrep -f "multiprocessing.spawn"); do kill -USR1 "$p" 2>/dev/null; done; }
+  # This run's Python processes (the bench and the workers it spawns inherit the marker):
+  # only they are signalled, whatever else runs on the machine.
+  export MEGASERVE_BENCH_RUN="disagg-$$-$START"
+  ours() { for e in /proc/[0-9]*/environ; do
+      grep -qz "^MEGASERVE_BENCH_RUN=$MEGASERVE_BENCH_RUN\$" "$e" 2>/dev/null || continue
+      p=${e#/proc/}; p=${p%/environ}; grep -q python "/proc/$p/cmdline" 2>/dev/null && echo "$p"
+    done; }
+  cleanup() { for p in $(ours); do kill -9 "$p" 2>/dev/null; done; }  # what a killed step left
+  stacks() {  # 12 s before a layout's limit: this run's Python stacks into layouts.log (SIGUSR1)
+    sleep "$1"; for p in $(ours); do kill -USR1 "$p" 2>/dev/null; done; }
   layout() {  # layout TAG NAME LIMIT ARGS...: one layout in a process of its own, stacks at a hang
     local tag=$1 name=$2 limit=$3; shift 3
     stacks $((limit - 12)) & local watcher=$!

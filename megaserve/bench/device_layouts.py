@@ -254,8 +254,10 @@ def main(argv: list[str]) -> int:
         return 0
     if args.stacks_after:
         import faulthandler
+        import signal
 
         faulthandler.dump_traceback_later(args.stacks_after, exit=False)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the workers do
     cases = parse_cases(args.cases)
     whole_cases = ({cases[0].name} if args.whole is None else set() if args.whole == "none"
                    else {c.name for c in parse_cases(args.whole)})
