@@ -104,7 +104,7 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
     done; }
   cleanup() { for p in $(ours); do kill -9 "$p" 2>/dev/null; done; }  # what a killed step left
   stacks() {  # 12 s before a layout's limit: this run's Python stacks into layouts.log (SIGUSR1)
-    sleep "$1"; for p in $(ours); do kill -USR1 "$p" 2>/dev/null; done; }
+    (( $1 > 0 )) || return 0; sleep "$1"; for p in $(ours); do kill -USR1 "$p" 2>/dev/null; done; }
   layout() {  # layout TAG NAME LIMIT ARGS...: one layout in a process of its own, stacks at a hang
     local tag=$1 name=$2 limit=$3; shift 3
     stacks $((limit - 12)) & local watcher=$!
