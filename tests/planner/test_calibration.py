@@ -128,3 +128,14 @@ def test_bad_measurement_files_raise_input_errors(tmp_path):
         calibrate.calibrate([bad], DEFAULT_GPUS, Profile())
     with pytest.raises(InputError, match="cannot read"):
         calibrate.calibrate([tmp_path / "missing.json"], DEFAULT_GPUS, Profile())
+
+
+def test_a_batch_may_split_into_unequal_micro_batches_but_not_empty_ones():
+    """256 sequences at m = 3 (86, 85, 85) is a run the planner predicts (the mean part);
+    fewer sequences than micro-batches x EP ranks is refused."""
+    model = measurements.model_with_layers("qwen3-30b-a3b", 48)
+    run = measurements.Run("t", "H200", model, 64, 256, 1.0, batch=256, step_ms=1.0, layout="disaggregated", m=3)
+    pred = measurements.predict(run, H200, load_profile("hopper").for_gpu("H200"))
+    assert pred.step_ms > 0 and pred.tok_s == pytest.approx(256 / pred.step_ms * 1e3)
+    with pytest.raises(ValueError, match="parts a sequence"):
+        measurements.Run("t", "H200", model, 64, 256, 1.0, batch=2, step_ms=1.0, layout="disaggregated", m=3)
