@@ -133,6 +133,8 @@ def calibrate(paths: Sequence[str | Path] | str | Path, gpus: Mapping[str, GpuSp
 
 # --- engine runs: efficiency and fixed overheads from measured co-located steps -------
 
+HBM_MAX = 0.90  # the most of its datasheet HBM bandwidth a GPU streams (fits may not claim more)
+MAX_LINEARISATIONS = 4  # fits of a GPU with async runs (each linearised at the previous one)
 OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us", "split_overhead_us")
 
 
@@ -201,12 +203,15 @@ def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
 
     ``flops_eff`` is capped at ``base.flops_eff`` (from GEMM measurements, or the datasheet
     default): engine runs at serving batches rarely reach the compute roof, so they can
-    lower it but never credit the GPU with more than a measured GEMM reached.
+    lower it but never credit the GPU with more than a measured GEMM reached. ``hbm_eff``
+    stays <= :data:`HBM_MAX`: a fit that wants more is putting fixed time into bandwidth.
 
     Minimises the sum of squared relative errors of time per generated token over the runs.
-    Predicted time is linear in the overheads and piecewise in the two efficiencies, so:
-    a grid over (hbm_eff, flops_eff), coarse then fine, and at each point an exact
-    non-negative least squares for the overheads. Raises InputError without runs.
+    Predicted time is linear in the overheads (piecewise, for runs measured with async
+    scheduling: max(GPU, host) per step) and piecewise in the two efficiencies, so: a grid
+    over (hbm_eff, flops_eff), coarse then fine, and at each point a non-negative least
+    squares for the overheads, exact for synchronous runs and linearised at the previous
+    fit for async ones. Raises InputError without runs.
     """
     if not runs:
         raise InputError(f"no runs measured on {gpu.name} to fit")
@@ -216,26 +221,40 @@ def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
     def times(eff: Efficiency) -> np.ndarray:
         return np.array([1.0 / predict(r, gpu, eff).tok_s for r in runs])
 
-    base_t = times(zero)
-    # columns: extra seconds per generated token from 1 us of each overhead
-    cols = np.stack([times(dataclasses.replace(zero, **{k: 1.0})) - base_t for k in OVERHEADS], axis=1)
-    a = cols / measured[:, None]
+    def fit_at(ref: Efficiency) -> tuple[float, float, np.ndarray]:
+        """Grid over the efficiencies with the overheads' effect linearised at ``ref``."""
+        x_ref = np.array([getattr(ref, k) for k in OVERHEADS])
+        base_t = times(ref)
+        # columns: extra seconds per generated token from 1 us more of each overhead
+        cols = np.stack([times(dataclasses.replace(ref, **{k: getattr(ref, k) + 1.0})) - base_t
+                         for k in OVERHEADS], axis=1)
+        a = cols / measured[:, None]
 
-    def solve(hbm: float, flops: float) -> tuple[float, np.ndarray]:
-        t0 = times(dataclasses.replace(zero, hbm_eff=hbm, flops_eff=flops))
-        x, res = _nnls(a, 1.0 - t0 / measured)
-        return res, x
+        def solve(hbm: float, flops: float) -> tuple[float, np.ndarray]:
+            t0 = times(dataclasses.replace(ref, hbm_eff=hbm, flops_eff=flops))
+            x, res = _nnls(a, 1.0 - t0 / measured + a @ x_ref)
+            return res, x
 
-    cap = base.flops_eff
-    grid = [(h, f) for h in np.arange(0.30, 1.0001, 0.05) for f in np.geomspace(0.02 * cap, cap, 18)]
-    best = min(grid, key=lambda p: solve(*p)[0])
-    fine = [(h, f) for h in np.clip(best[0] + np.arange(-0.05, 0.0501, 0.01), 0.05, 1.0)
-            for f in np.clip(best[1] * np.geomspace(0.8, 1.25, 11), 1e-3, cap)]
-    hbm, flops = min(fine, key=lambda p: solve(*p)[0])
-    _, x = solve(hbm, flops)
-    fields = {"hbm_eff": round(float(hbm), 4), "flops_eff": round(float(flops), 4),
-              **{k: round(float(v), 4) for k, v in zip(OVERHEADS, x)}}
-    eff = dataclasses.replace(base, **fields)
+        cap = base.flops_eff
+        grid = [(h, f) for h in np.arange(0.30, HBM_MAX + 1e-4, 0.05) for f in np.geomspace(0.02 * cap, cap, 18)]
+        best = min(grid, key=lambda p: solve(*p)[0])
+        fine = [(h, f) for h in np.clip(best[0] + np.arange(-0.05, 0.0501, 0.01), 0.05, HBM_MAX)
+                for f in np.clip(best[1] * np.geomspace(0.8, 1.25, 11), 1e-3, cap)]
+        hbm, flops = min(fine, key=lambda p: solve(*p)[0])
+        return float(hbm), float(flops), solve(hbm, flops)[1]
+
+    # Predicted time is linear in the overheads for synchronous runs; an async run's step is
+    # max(GPU, host) (perf.engine_step), piecewise linear: linearise at the last fit and refit
+    # until the fit stops moving (without async runs the first pass is exact).
+    ref, eff = zero, zero
+    for _ in range(MAX_LINEARISATIONS):
+        hbm, flops, x = fit_at(ref)
+        fields = {"hbm_eff": round(hbm, 4), "flops_eff": round(flops, 4),
+                  **{k: round(float(v), 4) for k, v in zip(OVERHEADS, x)}}
+        eff = dataclasses.replace(base, **fields)
+        if not any(r.async_scheduling for r in runs) or eff == ref:
+            break
+        ref = eff
     logger.info("calibrated %s on %d runs: %s", gpu.name, len(runs), fields)
     return RunFit(gpu.name, eff, run_errors(runs, gpu, base), run_errors(runs, gpu, eff))
 

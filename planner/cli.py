@@ -18,6 +18,10 @@ EXIT_USAGE = 2
 logger = logging.getLogger(__name__)
 
 
+SCHEDULING = ("async, the engine's default on CUDA: a step takes max(GPU time, host time), the host "
+              "preparing step n + 1 while the GPU runs step n")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megaserve plan",
@@ -133,11 +137,13 @@ def _plan(argv: list[str]) -> int:
     types = [e.gpu for e in cluster.available()]
     if args.json:
         print(json.dumps({"plan": plan, "top": [report.table_row(model, atoms, i) for i in ranked],
-                          "profile": {"source": prof.source, "fits": {t: prof.fits.get(t) for t in types}}},
+                          "profile": {"source": prof.source, "fits": {t: prof.fits.get(t) for t in types}},
+                          "scheduling": "async"},
                          indent=1))
     else:
         print(report.summary(model, work, cluster, atoms, sel, args.objective))
         print(prof.describe(types))
+        print(f"scheduling: {SCHEDULING}")
         print()
         print(report.table(model, atoms, ranked, args.objective))
     if args.explain is not None:

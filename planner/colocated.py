@@ -46,7 +46,8 @@ def all_to_all_time(model: ModelSpec, work: perf.Workload, hw: perf.Hw, ep, b):
 def colocated_step(model: ModelSpec, work: perf.Workload, hw: perf.Hw, tp, ep, b) -> perf.StepTimes:
     """One decode iteration of a co-located unit, ``b`` sequences per attention rank.
 
-    ``T_total = L (T_a + 2 T_c + T_e) + dense layers + LM head + step overhead`` where
+    GPU time ``L (T_a + 2 T_c + T_e) + dense layers + LM head``, and with the host time
+    (the step overhead) one engine step under ``work.async_scheduling`` (perf.engine_step), where
     ``T_a`` = attention of b sequences (+ the layer's fixed and per-token overheads),
     ``T_e`` = the rank's experts for the ``ep * b`` tokens of all ranks, ``T_c`` = the
     all-to-all. Elementwise over arrays like perf.decode_step.
@@ -59,7 +60,8 @@ def colocated_step(model: ModelSpec, work: perf.Workload, hw: perf.Hw, tp, ep, b
     dense = model.num_dense_layers * (attn + perf.dense_mlp_time(model, work, hw, tp, b) + perf.layer_overhead(hw, b))
     t_extra = dense + perf.head_time(model, hw, tp, b)
     round_trip = t_a + t_e + 2 * t_c
-    t_total = model.num_moe_layers * round_trip + t_extra + perf.step_overhead(hw, b)
+    t_total = perf.engine_step(model.num_moe_layers * round_trip + t_extra, perf.step_overhead(hw, b),
+                               work.async_scheduling)
     return perf.StepTimes(t_a, t_e, t_c, t_extra, np.maximum(t_a, t_e), round_trip, False, t_total)
 
 

@@ -16,6 +16,28 @@ def _fmt_bytes(x: float) -> str:
     return f"{x / 1e9:.2f} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"
 
 
+def _intra_node(cluster: Cluster, r: dict) -> bool:
+    """Whether a disaggregated unit's sides share a node (one GPU type, within its node size):
+    then they exchange over the intra-node link, as planner/search.py models it."""
+    per_node = {e.gpu: e.gpus_per_node for e in cluster.available()}
+    gpus = r["n_a"] * r["tp_a"] + r["n_e"] * r["tp_e"]
+    return r["attn_gpu"] == r["expert_gpu"] and gpus <= per_node.get(r["attn_gpu"], 0)
+
+
+def _host_line(work: perf.Workload, hw: perf.Hw, seqs: float, gpu_s: float, step_s: float) -> str:
+    """How the GPU time and the host time make one step (perf.engine_step)."""
+    us = 1e6
+    host = float(perf.step_overhead(hw, seqs))
+    how = ("max(GPU, host): async scheduling, the engine's default on CUDA" if work.async_scheduling
+           else "GPU + host: synchronous scheduling")
+    return (f"  host per step {float(hw.step_oh) * us:.0f} us + {seqs:g} seq x {float(hw.seq_oh) * us:.1f} us = "
+            f"{host * 1e3:.3f} ms; step = {how} = max({gpu_s * 1e3:.3f}, {host * 1e3:.3f})"
+            if work.async_scheduling else
+            f"  host per step {float(hw.step_oh) * us:.0f} us + {seqs:g} seq x {float(hw.seq_oh) * us:.1f} us = "
+            f"{host * 1e3:.3f} ms; step = {how} = {gpu_s * 1e3:.3f} + {host * 1e3:.3f}") + \
+        f" = {step_s * 1e3:.2f} ms"
+
+
 def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, atoms: Atoms,
             i: int) -> str:
     """Multi-line text recomputing atom i's times, pipeline regime and memory."""
@@ -38,8 +60,10 @@ def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Pr
                  tokens * min(model.top_k, e_w))
     e_mem = active * model.expert_bytes / tp_e / float(hw_e.hbm)
     e_cmp = 2 * assign * model.expert_params / tp_e / float(hw_e.flops)
-    step = perf.decode_step(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, m, b)
+    intra = _intra_node(cluster, r)
+    step = perf.decode_step(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, m, b, intra)
     t_f, rt = float(step.t_f), float(step.round_trip)
+    gpu_s = rt + max(t_f, rt / m) * (m * model.num_moe_layers - 1) + m * float(step.t_extra)
     m_min = 2 * (1 + float(step.t_c) / t_f)
     mem_w = model.attn_side_bytes / tp_a
     mem_kv = m * b * work.ctx_max * model.kv_bytes_per_token / shard
@@ -63,15 +87,18 @@ def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Pr
         f"({'compute' if e_cmp > e_mem else 'memory'}-bound); with layer overhead "
         f"{float(hw_e.layer_oh) * us:.1f} us: T_e = {float(step.t_e) * us:.1f} us",
         f"communication, one way: T_c = {float(step.t_c) * us:.1f} us "
-        f"(alpha {ea.net_alpha_us:g} us + bytes / (NIC {ga.net_gbps:g}|{ge.net_gbps:g} GB/s x eff x size utilisation))",
+        + (f"(alpha {ea.link_alpha_us:g} us + bytes / (intra-node link {ga.link_gbps:g} GB/s x eff x size "
+           f"utilisation): one node, cuda_ipc)" if intra else
+           f"(alpha {ea.net_alpha_us:g} us + bytes / (NIC {ga.net_gbps:g}|{ge.net_gbps:g} GB/s x eff x size "
+           f"utilisation))"),
         "",
         f"ping-pong: T_f = max(T_a, T_e) = {t_f * us:.1f} us, round trip T_a + T_e + 2 T_c = {rt * us:.1f} us",
         f"  full pipeline needs m >= 2(1 + T_c/T_f) = {m_min:.2f}: m = {m} -> "
         f"{'full (experts or attention never wait on the round trip)' if bool(step.full) else 'NOT full (round trip binds)'}",
-        f"  T_total = round_trip + max(T_f, round_trip/m) (m L - 1) + m (dense layers + LM head) + step overhead",
+        f"  GPU time = round_trip + max(T_f, round_trip/m) (m L - 1) + m (dense layers + LM head)",
         f"          = {rt * 1e3:.3f} + {max(t_f, rt / m) * 1e3:.4f} x {m * model.num_moe_layers - 1} + "
-        f"{m} x {float(step.t_extra) * 1e3:.3f} + {float(perf.step_overhead(hw_a, m * b)) * 1e3:.3f} = "
-        f"{float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
+        f"{m} x {float(step.t_extra) * 1e3:.3f} = {gpu_s * 1e3:.3f} ms",
+        _host_line(work, hw_a, m * b, gpu_s, float(step.t_total)) + f" = T_total (TPOT SLO {work.tpot_ms:g} ms)",
         f"  throughput = n_a m b / T_total = {n_a} x {m} x {b} / {float(step.t_total):.4f} s = "
         f"{r['throughput']:.0f} tok/s",
         "",
@@ -100,6 +127,7 @@ def _explain_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
     kv_tokens = b * work.ctx_avg
     attn = float(perf.attention_time(model, work, hw, tp, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token))
     step = colocated_step(model, work, hw, tp, ep, b)
+    gpu_s = model.num_moe_layers * float(step.round_trip) + float(step.t_extra)
     rows = ep * b * model.top_k / model.num_experts
     us = 1e6
     return "\n".join([
@@ -110,10 +138,9 @@ def _explain_colocated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
         f"  experts: {ep * b} tokens x top-{model.top_k} over {model.num_experts} experts = {rows:.1f} rows per "
         f"expert GEMM -> T_e {float(step.t_e) * us:.1f} us",
         f"  all-to-all one way T_c {float(all_to_all_time(model, work, hw, ep, b)) * us:.1f} us (0 when ep = 1)",
-        f"T_total = L (T_a + T_e + 2 T_c) + dense + LM head + step overhead ({float(hw.step_oh) * us:.0f} us + "
-        f"{b} seq x {float(hw.seq_oh) * us:.1f} us) = {model.num_moe_layers} x {float(step.round_trip) * us:.1f} us "
-        f"+ {float(step.t_extra) * us:.1f} us + {float(perf.step_overhead(hw, b)) * us:.0f} us = "
-        f"{float(step.t_total) * 1e3:.2f} ms (TPOT SLO {work.tpot_ms:g} ms)",
+        f"GPU time = L (T_a + T_e + 2 T_c) + dense + LM head = {model.num_moe_layers} x "
+        f"{float(step.round_trip) * us:.1f} us + {float(step.t_extra) * us:.1f} us = {gpu_s * 1e3:.3f} ms",
+        _host_line(work, hw, b, gpu_s, float(step.t_total)) + f" = T_total (TPOT SLO {work.tpot_ms:g} ms)",
         f"  throughput = ranks x b / T_total = {ep} x {b} / {float(step.t_total):.4f} s = {r['throughput']:.0f} tok/s",
         f"memory per GPU ({g.memory_gb:g} GB, reserve {work.reserve_frac:.0%}): {r['mem_a'] / 1e9:.1f} GB "
         f"(weights + KV of {b} seq x {work.ctx_max} tok); KV room for "

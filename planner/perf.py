@@ -34,6 +34,9 @@ class Workload:
     act_bytes: float = 2.0  # bytes per activation element sent between sides (bf16)
     max_batch_per_replica: int = 1024
     max_microbatches: int = 8
+    # the engine's default on CUDA: the host schedules step n + 1 while the GPU runs step n
+    # (:func:`engine_step`); False models synchronous scheduling (host, then GPU)
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.input_len < 1 or self.output_len < 1:
@@ -137,8 +140,18 @@ def layer_overhead(hw: Hw, tokens):
 
 
 def step_overhead(hw: Hw, seqs):
-    """Fixed cost of one decode iteration of ``seqs`` sequences on one attention worker."""
+    """Host time of one engine step of ``seqs`` sequences on one attention worker
+    (scheduler, sampler bookkeeping, outputs, graph launch): calibrated."""
     return hw.step_oh + seqs * hw.seq_oh
+
+
+def engine_step(gpu, host, async_scheduling: bool):
+    """Wall time of one engine step from its GPU time and its host time (:func:`step_overhead`).
+
+    Synchronous scheduling runs them in series (``gpu + host``); async scheduling prepares
+    step n + 1 on the host while the GPU runs step n, so the slower of the two sets the
+    pace (``max(gpu, host)``). Elementwise over arrays."""
+    return np.maximum(gpu, host) if async_scheduling else gpu + host
 
 
 def experts_per_worker(model: ModelSpec, n_e):
@@ -168,20 +181,25 @@ def expert_time(model: ModelSpec, work: Workload, hw: Hw, tp_e, n_e, tokens):
     return roofline(hw, nbytes, flops) + allreduce(model, work, hw, tp_e, rows)
 
 
-def dispatch_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a, tp_e, n_e, b):
+def dispatch_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a, tp_e, n_e, b,
+                  intra_node=False):
     """One-way time of a dispatch (or combine: same bytes, reversed) of one micro-batch.
 
     A replica sends each token once per destination worker, spread over its tp_a NICs; the
     busiest worker receives from all n_a replicas over its tp_e NICs. The slower end wins.
+    ``intra_node`` (bool or array): the unit's GPUs share a node, and the bytes move over
+    the intra-node link (NVLink peer memory: the runtime's ``cuda_ipc``) instead of the NICs.
     Plus half the calibrated split overhead (the other half is the combine's): the fixed
     cost of crossing processes (pack, flag hop, the remote side's preparation).
     """
     row = model.hidden * work.act_bytes
     p = 1 - (1 - experts_per_worker(model, n_e) / model.num_experts) ** model.top_k
     send = b * n_e * p * row / tp_a
-    t_send = transfer(send, send / n_e, hw_a.net, hw_a.net_alpha, hw_a.msg_half)
+    bw_a, alpha_a = np.where(intra_node, hw_a.link, hw_a.net), np.where(intra_node, hw_a.link_alpha, hw_a.net_alpha)
+    bw_e, alpha_e = np.where(intra_node, hw_e.link, hw_e.net), np.where(intra_node, hw_e.link_alpha, hw_e.net_alpha)
+    t_send = transfer(send, send / n_e, bw_a, alpha_a, hw_a.msg_half)
     recv = worker_rows(model, work, n_e, n_a * b) * row / tp_e
-    t_recv = transfer(recv, recv / n_a, hw_e.net, hw_e.net_alpha, hw_e.msg_half)
+    t_recv = transfer(recv, recv / n_a, bw_e, alpha_e, hw_e.msg_half)
     return np.maximum(t_send, t_recv) + hw_a.split_oh / 2
 
 
@@ -217,7 +235,8 @@ class StepTimes:
     t_total: object  # one decode iteration = TPOT
 
 
-def decode_step(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a, tp_e, n_e, m, b) -> StepTimes:
+def decode_step(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a, tp_e, n_e, m, b,
+                intra_node=False) -> StepTimes:
     """Time of one decode iteration with m micro-batches of b sequences per replica.
 
     Ping-pong (MegaScale-Infer §4): a micro-batch goes round attention -> dispatch -> experts
@@ -225,8 +244,10 @@ def decode_step(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a,
     ``C = max(m t_f, round_trip)`` for all m micro-batches, and
     ``T_total = round_trip + (C / m)(m L - 1) + m t_extra``, which equals the paper's
     ``(T_a + T_e + 2 T_c) + T_f (m L - 1)`` when the pipeline is full and ``L round_trip``
-    when m = 1; plus the calibrated per-iteration overhead of the attention worker
-    (:func:`step_overhead`). T_a and T_e include the per-layer overheads (:func:`layer_overhead`).
+    when m = 1: the GPU time; with the attention worker's host time (:func:`step_overhead`)
+    it makes one engine step under ``work.async_scheduling`` (:func:`engine_step`). T_a and
+    T_e include the per-layer overheads (:func:`layer_overhead`); ``intra_node`` as in
+    :func:`dispatch_time`.
     """
     kv_tokens = b * work.ctx_avg
     attn = attention_time(model, work, hw_a, tp_a, b, kv_tokens, kv_tokens * model.attn_flops_per_ctx_token)
@@ -234,23 +255,25 @@ def decode_step(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a,
     # where one GPU runs both): an upper bound for a disaggregated worker.
     t_a = attn + layer_overhead(hw_a, b)
     t_e = expert_time(model, work, hw_e, tp_e, n_e, n_a * b) + layer_overhead(hw_e, 0)
-    t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, b)
+    t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, n_a, tp_e, n_e, b, intra_node)
     dense = model.num_dense_layers * (attn + dense_mlp_time(model, work, hw_a, tp_a, b) + layer_overhead(hw_a, b))
     t_extra = dense + head_time(model, hw_a, tp_a, b)
     t_f = np.maximum(t_a, t_e)
     round_trip = t_a + t_e + 2 * t_c
     cycle = np.maximum(m * t_f, round_trip)
-    t_total = round_trip + cycle / m * (m * model.num_moe_layers - 1) + m * t_extra + step_overhead(hw_a, m * b)
+    gpu = round_trip + cycle / m * (m * model.num_moe_layers - 1) + m * t_extra
+    t_total = engine_step(gpu, step_overhead(hw_a, m * b), work.async_scheduling)
     return StepTimes(t_a, t_e, t_c, t_extra, t_f, round_trip, m * t_f >= round_trip, t_total)
 
 
-def prefill_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, tp_e, n_e):
-    """One request's prefill (input_len tokens) through the whole model, alone on a unit."""
+def prefill_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, tp_e, n_e, intra_node=False):
+    """One request's prefill (input_len tokens) through the whole model, alone on a unit
+    (one step, GPU then host: nothing to overlap it with)."""
     t = work.input_len
     ctx_flops = t * t / 2 * model.attn_flops_per_ctx_token  # causal
     t_a = attention_time(model, work, hw_a, tp_a, t, t, ctx_flops) + layer_overhead(hw_a, t)
     t_e = expert_time(model, work, hw_e, tp_e, n_e, t) + layer_overhead(hw_e, 0)
-    t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, 1, tp_e, n_e, t)
+    t_c = dispatch_time(model, work, hw_a, hw_e, tp_a, 1, tp_e, n_e, t, intra_node)
     dense = model.num_dense_layers * (t_a + dense_mlp_time(model, work, hw_a, tp_a, t))
     return (model.num_moe_layers * (t_a + t_e + 2 * t_c) + dense + head_time(model, hw_a, tp_a, 1)
             + step_overhead(hw_a, 1))

@@ -50,7 +50,10 @@ def _grid(model: ModelSpec, work: perf.Workload, cluster: Cluster, homogeneous: 
     np.add.at(usage, (np.arange(len(ga)), ga), n_a * tp_a)
     np.add.at(usage, (np.arange(len(ga)), ge), n_e * tp_e)
     keep = np.all(usage <= counts, axis=1)
-    out = dict(ga=ga, ge=ge, tp_a=tp_a, tp_e=tp_e, n_e=n_e, n_a=n_a, m=m)
+    per_node = np.array([e.gpus_per_node for e in entries])
+    # one GPU type, one node: the sides exchange over the intra-node link (the runtime's cuda_ipc)
+    intra = (ga == ge) & (n_a * tp_a + n_e * tp_e <= per_node[ga])
+    out = dict(ga=ga, ge=ge, tp_a=tp_a, tp_e=tp_e, n_e=n_e, n_a=n_a, m=m, intra=intra)
     out = {k: v[keep] for k, v in out.items()}
     out["usage"] = usage[keep]
     return out
@@ -113,7 +116,7 @@ def find_disaggregated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
     g, b_cap, b_mem = {k: v[fits] for k, v in g.items()}, b_cap[fits], b_mem[fits]
     hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
     args = (g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"])
-    t1 = perf.decode_step(model, work, hw_a, hw_e, *args, np.ones_like(b_cap)).t_total
+    t1 = perf.decode_step(model, work, hw_a, hw_e, *args, np.ones_like(b_cap), g["intra"]).t_total
     ok = t1 <= work.tpot_ms / 1e3
     if not ok.any():
         raise InfeasibleError(
@@ -123,10 +126,10 @@ def find_disaggregated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
     g, b_cap, b_mem = {k: v[ok] for k, v in g.items()}, b_cap[ok], b_mem[ok]
     hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
     args = (g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"])
-    b = binary_search_batch(lambda b_: perf.decode_step(model, work, hw_a, hw_e, *args, b_).t_total,
+    b = binary_search_batch(lambda b_: perf.decode_step(model, work, hw_a, hw_e, *args, b_, g["intra"]).t_total,
                             work.tpot_ms / 1e3, b_cap)
-    step = perf.decode_step(model, work, hw_a, hw_e, *args, b)
-    ttft = perf.prefill_time(model, work, hw_a, hw_e, g["tp_a"], g["tp_e"], g["n_e"]) + step.t_total
+    step = perf.decode_step(model, work, hw_a, hw_e, *args, b, g["intra"])
+    ttft = perf.prefill_time(model, work, hw_a, hw_e, g["tp_a"], g["tp_e"], g["n_e"], g["intra"]) + step.t_total
     if work.ttft_ms is not None:
         ok = ttft <= work.ttft_ms / 1e3
         if not ok.any():
@@ -136,7 +139,8 @@ def find_disaggregated(model: ModelSpec, work: perf.Workload, cluster: Cluster, 
             )
         g, b, b_cap, b_mem, ttft = {k: v[ok] for k, v in g.items()}, b[ok], b_cap[ok], b_mem[ok], ttft[ok]
         hw_a, hw_e = perf.Hw(gpus, profile, g["ga"]), perf.Hw(gpus, profile, g["ge"])
-        step = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], b)
+        step = perf.decode_step(model, work, hw_a, hw_e, g["tp_a"], g["n_a"], g["tp_e"], g["n_e"], g["m"], b,
+                                g["intra"])
     return _assemble(model, work, gpus, entries, g, b, b_cap, b_mem, step, ttft)
 
 

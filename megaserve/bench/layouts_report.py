@@ -28,6 +28,8 @@ def measurement_runs(rows: list[dict]) -> list[dict]:
         # A DP row is recorded as one of its engines: its sequences and tok/s divided by N.
         copies = r["replicas"] if kind == "dp" else 1
         shape = {"input_len": r["input_len"], "output_len": r["output_len"]}
+        if isinstance(r.get("async_scheduling"), bool):  # the planner predicts each run under its scheduling
+            shape["async_scheduling"] = r["async_scheduling"]
         runs.append({**where, **shape, "batch": r["seqs"] // copies, "step_ms": round(r["ms_step"], 3),
                      "tok_s": round(r["tok_s"] / copies, 1)})
         if "whole_tok_s" in r:

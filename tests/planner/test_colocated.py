@@ -16,8 +16,10 @@ OVERHEADS = Efficiency(step_overhead_us=300, seq_overhead_us=5, layer_overhead_u
 
 
 def test_single_gpu_step_is_the_sum_of_its_parts():
-    """ep = 1, tp = 1: L (attention + experts + overheads) + LM head + step overhead, no comm."""
-    work = perf.Workload(input_len=64, output_len=256)
+    """ep = 1, tp = 1, synchronous scheduling: L (attention + experts + overheads) + LM head
+    + step overhead, no comm; async scheduling (the default): the slower of the GPU part and
+    the step overhead."""
+    work = perf.Workload(input_len=64, output_len=256, async_scheduling=False)
     hw = perf.Hw([H200], Profile(OVERHEADS))
     b = 64
     kv = b * work.ctx_avg
@@ -28,6 +30,9 @@ def test_single_gpu_step_is_the_sum_of_its_parts():
     step = colocated.colocated_step(QWEN, work, hw, 1, 1, b)
     assert float(step.t_c) == 0.0
     assert float(step.t_total) == pytest.approx(float(expected))
+    overlapped = colocated.colocated_step(QWEN, perf.Workload(input_len=64, output_len=256), hw, 1, 1, b)
+    host = 300e-6 + b * 5e-6
+    assert float(overlapped.t_total) == pytest.approx(max(float(expected) - host, host))
 
 
 def test_expert_parallel_splits_expert_weights_and_pays_an_all_to_all():

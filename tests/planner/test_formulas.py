@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -113,3 +114,44 @@ def test_memory_formulas_and_batch_limit():
     by_hand = model.attn_side_bytes / 4 + b_max * 2304 * (56 * 2 * 8 * 128 * 2) / 4
     assert perf.attention_memory(model, work, 4, b_max) == pytest.approx(by_hand)
     assert perf.expert_memory(model, 2, 8) == pytest.approx(56 * 3 * 6144 * 16384 * 2 / 2)
+
+
+def test_a_step_is_gpu_plus_host_when_synchronous_and_the_slower_of_the_two_when_async():
+    """perf.engine_step through decode_step and colocated_step: the host time is the step
+    overhead; the planner's serving predictions are async (the engine's default on CUDA)."""
+    from megaserve.planner.colocated import colocated_step
+
+    model = load_model("qwen3-30b-a3b")
+    host_bound = perf.Hw([DEFAULT_GPUS["H200"]],
+                         Profile(dataclasses.replace(PROFILE.default, step_overhead_us=400, seq_overhead_us=200)))
+    assert perf.Workload().async_scheduling
+    for b in (1, 256):
+        gpu = float(colocated_step(model, perf.Workload(), hw("H200"), 1, 1, b).t_total)  # no host time
+        host = 400e-6 + b * 200e-6
+        sync = perf.Workload(async_scheduling=False)
+        assert float(colocated_step(model, sync, host_bound, 1, 1, b).t_total) == pytest.approx(gpu + host)
+        assert float(colocated_step(model, perf.Workload(), host_bound, 1, 1, b).t_total) == pytest.approx(max(gpu, host))
+        split = perf.decode_step(model, perf.Workload(), host_bound, host_bound, 1, 1, 1, 1, 1, b)
+        split_sync = perf.decode_step(model, sync, host_bound, host_bound, 1, 1, 1, 1, 1, b)
+        assert float(split_sync.t_total) - float(split.t_total) == pytest.approx(
+            min(host, float(split_sync.t_total) - host))
+
+
+def test_a_unit_within_one_node_exchanges_over_the_link():
+    """Dispatch between GPUs of one node goes over the intra-node link (cuda_ipc), between
+    nodes over the NICs; planner/search.py picks the link for one-type units within a node."""
+    from megaserve.planner import search
+    from megaserve.planner.catalog import Cluster, InventoryEntry
+
+    model, work = load_model("qwen3-30b-a3b"), perf.Workload(input_len=64, output_len=256)
+    h = hw("H200")  # link 450 GB/s, NIC 50 GB/s, no latency or size penalty
+    net = float(perf.dispatch_time(model, work, h, h, 1, 1, 1, 1, 256))
+    link = float(perf.dispatch_time(model, work, h, h, 1, 1, 1, 1, 256, True))
+    assert net == pytest.approx(256 * 2048 * 2 / 50e9) and link == pytest.approx(256 * 2048 * 2 / 450e9)
+    for per_node, want in ((2, link), (1, net)):
+        cluster = Cluster(DEFAULT_GPUS, (InventoryEntry("H200", 2, per_node),))
+        atoms = search.find_disaggregated(model, work, cluster, PROFILE)
+        one = (atoms.n_a == 1) & (atoms.n_e == 1) & (atoms.tp_a == 1) & (atoms.tp_e == 1) & (atoms.m == 1)
+        i = int((one & (atoms.b == atoms.b[one].max())).nonzero()[0][0])
+        b = int(atoms.b[i])
+        assert float(atoms.t_c[i]) == pytest.approx(want * b / 256), per_node

@@ -103,7 +103,7 @@ def test_cost_objective_with_target_rate_meets_it_at_least_cost():
     sel = ilp.solve(atoms, np.array([32, 32]), objective="cost", target_rate=1.5 * best_single, time_limit_s=5)
     assert sel.throughput >= 1.5 * best_single and sel.status == "optimal"
     # cheaper than the throughput-maximising plan, which uses everything
-    assert sel.cost <= ilp.solve(atoms, np.array([32, 32])).cost
+    assert sel.cost <= ilp.solve(atoms, np.array([32, 32])).cost + 1e-9  # equal costs may differ in the last bit
     with pytest.raises(InfeasibleError, match="target rate"):
         ilp.solve(atoms, np.array([32, 32]), objective="cost", target_rate=1e12)
 
