@@ -26,16 +26,13 @@ def _intra_node(cluster: Cluster, r: dict) -> bool:
 
 def _host_line(work: perf.Workload, hw: perf.Hw, seqs: float, gpu_s: float, step_s: float) -> str:
     """How the GPU time and the host time make one step (perf.engine_step)."""
-    us = 1e6
     host = float(perf.step_overhead(hw, seqs))
-    how = ("max(GPU, host): async scheduling, the engine's default on CUDA" if work.async_scheduling
-           else "GPU + host: synchronous scheduling")
-    return (f"  host per step {float(hw.step_oh) * us:.0f} us + {seqs:g} seq x {float(hw.seq_oh) * us:.1f} us = "
-            f"{host * 1e3:.3f} ms; step = {how} = max({gpu_s * 1e3:.3f}, {host * 1e3:.3f})"
-            if work.async_scheduling else
-            f"  host per step {float(hw.step_oh) * us:.0f} us + {seqs:g} seq x {float(hw.seq_oh) * us:.1f} us = "
-            f"{host * 1e3:.3f} ms; step = {how} = {gpu_s * 1e3:.3f} + {host * 1e3:.3f}") + \
-        f" = {step_s * 1e3:.2f} ms"
+    if work.async_scheduling:
+        how = f"max(GPU, host) (async scheduling, the engine's default on CUDA) = max({gpu_s * 1e3:.3f}, {host * 1e3:.3f})"
+    else:
+        how = f"GPU + host (synchronous scheduling) = {gpu_s * 1e3:.3f} + {host * 1e3:.3f}"
+    return (f"  host per step {float(hw.step_oh) * 1e6:.0f} us + {seqs:g} seq x {float(hw.seq_oh) * 1e6:.1f} us = "
+            f"{host * 1e3:.3f} ms; step = {how} = {step_s * 1e3:.2f} ms")
 
 
 def explain(model: ModelSpec, work: perf.Workload, cluster: Cluster, profile: Profile, atoms: Atoms,

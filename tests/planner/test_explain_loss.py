@@ -48,6 +48,10 @@ def test_explain_says_when_and_why_disaggregation_loses(tmp_path):
         assert per_gpu and int(per_gpu[1].replace(",", "")) < int(per_gpu[2].replace(",", ""))
     # at batch 256, m = 1 (as measured): the split adds time per layer, it does not save it
     out = plan(tmp_path, "--max-batch", "256", "--explain")
+    # predictions for serving assume the engine's default, async scheduling, and say so
+    assert "scheduling: async" in out
+    step = re.search(r"step = max\(GPU, host\) \(async scheduling.*= max\(([\d.]+), ([\d.]+)\) = ([\d.]+) ms", out)
+    assert step and float(step[3]) == pytest.approx(max(float(step[1]), float(step[2])), abs=0.01)
     assert re.search(r"the split adds \d+ us per MoE layer \(step [\d.]+ vs [\d.]+ ms over 48 layers at m=1", out)
 
 
