@@ -21,9 +21,8 @@ the files the shipped profile was fitted on are in planner/profiles/measurements
      "measurements": [...]}                # optional kernel / transport entries (calibrate.py)
 
 Engine fields of a run (each defaults to the file's ``source`` value, else the default
-given): ``async_scheduling`` (false: the engine's default before async scheduling became
-its default on CUDA; a run is predicted with the scheduling it ran with,
-perf.engine_step), ``kv_cache_memory_bytes`` (the KV pool, on the attention GPU; null:
+given): ``async_scheduling`` (false: synchronous, the host then the GPU each step; a run
+is predicted under the scheduling it ran with, perf.engine_step), ``kv_cache_memory_bytes`` (the KV pool, on the attention GPU; null:
 large enough for every sequence; a whole run it cannot hold is replayed with preemption,
 planner/kv_schedule.py) and ``intra_node`` (true: a disaggregated run's GPUs share a host
 and exchange over the intra-node link, ``cuda_ipc``; false: over the NICs).
@@ -206,9 +205,10 @@ def prefill_time(run: Run, hw: perf.Hw, work: perf.Workload, seqs):
     if run.layout == "disaggregated":
         t_c = perf.dispatch_time(run.model, work, hw, hw, 1, 1, 1, run.n_e, seqs * run.input_len, run.intra_node)
         total = colocated_prefill(run.model, work, hw, 1, 1, seqs) + 2 * run.model.num_moe_layers * t_c
+        host = perf.step_overhead(hw, seqs)
     else:
         total = colocated_prefill(run.model, work, hw, 1, run.ep, seqs / run.ep)
-    host = perf.step_overhead(hw, seqs)
+        host = perf.step_overhead(hw, seqs / run.ep)  # what colocated_prefill added per rank
     return perf.engine_step(total - host, host, work.async_scheduling)
 
 
