@@ -292,7 +292,7 @@ def main(argv: list[str]) -> int:
                "model": args.model, "dtype": args.dtype, "output_len": args.output_len,
                "cases": [c.name for c in cases], "batch_is": args.batch_is, "baseline": args.baseline,
                "tree": os.environ.get("MEGASERVE_TREE", "unknown"), "torch": torch.__version__,
-               "rows": [], "failed": {}}
+               "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "rows": [], "failed": {}}
     for name in layouts:
         try:
             rows = measure_layout(name, dict(base), cases, whole_cases, args.output_len, args.device, args.seed,

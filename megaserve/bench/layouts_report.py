@@ -72,7 +72,9 @@ def measurements_file(payload: dict) -> dict:
     return {"format": "megaserve-measurements/1", "gpu": catalog_gpu(payload["device"]) or payload["device"],
             "device": payload["device"], "model": preset, "num_layers": layers, "dtype": payload["dtype"],
             "source": {"command": "megaserve bench device-layouts", "commit": payload["tree"],
-                       "what": "steady decode (batch, step_ms) and whole workloads (includes_prefill)"},
+                       "what": "steady decode (batch, step_ms) and whole workloads (includes_prefill)",
+                       # the KV pool per engine: the planner replays preemption where it runs out
+                       "kv_cache_memory_bytes": payload.get("kv_cache_memory_bytes")},
             "runs": measurement_runs(payload["rows"])}
 
 

@@ -46,11 +46,13 @@ def test_a_colocated_cpu_run_times_steady_decode_and_the_whole_workload(tmp_path
     assert "whole_tok_s" not in rows[1]
     # The planner reads the rows back as its runs: two decode-only runs and one with prefill.
     payload = {"model": "random:qwen3-30b-a3b:2", "device": "NVIDIA H200", "dtype": "bfloat16",
-               "tree": "t", "rows": rows}
+               "tree": "t", "rows": rows, "kv_cache_memory_bytes": 64 << 20}
     data = json.loads(json.dumps(layouts_report.measurements_file(payload)))
     runs = parse_runs(data, "rows")
     assert [(r.batch, r.num_prompts, r.step_ms is None) for r in runs] == [
         (4, 0, False), (0, 4, True), (2, 0, False)]
+    # each run says how the engine ran: its scheduling (CPU: synchronous) and the KV pool
+    assert all(not r.async_scheduling and r.kv_cache_memory_bytes == 64 << 20 for r in runs)
     assert data["gpu"] == "H200" and runs[0].tok_s == pytest.approx(rows[0]["tok_s"], rel=1e-3)
 
 
