@@ -10,10 +10,12 @@ together on one co-located engine, stepped directly (``megaserve bench decode``'
   ``input_len + output_len / 2`` (what the planner models);
 * ``timed_steps`` decode steps are timed one by one (wall clock, synchronised):
   ``step_ms`` is their median, ``step_ms_min`` / ``step_ms_max`` the spread, with
-  ``mean_context`` and ``steps_not_full_batch`` (steps where a request was missing);
+  ``mean_context`` and ``steps_not_full_batch`` (steps where a request was missing), and
+  ``async_scheduling: false`` (a synchronised step overlaps nothing);
 * the whole workload (``--num-prompts`` x ``--input-len`` / ``--output-len``) through
   ``generate`` on the same engine, prefill included, with prompts the warm-up did not
-  use (:func:`measure_whole`: no prefix-cache hits, as the planner models it);
+  use (:func:`measure_whole`: no prefix-cache hits, as the planner models it), with the
+  engine's ``async_scheduling``;
 * with two or more visible GPUs, ``link`` entries: a GPU-to-GPU copy of 64 KiB .. 64 MiB
   (median of CUDA-event timings), for the planner's intra-node transport line
   ``seconds = alpha + bytes / (link_eff * link_gbps)``.
@@ -94,7 +96,9 @@ def measure(options: dict, batches: list[int], input_len: int, output_len: int, 
                          "step_ms": round(r["step_ms_median"], 4), "tok_s": round(batch / step_s, 1),
                          "step_ms_min": round(r["step_ms_min"], 4), "step_ms_max": round(r["step_ms_max"], 4),
                          "timed_steps": timed_steps, "warmup_steps": warmup,
-                         "mean_context": r["mean_context"], "steps_not_full_batch": r["steps_not_full_batch"]})
+                         "mean_context": r["mean_context"], "steps_not_full_batch": r["steps_not_full_batch"],
+                         # each step is timed with a synchronisation: host and GPU in series
+                         "async_scheduling": False})
             logger.info("profile: batch %d: %.3f ms per decode step (min %.3f, max %.3f)", batch,
                         r["step_ms_median"], r["step_ms_min"], r["step_ms_max"])
         if num_prompts:
@@ -134,7 +138,7 @@ def measure_whole(llm, device: str, num_prompts: int, input_len: int, output_len
     return {"num_prompts": num_prompts, "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "input_len": input_len,
             "output_len": output_len, "tok_s": round(generated / seconds, 1), "includes_prefill": True,
-            "prefix_cache_hits": False}
+            "prefix_cache_hits": False, "async_scheduling": bool(getattr(llm.engine, "async_scheduling", False))}
 
 
 LINK_SIZES = (64 << 10, 1 << 20, 8 << 20, 64 << 20)

@@ -23,6 +23,8 @@ def test_decode_steps_are_measured_per_batch_on_the_cpu_engine():
     # the whole generate: fresh prompts (no prefix-cache hits), the engine's limits recorded
     assert whole["includes_prefill"] and whole["prefix_cache_hits"] is False and whole["tok_s"] > 0
     assert (whole["num_prompts"], whole["max_num_seqs"], whole["output_len"]) == (2, 3, 20)
+    # how each ran: steps timed one by one are synchronous; the whole run as the engine ran (CPU: sync)
+    assert [r["async_scheduling"] for r in runs] == [False, False, False]
     data = {"format": measurements.FORMAT, "gpu": "H200", "model": "qwen3-30b-a3b", "num_layers": 2, "runs": runs}
     assert [r.step_ms is None for r in measurements.parse_runs(data, "cpu.json")] == [False, False, True]
     for r in steps:
