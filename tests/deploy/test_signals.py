@@ -75,7 +75,7 @@ def start_streams(address: str) -> list[Stream]:
     streams = [Stream(address, p, s) for p, s in REQUESTS]
     for s in streams:
         s.start()
-    wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 120,
+    wait_for(lambda: all(len(s.chunk_ids) >= 3 or s.error for s in streams), 300,
              "first tokens of every stream")
     return streams
 
@@ -89,9 +89,9 @@ def test_ctrl_c_to_the_process_group_drains_without_losing_workers(model_cache, 
         assert workers
         streams = start_streams(address)
         os.killpg(server.pid, signal.SIGINT)  # Ctrl-C
-        code = server.wait(120)
+        code = server.wait(300)  # the drain is bounded by the grace period; exiting, by the load
         for s, exp in zip(streams, expected):
-            s.join(60)
+            s.join(300)
             assert s.error is None, s.error
             # The default grace period (30 s) is ample for these: each stream finishes.
             assert s.complete.finish_reason == "length", s.complete
@@ -99,7 +99,7 @@ def test_ctrl_c_to_the_process_group_drains_without_losing_workers(model_cache, 
     log = log_path.read_text()
     assert code == 0, log
     assert "KeyboardInterrupt" not in log and "restarting the worker group" not in log, log
-    wait_for(lambda: not any(alive(p) for p in workers), 60, "workers to exit")
+    wait_for(lambda: not any(alive(p) for p in workers), 120, "workers to exit")
 
 
 @pytest.mark.slow
@@ -110,12 +110,12 @@ def test_sigterm_while_recovering_ends_every_stream_with_a_finish_reason(model_c
         streams = start_streams(address)
         (victim,) = [p for p in descendants(server.pid) if comm(p) == "megaserve-E0"]
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: "restarting the worker group" in log_path.read_text(), 60,
+        wait_for(lambda: "restarting the worker group" in log_path.read_text(), 300,
                  "the recovery to start")
         server.send_signal(signal.SIGTERM)  # the replacement takes longer than 1 s
-        code = server.wait(180)
+        code = server.wait(300)
         for s, exp in zip(streams, expected):
-            s.join(60)
+            s.join(300)
             assert s.error is None, s.error
             assert s.complete is not None and s.complete.finish_reason in ("abort", "length")
             ids = list(s.complete.output_ids)

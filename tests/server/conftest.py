@@ -98,8 +98,8 @@ class ServerProcess:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
+            try:  # a drain, then worker processes stopping: tens of seconds on a loaded box
+                self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
