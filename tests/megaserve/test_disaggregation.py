@@ -65,7 +65,7 @@ def test_killed_expert_worker_raises_typed_error_without_hanging(transport):
         assert time.monotonic() - start < 30
     finally:
         engine.shutdown()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids), "worker processes outlived shutdown"
@@ -171,8 +171,8 @@ def test_workers_exit_when_the_front_end_is_killed(tmp_path, layout, workers):
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == workers and all(alive(p) for p in pids)
         proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 15
+        proc.wait(60)
+        deadline = time.monotonic() + 60
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(p) for p in pids), "orphaned worker processes"
