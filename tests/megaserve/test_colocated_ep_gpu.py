@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megaserve import LLM, SamplingParams
+from tests.megaserve.layout_workload import run_with_steady_steps_under
 
 pytestmark = pytest.mark.gpu
 
@@ -66,31 +67,11 @@ def test_colocated_ep_steady_decode_never_synchronises(single_gpu):
     greedy = [i for i, p in enumerate(PARAMS) if p.temperature == 0]
     try:
         assert engine.device_roles
-        for i in greedy:  # no logprobs: a step returning them reads its tokens (by design)
-            params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-            engine.add_request(f"r{i}", PROMPTS[i]["prompt_token_ids"], params)
-        outputs = {}
-
-        def collect(outs):
-            for out in outs:
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
-
-        for _ in range(3):  # prefill, then decode graphs
-            collect(engine.step())
-        engine.step_sync_debug = "error"
-        steady = 0
-        while engine.has_unfinished_requests() and steady < 6:
-            collect(engine.step())
-            steady += 1
-        engine.step_sync_debug = None
-        while engine.has_unfinished_requests():
-            collect(engine.step())
-        assert steady == 6
-        assert engine.health().restarts == 0, engine.health()
+        outputs = run_with_steady_steps_under(
+            engine, [PROMPTS[i]["prompt_token_ids"] for i in greedy], max_tokens=12, warm_steps=3)
     finally:
         engine.shutdown()
-    assert [outputs[f"r{i}"] for i in greedy] == [single_gpu[i][0] for i in greedy]
+    assert [outputs[f"r{n}"] for n in range(len(greedy))] == [single_gpu[i][0] for i in greedy]
 
 
 # tcp: the host data plane (every frame through the transport, the worker's own included).

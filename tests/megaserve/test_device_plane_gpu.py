@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megaserve import LLM, SamplingParams
+from tests.megaserve.layout_workload import run_with_steady_steps_under
 
 pytestmark = pytest.mark.gpu
 
@@ -117,33 +118,11 @@ def test_two_attention_processes_steady_decode_never_synchronises(colocated) -> 
         async_scheduling=True))
     try:
         assert engine.device_roles
-        # No logprobs: a step returning them reads its tokens first (by design).
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", prompt, params)
-        outputs = {}
-
-        def collect(outs):
-            for out in outs:
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
-
-        for _ in range(4):  # prefill, then decode graphs
-            collect(engine.step())
-        engine.step_sync_debug = "error"
-        steady = 0
-        while engine.has_unfinished_requests() and steady < 6:
-            collect(engine.step())
-            steady += 1
-        engine.step_sync_debug = None
-        while engine.has_unfinished_requests():
-            collect(engine.step())
-        assert steady == 6
-        assert engine.health().restarts == 0, engine.health()
+        outputs = run_with_steady_steps_under(engine, PROMPTS, max_tokens=24, warm_steps=4)
     finally:
         engine.shutdown()
     # The expert process replayed its step graphs (one per global graph step).
-    assert sum(s.expert_graph_steps for s in engine.expert_stats.values()) >= steady
+    assert sum(s.expert_graph_steps for s in engine.expert_stats.values()) >= 6
     assert [outputs[f"r{i}"] for i in range(len(PROMPTS))] == [
         token_ids for token_ids, _ in colocated[:len(PROMPTS)]]
 
