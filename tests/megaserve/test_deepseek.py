@@ -203,6 +203,26 @@ def test_speculative_decoding_and_disaggregated_layouts_are_bitwise_equal(deepse
         assert [_signature(o) for o in llm.generate(inputs, params)] == ref
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_colocated_ep_and_disaggregated_layouts_equal_one_engine(deepseek_path, quantization):
+    """The family through the runtime's layouts, in bf16-class float32 weights and block-FP8
+    (``quantization="fp8"``, dequantized on CPU): co-located EP over 2 ranks and 2 attention
+    replicas : 3 expert workers at m = 2 give the one engine's token ids and logprobs bitwise
+    (greedy and seeded); the shared experts and dense layers stay on the attention side."""
+    prompts = [[7, 8, 9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5] * 2, [11] * 20, [2, 7]]
+    params = [SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=4, logprobs=1, ignore_eos=True)] * 2
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    common = dict(model=str(deepseek_path), dtype="float32", quantization=quantization)
+    with LLM(**common) as llm:
+        ref = [_signature(o) for o in llm.generate(inputs, params)]
+    layouts = [dict(data_parallel_size=2, enable_expert_parallel=True, transport="inproc"),
+               dict(attention_replicas=2, expert_workers=3, microbatches=2, transport="inproc")]
+    for layout in layouts:
+        with LLM(**common, **layout) as llm:
+            assert [_signature(o) for o in llm.generate(inputs, params)] == ref, layout
+
+
 def test_sigmoid_group_routing_is_row_invariant_and_matches_reference():
     from megaserve import kernels
 
