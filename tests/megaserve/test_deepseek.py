@@ -84,6 +84,18 @@ def _run(engine, arrivals):
     return done
 
 
+def _crowd(rng, vocab: int, target: list[int], params: SamplingParams) -> list[tuple]:
+    """``target`` arriving at a random early step among nine other requests (random prompts,
+    lengths, arrival steps, greedy or seeded sampling), as ``_run``'s arrivals."""
+    arrivals = [(rng.randrange(4), "target", target, params)]
+    for i in range(9):
+        other = SamplingParams(max_tokens=rng.randrange(1, 10), temperature=rng.choice([0.0, 0.9]),
+                               seed=rng.randrange(100), ignore_eos=True)
+        arrivals.append((rng.randrange(6), f"other-{i}",
+                         [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))], other))
+    return arrivals
+
+
 def _signature(out):
     c = out.outputs[0]
     return c.token_ids, [sorted(d.items()) for d in c.logprobs]
@@ -113,12 +125,7 @@ def test_alone_crowded_chunked_and_cached_are_bitwise_equal(deepseek_path):
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
     alone = _run(_engine(deepseek_path, enable_prefix_caching=False),
                  [(0, "target", target, params)])["target"]
-    arrivals = [(rng.randrange(4), "target", target, params)]
-    for i in range(9):
-        other = SamplingParams(max_tokens=rng.randrange(1, 10), temperature=rng.choice([0.0, 0.9]),
-                               seed=rng.randrange(100), ignore_eos=True)
-        arrivals.append((rng.randrange(6), f"other-{i}",
-                         [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))], other))
+    arrivals = _crowd(rng, vocab, target, params)
     for budget in (23, 64):
         engine = _engine(deepseek_path, max_num_batched_tokens=budget)
         crowded = _run(engine, arrivals)["target"]

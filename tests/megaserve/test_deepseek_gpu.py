@@ -14,7 +14,7 @@ import pytest
 
 from megaserve import SamplingParams
 from tests.megaserve.hf_models import DEEPSEEK_VARIANTS, make_deepseek_checkpoint
-from tests.megaserve.test_deepseek import _run, _signature
+from tests.megaserve.test_deepseek import _crowd, _run, _signature
 
 pytestmark = pytest.mark.gpu
 
@@ -44,12 +44,7 @@ def test_alone_crowded_chunked_and_cached_are_bitwise_equal_on_cuda(deepseek_pat
     alone = _run(_engine(deepseek_path, quantization, enable_prefix_caching=False),
                  [(0, "target", target, params)])["target"]
     assert len(alone.outputs[0].token_ids) == 10
-    arrivals = [(rng.randrange(4), "target", target, params)]
-    for i in range(9):
-        other = SamplingParams(max_tokens=rng.randrange(1, 10), temperature=rng.choice([0.0, 0.9]),
-                               seed=rng.randrange(100), ignore_eos=True)
-        arrivals.append((rng.randrange(6), f"other-{i}",
-                         [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))], other))
+    arrivals = _crowd(rng, vocab, target, params)
     for budget in (23, 64):
         engine = _engine(deepseek_path, quantization, max_num_batched_tokens=budget)
         crowded = _run(engine, arrivals)["target"]
