@@ -129,6 +129,21 @@ class StepGate:
         return len(self._steps)
 
 
+@contextlib.contextmanager
+def sync_debug_mode(mode: str | None):
+    """Run the body under ``torch.cuda.set_sync_debug_mode(mode)`` and restore the previous
+    mode after it (None: leave the mode as it is)."""
+    if mode is None:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 class ExpertRole:
     """The expert role of a process: its server, behind one lock (the process's replica
     thread and its socket readers all launch on the server's stream).
@@ -152,15 +167,8 @@ class ExpertRole:
             if isinstance(message, StepReport):
                 step = self.gate.add(message)
                 if step is not None:
-                    mode = message.sync_debug if self.own_sync_debug else None
-                    previous = torch.cuda.get_sync_debug_mode()
-                    if mode is not None:
-                        torch.cuda.set_sync_debug_mode(mode)
-                    try:
+                    with sync_debug_mode(message.sync_debug if self.own_sync_debug else None):
                         self.server.graph_step(step.rows, step.replicas)
-                    finally:
-                        if mode is not None:
-                            torch.cuda.set_sync_debug_mode(previous)
                     self.graph_steps += 1
             elif isinstance(message, GraphStep):  # one replica: no lockstep to gate
                 self.server.graph_step(message.rows, message.replicas)
@@ -568,14 +576,10 @@ class _DeviceWorker:
     def _run_step(self, message: RunStep) -> None:
         if self.barrier is not None:
             self.barrier.begin(message.step, message.replicas, message.sync_debug)
-        previous = torch.cuda.get_sync_debug_mode()
-        if message.sync_debug is not None:
-            torch.cuda.set_sync_debug_mode(message.sync_debug)
-        try:
-            outputs = self.engine.step()
-        finally:
-            if self.barrier is not None:  # a step that ran no MoE layer holds nobody up
-                self.barrier.report(self.replica, None)
-            if message.sync_debug is not None:
-                torch.cuda.set_sync_debug_mode(previous)
+        with sync_debug_mode(message.sync_debug):
+            try:
+                outputs = self.engine.step()
+            finally:
+                if self.barrier is not None:  # a step that ran no MoE layer holds nobody up
+                    self.barrier.report(self.replica, None)
         self.outbox.put(StepOutputs(self.replica, outputs, self.engine.stats(), stepped=True))
