@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Issue 35's GPU run in one device call on a 2-GPU machine (results under $OUT).
+# Issue 35's GPU run in one device call (results under $OUT). On a 2-GPU machine the two
+# halves below run side by side; on one GPU they run one after the other on GPU 0, and
+# PARTS picks them (default "decode tests": one call each on one GPU).
 #   GPU 0: bf16 vs fp8 decode of random:qwen3-30b-a3b:48 at batch 1, 64, 256, 1024 (fp8
 #          once per "moe/linear" pair in $LAUNCHES: decode launches of the expert FFN and
 #          the linears as $MEGASERVE_FP8_MOE / $MEGASERVE_FP8_LINEAR take them, "default"
@@ -27,7 +29,8 @@ decode() {  # decode NAME MODEL BATCHES PROFILE_STEPS [extra flags]
         --dtype bfloat16 --batches "$batches" --steps 8 --warmup-steps 2 --profile-steps "$prof" \
         --prefill-len 0 --matmul-seconds 0 --matmul-n 4096 --json-out "$OUT/$name.json" "$@"
 }
-(
+gpus=$(nvidia-smi -L | wc -l)
+decode_half() {
     export CUDA_VISIBLE_DEVICES=0
     decode decode_bf16 random:qwen3-30b-a3b:48 1,64,256,1024 0
     prof=${PROFILE:-0}
@@ -46,14 +49,18 @@ decode() {  # decode NAME MODEL BATCHES PROFILE_STEPS [extra flags]
         python -m megaserve.kernels.fp8_bench --decode-roofline "$OUT/decode_ds_fp8.json" \
             > "$OUT/decode_ds_summary.txt" 2>&1
     fi
-) &
-(
-    export CUDA_VISIBLE_DEVICES=1
+}
+tests_half() {
+    export CUDA_VISIBLE_DEVICES=$(( gpus > 1 ? 1 : 0 ))
     step fp8_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu -p no:cacheprovider \
         tests/kernels/test_fp8_gpu.py
     [ -z "${MLA_TEST:-}" ] || step mla_gpu_tests 150 python -m pytest -q -m gpu \
         -p no:cacheprovider tests/kernels/test_mla_gpu.py tests/megaserve/test_deepseek_gpu.py
     step fp8_bench "${BENCH_S:-200}" python -m megaserve.kernels.fp8_bench \
         --gemm-sizes 64 256 4096 --batches 1 64 256 1024 ${SWEEP:+--sweep}
-) &
-wait
+}
+if [ "$gpus" -gt 1 ]; then
+    decode_half & tests_half & wait
+else
+    for part in ${PARTS:-decode tests}; do "${part}_half"; done
+fi
