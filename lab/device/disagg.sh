@@ -100,11 +100,19 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
   export MEGASERVE_BENCH_RUN="disagg-$$-$START"
   ours() { for e in /proc/[0-9]*/environ; do
       grep -qz "^MEGASERVE_BENCH_RUN=$MEGASERVE_BENCH_RUN\$" "$e" 2>/dev/null || continue
-      p=${e#/proc/}; p=${p%/environ}; grep -q python "/proc/$p/cmdline" 2>/dev/null && echo "$p"
+      p=${e#/proc/}; p=${p%/environ}  # python by argv[0] (not `timeout ... python3 ...`)
+      tr '\0' '\n' < "/proc/$p/cmdline" 2>/dev/null | head -1 | grep -q python && echo "$p"
     done; }
   cleanup() { for p in $(ours); do kill -9 "$p" 2>/dev/null; done; }  # what a killed step left
-  stacks() {  # 12 s before a layout's limit: this run's Python stacks into layouts.log (SIGUSR1)
-    (( $1 > 0 )) || return 0; sleep "$1"; for p in $(ours); do kill -USR1 "$p" 2>/dev/null; done; }
+  stacks() {  # 12 s before a layout's limit: this run's Python stacks (py-spy where installed,
+    # into stacks.txt; else SIGUSR1, which the device workers' faulthandler writes to layouts.log)
+    (( $1 > 0 )) || return 0; sleep "$1"
+    for p in $(ours); do
+      if command -v py-spy > /dev/null; then
+        { echo "== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-120)"
+          timeout 20 py-spy dump --pid "$p"; } >> "$OUT/stacks.txt" 2>&1
+      else kill -USR1 "$p" 2>/dev/null; fi
+    done; }
   layout() {  # layout TAG NAME LIMIT ARGS...: one layout in a process of its own, stacks at a hang
     local tag=$1 name=$2 limit=$3; shift 3
     stacks $((limit - 12)) & local watcher=$!
