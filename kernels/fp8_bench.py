@@ -5,8 +5,11 @@ host launch overhead, as in a decode step), and a call cycles through enough cop
 its weights that they come from device memory, not the L2 (as in a model's layers).
 
 1. GEMMs: the batch-invariant FP8 linear (activation quantization included) against
-   ``torch._scaled_mm`` (cuBLAS FP8, row-wise scales, operands already quantized) and the
-   batch-invariant bf16 linear, on the linears of Qwen3-30B-A3B and DeepSeek-V3.
+   ``torch._scaled_mm`` (cuBLAS FP8) twice: row-wise scales on operands already quantized
+   (the cheapest cuBLAS FP8 there is), and the same arithmetic as ours, 1 x 128 activation
+   groups and 128 x 128 weight blocks, operands also already quantized (where this torch
+   and cuBLAS take block scales; "n/a" otherwise); and the
+   batch-invariant bf16 linear; on the linears of Qwen3-30B-A3B and DeepSeek-V3.
 2. One Qwen3-30B-A3B MoE layer's weight GEMMs at decode batch sizes (qkv, o_proj, 128
    experts top-8): FP8 against bf16, and the FP8 time against the roofline of the weight
    bytes it reads (HBM bandwidth measured in the same run by a device copy).
@@ -84,9 +87,9 @@ def bench_gemms(sizes: list[int]) -> list[float]:
     shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
               "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
               "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
-    ratios = []
-    print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'_scaled_mm us':>14} {'bf16 (ours) us':>15}"
-          f" {'cuBLAS/ours':>12}")
+    ratios, block_ratios = [], []
+    print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'_scaled_mm us':>14} {'block us':>9}"
+          f" {'bf16 (ours) us':>15} {'cuBLAS/ours':>12} {'block/ours':>11}")
     for name, (n, k) in shapes.items():
         c = _copies(n * k)
         fp8 = [_fp8(n, k) for _ in range(c)]
@@ -100,13 +103,46 @@ def bench_gemms(sizes: list[int]) -> list[float]:
             cublas = _graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
                                                               out_dtype=torch.bfloat16)
                                 for w, _ in fp8])
+            block = _block_scaled_us(x, fp8, quantize_rows)
             b16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
             ratios.append(cublas / ours)
-            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {b16:15.1f} {cublas / ours:12.2f}")
+            if block is not None:
+                block_ratios.append(block / ours)
+            block_txt = f"{block:9.1f}" if block is not None else f"{'n/a':>9}"
+            ratio_txt = f"{block / ours:11.2f}" if block is not None else f"{'n/a':>11}"
+            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {block_txt} {b16:15.1f}"
+                  f" {cublas / ours:12.2f} {ratio_txt}")
         del fp8, bf16
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-    print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f}")
+    print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f} (row-wise scales, quantize not timed)")
+    if block_ratios:
+        geo_b = math.exp(sum(math.log(r) for r in block_ratios) / len(block_ratios))
+        print(f"geomean cuBLAS FP8 time / our FP8 time: {geo_b:.2f} (1 x 128 / 128 x 128 block "
+              f"scales as ours, quantize not timed; {len(block_ratios)} of {len(ratios)} shapes)")
     return ratios
+
+
+def _block_scaled_us(x: torch.Tensor, fp8: list, quantize_rows) -> float | None:
+    """Device us of cuBLAS on our arithmetic, operands already quantized (x by our launch,
+    untimed, as for the row-wise baseline): ``torch._scaled_mm`` with the activation's
+    1 x 128 group scales `[M, K/128]` (column-major, as cuBLAS's block scaling reads them)
+    and the weight's 128 x 128 block scales; None where this torch or cuBLAS does not take
+    block scales (the reason printed once)."""
+    xq, xs = quantize_rows(x)
+    sa = xs.t().contiguous().t()  # [M, K/128], stride (1, M)
+
+    def call(w, s):
+        return torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=s.t(), out_dtype=torch.bfloat16)
+
+    try:
+        call(*fp8[0])
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError) as e:
+        if not getattr(_block_scaled_us, "said", False):
+            print(f"(cuBLAS block-scaled FP8 not available here: {str(e).splitlines()[0][:160]})")
+            _block_scaled_us.said = True
+        return None
+    return _graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
 
 
 def _routing(batch: int, experts: int, top_k: int) -> torch.Tensor:
