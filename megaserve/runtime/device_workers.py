@@ -36,6 +36,12 @@ prefill step) so that serving rarely loads a kernel; a replica reports before it
 eager ticks are sent after their dispatch is enqueued (every flag an expert waits on is
 already on some stream). A new kernel variant first met inside a step by two processes
 at once can still deadlock (the step's watchdog then raises after ``timeout_s``).
+Where the synchronisation comes from: CUDA loads a module's data lazily by default, when a
+function of it is first needed (CUDA_MODULE_DATA_LOADING, inherited from
+CUDA_MODULE_LOADING=LAZY), and that lazy load "may require context synchronization" (the
+CUDA programming guide's environment variables). A device-plane process therefore starts
+with ``CUDA_MODULE_DATA_LOADING=EAGER`` unless the user set it (:func:`run_device_worker`):
+a Triton kernel compiled mid-step is loaded whole by its ``cuModuleLoadData``.
 """
 
 from __future__ import annotations
@@ -330,6 +336,8 @@ def run_device_worker(spec: WorkerSpec, inbox, outbox) -> None:
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (hangs)
+    # Before CUDA starts in this process (module docstring: HAZARD).
+    os.environ.setdefault("CUDA_MODULE_DATA_LOADING", "EAGER")
     listener = None
     try:
         device = torch.device(spec.device)
