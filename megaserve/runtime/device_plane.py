@@ -91,6 +91,12 @@ _ALIGN = 256
 # 0.96x of one co-located GPU, docs/results/disaggregation.md); "0": the stream operations.
 KERNEL_WAITS = os.environ.get("MEGASERVE_PLANE_KERNEL_WAIT", "1") != "0"
 
+# Eager steps of a process that also serves other processes as an expert worker
+# (co-located EP on the device plane): the replica's host thread enqueues at most this
+# many dispatches ahead of its stream (DeviceExperts._pace), polling an event meanwhile.
+EAGER_RUN_AHEAD = 4
+_PACE_POLL_S = 50e-6
+
 
 @dataclass(frozen=True)
 class PlaneShape:
@@ -519,6 +525,15 @@ class DeviceExperts:
         self.device = inbox.storage.device
         self._owner = owner.to(self.device)
         self.timeout_s = timeout_s
+        # Co-located: one expert role in this process (a local link) and others reached by
+        # flags. An eager step's host thread must then never block inside the driver: a
+        # stream stalled on another process's flag fills its launch queue, the next launch
+        # blocks holding the driver, and this process's expert thread, whose tick that other
+        # process waits for, cannot record an event (both co-located processes stuck so,
+        # stacks of nvidia-h200, docs/results/disaggregation.md). _pace bounds the run-ahead.
+        self._paced = (any(link.done is not None for link in links)
+                       and any(link.done is None for link in links))
+        self._dispatched: collections.deque[torch.cuda.Event] = collections.deque()
         self.stats = PlaneStats()
         # The worker returns one combined row per token (module NOTE): the model loop
         # passes topk_weights to dispatch and adds the combine's rows with unit weight.
@@ -540,6 +555,7 @@ class DeviceExperts:
 
     def begin_step(self, num_microbatches: int) -> None:
         """An eager step starts (its ticks are messages of their own)."""
+        self._dispatched.clear()  # the last eager step was waited for (finish_step)
         if self.barrier is not None:
             self.barrier.report(self.replica, None)
 
@@ -570,9 +586,11 @@ class DeviceExperts:
         if self.reduces_on_workers and topk_weights is None:
             raise ValueError("this data plane combines on the expert worker: pass topk_weights")
         weights = topk_weights if self.reduces_on_workers else None
+        capturing = _capturing()
+        if self._paced and not capturing:
+            self._pace()
         only = len(self.links) == 1  # every row goes to the one worker: no routing table
         owners = None if only else self._owner[topk_ids]  # [T, k]
-        capturing = _capturing()
         positions = []
         for e, link in enumerate(self.links):
             pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, only, weights)
@@ -600,6 +618,22 @@ class DeviceExperts:
                 sf.wait_and_clear(self.inbox.flags[i, e: e + 1])
         timed.end()
         return gather(self.inbox, i, handle.owners, handle.positions, handle.num_tokens)
+
+    def _pace(self) -> None:
+        """Wait on the host until the stream has passed the dispatch EAGER_RUN_AHEAD
+        dispatches back (polling its event: ``query`` neither synchronises nor blocks in
+        the driver), then mark this one. Raises CommTimeoutError after ``timeout_s``."""
+        while len(self._dispatched) >= EAGER_RUN_AHEAD:
+            event = self._dispatched.popleft()
+            deadline = time.monotonic() + self.timeout_s
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(f"the expert workers did not complete a tick within "
+                                           f"{self.timeout_s:.0f}s of an eager step")
+                time.sleep(_PACE_POLL_S)
+        event = torch.cuda.Event()
+        event.record()
+        self._dispatched.append(event)
 
     def _signal(self, link: ExpertLink, e: int, layer: int, microbatch: int,
                 num_tokens: int, capturing: bool) -> None:
