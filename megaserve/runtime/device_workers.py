@@ -41,7 +41,10 @@ function of it is first needed (CUDA_MODULE_DATA_LOADING, inherited from
 CUDA_MODULE_LOADING=LAZY), and that lazy load "may require context synchronization" (the
 CUDA programming guide's environment variables). A device-plane process therefore starts
 with ``CUDA_MODULE_DATA_LOADING=EAGER`` unless the user set it (:func:`run_device_worker`):
-a Triton kernel compiled mid-step is loaded whole by its ``cuModuleLoadData``.
+a Triton kernel compiled mid-step is loaded whole by its ``cuModuleLoadData``. That alone
+did not end the co-located hang seen on a GPU: a replica's host thread blocked inside a
+launch (its stream's queue full) held the driver from its own expert thread
+(``device_plane.DeviceExperts._pace`` bounds that run-ahead).
 """
 
 from __future__ import annotations
