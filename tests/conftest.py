@@ -4,6 +4,8 @@
 * ``MEGASERVE_CACHE`` points at one temporary directory for the whole session (inherited
   by server and worker subprocesses), so the built-in model is generated once per run and
   never into the user's home.
+* The Triton-interpreter checks' child processes (one per test module) run one at a time
+  in the background from the end of collection, so they overlap the tests before theirs.
 * Before anything runs, the interpreter's fixed-order dot (tests/kernels/interp_support.py)
   must give its committed bits here; on a machine where it does not, the Triton-interpreter
   bitwise tests would test the host rather than the kernels, so the session stops at once
@@ -29,6 +31,24 @@ def pytest_sessionstart(session):
         pytest.exit(f"tests/kernels/interp_support.py: the fixed-order interpreter dot gives "
                     f"other bits on this machine ({got}); the interpreter's bitwise kernel "
                     f"tests cannot hold here", returncode=3)
+
+
+def pytest_collection_finish(session):
+    """The Triton-interpreter children of the selected tests start now, one at a time in the
+    background (tests/kernels/interp_support.py: _Children), instead of each when its
+    module is reached."""
+    from tests.kernels import interp_support
+
+    files = sorted({str(item.path) for item in session.items
+                    if set(interp_support.CHILD_FIXTURES) & set(getattr(item, "fixturenames", ()))})
+    if files and not session.config.option.collectonly:
+        interp_support.start_children(files)
+
+
+def pytest_sessionfinish(session):
+    from tests.kernels import interp_support
+
+    interp_support.stop_children()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -255,21 +257,117 @@ def run_checks(namespace: dict, names: list[str]) -> None:
             print(json.dumps({"check": name, "ok": False, "error": repr(e)}), flush=True)
 
 
-def child_results(test_file: str, timeout: int = 540) -> dict[str, dict]:
-    """Run ``test_file --child`` with TRITON_INTERPRET=1 (the variable must be set before
-    kernels are defined) and return its :func:`run_checks` lines by check name; raises
-    RuntimeError with the child's stderr when it reported nothing."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), **CHILD_ENV)
-    proc = subprocess.run([sys.executable, test_file, "--child"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+CHILD_TIMEOUT_S = 540
+
+
+class _Children:
+    """The session's interpreter children, run one at a time by a background thread from
+    the end of collection (:func:`start_children`, tests/conftest.py), so that they use the
+    CPU while the tests before theirs wait on servers and sockets; a module's fixture then
+    takes its child's output (:func:`child_output`). One at a time: each child is one
+    single-threaded process, and the suite runs beside it."""
+
+    def __init__(self) -> None:
+        self.futures: dict[str, Future] = {}
+        self.running: subprocess.Popen | None = None
+        self.stopped = False
+        self.lock = threading.Lock()
+
+    def start(self, test_files: list[str], env: dict) -> None:
+        queued = []
+        for f in test_files:
+            key = str(Path(f).resolve())
+            if key not in self.futures:
+                self.futures[key] = Future()
+                queued.append((key, self.futures[key]))
+        if queued:
+            threading.Thread(target=self._run_all, args=(queued, env), daemon=True,
+                             name="interp-children").start()
+
+    def _run_all(self, queued: list[tuple[str, Future]], env: dict) -> None:
+        for key, future in queued:  # a fixture may have taken its future already (take)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._run(key, env))
+            except BaseException as e:  # noqa: BLE001 - the fixture re-raises it
+                future.set_exception(e)
+
+    def _run(self, test_file: str, env: dict) -> tuple[str, str]:
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("the session ended before this interpreter child ran")
+            self.running = subprocess.Popen([sys.executable, test_file, "--child"], cwd=REPO,
+                                            env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)
+        try:
+            return self.running.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.running.kill()
+            self.running.communicate()
+            raise
+        finally:
+            self.running = None
+
+    def take(self, test_file: str) -> Future | None:
+        return self.futures.pop(str(Path(test_file).resolve()), None)
+
+    def stop(self) -> None:
+        """Cancel the children not started and kill the running one (end of session)."""
+        with self.lock:
+            self.stopped = True
+            for future in self.futures.values():
+                future.cancel()
+            if self.running is not None:
+                self.running.kill()
+
+
+_CHILDREN = _Children()
+
+
+def child_env() -> dict:
+    """The environment of an interpreter child (TRITON_INTERPRET=1: the variable must be set
+    before kernels are defined)."""
+    return dict(os.environ, PYTHONPATH=str(REPO), **CHILD_ENV)
+
+
+def start_children(test_files: list[str]) -> None:
+    """Run the interpreter children of ``test_files`` in the background from now on."""
+    _CHILDREN.start(test_files, child_env())
+
+
+def stop_children() -> None:
+    _CHILDREN.stop()
+
+
+def child_output(test_file: str) -> tuple[str, str]:
+    """``test_file --child``'s (stdout, stderr): its background run's (:func:`start_children`)
+    once it ends, else a run now."""
+    future = _CHILDREN.take(test_file)
+    if future is not None and not future.cancelled():
+        return future.result()
+    proc = subprocess.run([sys.executable, test_file, "--child"], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    return proc.stdout, proc.stderr
+
+
+def child_results(test_file: str) -> dict[str, dict]:
+    """``test_file --child``'s :func:`run_checks` lines by check name (:func:`child_output`);
+    raises RuntimeError with the child's stderr when it reported nothing."""
+    stdout, stderr = child_output(test_file)
     results = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             results[r["check"]] = r
     if not results:
-        raise RuntimeError(f"interpreter child failed: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"interpreter child failed: {stderr[-3000:]}")
     return results
+
+
+# The fixture names of tests that take an interpreter child's output (tests/conftest.py
+# starts those children when such a test is selected).
+CHILD_FIXTURES = ("interp_results", "interp_child_output")
 
 
 def results_fixture(test_file: str):
@@ -284,6 +382,17 @@ def results_fixture(test_file: str):
             pytest.fail(str(e))
 
     return interp_results
+
+
+def output_fixture(test_file: str):
+    """A module-scoped ``interp_child_output`` fixture: ``test_file --child``'s (stdout,
+    stderr), for a child that reports in its own shape."""
+
+    @pytest.fixture(scope="module")
+    def interp_child_output() -> tuple[str, str]:
+        return child_output(test_file)
+
+    return interp_child_output
 
 
 def assert_check_passed(results: dict[str, dict], name: str) -> None:

@@ -16,12 +16,9 @@ TRITON_INTERPRET=1 must be set before kernels are defined: the checks run in a c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.kernels import interp_support
 
 
 def _child() -> None:
@@ -100,14 +97,13 @@ def _child() -> None:
     print(json.dumps({"fails": fails}), flush=True)
 
 
-def test_attention_launch_switches_keep_bits() -> None:
-    from tests.kernels.interp_support import CHILD_ENV
+interp_child_output = interp_support.output_fixture(__file__)
 
-    env = dict(os.environ, PYTHONPATH=str(REPO), **CHILD_ENV)
-    proc = subprocess.run([sys.executable, __file__, "--child"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=540)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
-    assert line is not None, f"interpreter child failed: {proc.stderr[-3000:]}"
+
+def test_attention_launch_switches_keep_bits(interp_child_output: tuple[str, str]) -> None:
+    stdout, stderr = interp_child_output
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("{")), None)
+    assert line is not None, f"interpreter child failed: {stderr[-3000:]}"
     assert json.loads(line)["fails"] == []
 
 
