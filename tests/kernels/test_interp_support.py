@@ -195,12 +195,14 @@ def test_overflow_checks_are_skipped_only_where_device_assert_drops_them() -> No
         _restore(originals)
 
 
-def test_helper_calls_inside_a_launch_patch_nothing_more() -> None:
+interp_results = interp_support.results_fixture(__file__)
+
+
+def test_helper_calls_inside_a_launch_patch_nothing_more(interp_results: dict[str, dict]) -> None:
     """Under the interpreter (a child process), with install(): a kernel whose programs
     call a ``@triton.jit`` helper computes the same values, patches the language once (at
     the launch, not again per helper call) and leaves it as it found it."""
-    results = interp_support.child_results(__file__, timeout=300)
-    interp_support.assert_check_passed(results, "launch_scope")
+    interp_support.assert_check_passed(interp_results, "launch_scope")
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
