@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -269,37 +269,26 @@ class _Children:
 
     def __init__(self) -> None:
         self.futures: dict[str, Future] = {}
+        self.pool: ThreadPoolExecutor | None = None
         self.running: subprocess.Popen | None = None
         self.stopped = False
         self.lock = threading.Lock()
 
     def start(self, test_files: list[str], env: dict) -> None:
-        queued = []
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="interp-children")
         for f in test_files:
             key = str(Path(f).resolve())
             if key not in self.futures:
-                self.futures[key] = Future()
-                queued.append((key, self.futures[key]))
-        if queued:
-            threading.Thread(target=self._run_all, args=(queued, env), daemon=True,
-                             name="interp-children").start()
-
-    def _run_all(self, queued: list[tuple[str, Future]], env: dict) -> None:
-        for key, future in queued:  # a fixture may have taken its future already (take)
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._run(key, env))
-            except BaseException as e:  # noqa: BLE001 - the fixture re-raises it
-                future.set_exception(e)
+                self.futures[key] = self.pool.submit(self._run, key, env)
 
     def _run(self, test_file: str, env: dict) -> tuple[str, str]:
         with self.lock:
             if self.stopped:
                 raise RuntimeError("the session ended before this interpreter child ran")
-            self.running = subprocess.Popen([sys.executable, test_file, "--child"], cwd=REPO,
-                                            env=env, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True)
+            self.running = subprocess.Popen(_command(test_file), cwd=REPO, env=env,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True)
         try:
             return self.running.communicate(timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -316,13 +305,17 @@ class _Children:
         """Cancel the children not started and kill the running one (end of session)."""
         with self.lock:
             self.stopped = True
-            for future in self.futures.values():
-                future.cancel()
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
             if self.running is not None:
                 self.running.kill()
 
 
 _CHILDREN = _Children()
+
+
+def _command(test_file: str) -> list[str]:
+    return [sys.executable, test_file, "--child"]
 
 
 def child_env() -> dict:
@@ -346,7 +339,7 @@ def child_output(test_file: str) -> tuple[str, str]:
     future = _CHILDREN.take(test_file)
     if future is not None and not future.cancelled():
         return future.result()
-    proc = subprocess.run([sys.executable, test_file, "--child"], cwd=REPO, env=child_env(),
+    proc = subprocess.run(_command(test_file), cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     return proc.stdout, proc.stderr
 
