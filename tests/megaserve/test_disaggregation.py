@@ -25,7 +25,12 @@ def single_worker():
     return single_engine_signature()
 
 
-LAYOUTS = list(itertools.product(["inproc", "tcp"], [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]))
+REPLICAS, EXPERTS, MICROBATCHES = [1, 2, 3], [1, 2, 3, 8], [1, 2, 4]
+# In one process, every combination; over tcp, a covering array: each (R, E) pair once with m
+# chosen so that every (R, m) and (E, m) pair occurs too (12 layouts for 36).
+LAYOUTS = [("inproc", *layout) for layout in itertools.product(REPLICAS, EXPERTS, MICROBATCHES)]
+LAYOUTS += [("tcp", r, e, MICROBATCHES[(i + j) % 3])
+            for i, r in enumerate(REPLICAS) for j, e in enumerate(EXPERTS)]
 # nccl on CPU: the torch.distributed (gloo) data plane, one process group per direction.
 LAYOUTS += [("nccl", 1, 2, 2), ("nccl", 2, 3, 4), ("nccl", 3, 8, 1)]
 # Attention replicas in processes of their own at R:E in {1:1, 2:1, 1:2, 3:2}, m = 3.
