@@ -81,16 +81,18 @@ def copy_bandwidth() -> float:
 
 
 def bench_gemms(sizes: list[int]) -> list[float]:
+    import dataclasses
+
     from . import api as kernels
-    from .triton_impl.fp8_gemm import quantize_rows
+    from .triton_impl.fp8_gemm import fp8_linear, plan_linear, quantize_rows
 
     shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
               "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
               "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
-    ratios, block_ratios = [], []
+    ratios, block_ratios, triton_ratios = [], [], []
     block_reason = None  # why cuBLAS first refused block scales (printed once)
-    print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'_scaled_mm us':>14} {'block us':>9}"
-          f" {'bf16 (ours) us':>15} {'cuBLAS/ours':>12} {'block/ours':>11}")
+    print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'triton us':>10} {'_scaled_mm us':>14}"
+          f" {'block us':>9} {'bf16 (ours) us':>15} {'cuBLAS/ours':>12} {'block/ours':>11}")
     for name, (n, k) in shapes.items():
         c = _copies(n * k)
         fp8 = [_fp8(n, k) for _ in range(c)]
@@ -99,6 +101,9 @@ def bench_gemms(sizes: list[int]) -> list[float]:
         for m in sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ours = _graph_us([lambda w=w, s=s: kernels.fp8_linear(x, w, s) for w, s in fp8])
+            tri_launch = dataclasses.replace(plan_linear(m, n, k), gluon=False)  # the Triton kernel
+            tri = _graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=tri_launch)
+                             for w, s in fp8])
             xq, _ = quantize_rows(x)
             sa = torch.rand(m, 1, device="cuda")
             cublas = _graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
@@ -113,15 +118,19 @@ def bench_gemms(sizes: list[int]) -> list[float]:
                     print(f"(cuBLAS block-scaled FP8 not available here: {block_reason})")
             b16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
             ratios.append(cublas / ours)
+            triton_ratios.append(cublas / tri)
             if block is not None:
                 block_ratios.append(block / ours)
             block_txt = f"{block:9.1f}" if block is not None else f"{'n/a':>9}"
             ratio_txt = f"{block / ours:11.2f}" if block is not None else f"{'n/a':>11}"
-            print(f"{name:22} {m:5d} {ours:14.1f} {cublas:14.1f} {block_txt} {b16:15.1f}"
+            print(f"{name:22} {m:5d} {ours:14.1f} {tri:10.1f} {cublas:14.1f} {block_txt} {b16:15.1f}"
                   f" {cublas / ours:12.2f} {ratio_txt}")
         del fp8, bf16
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f} (row-wise scales, quantize not timed)")
+    geo_t = math.exp(sum(math.log(r) for r in triton_ratios) / len(triton_ratios))
+    print(f"geomean cuBLAS FP8 time / the Triton kernel's time: {geo_t:.2f} (the plan without "
+          f"fp8_gemm_gluon)")
     if block_ratios:
         geo_b = math.exp(sum(math.log(r) for r in block_ratios) / len(block_ratios))
         print(f"geomean cuBLAS FP8 time / our FP8 time: {geo_b:.2f} (1 x 128 / 128 x 128 block "

@@ -11,7 +11,9 @@ NOTE: the arithmetic of one output element is fixed by (N, K) alone:
     split s covers groups [s * SG, (s + 1) * SG)        SG = split_groups(N, K)
     part_s = 0;  for g in split s (ascending):
                      d = dot(xq[m, group g], wq[n, group g])   fresh fp32 tensor-core chain
-                     part_s = part_s + (d * xs[m, g]) * ws[n // 128, g]
+                     part_s = fma(d, xs[m, g] * ws[n // 128, g], part_s)
+                                        (:func:`promote`: one rounding of the scales'
+                                        product, one of the fused multiply-add)
     total = 0;   for s = 0 .. S-1 (ascending): total = total + part_s
     out = cast(total)
 
@@ -164,12 +166,16 @@ def weight_scales(scale_ptr, cols, col_ok, first_col, g, g_end, stride_sn,
 
 
 @triton.jit
-def scale_cols(b_s, SCALAR: tl.constexpr):
-    """:func:`weight_scales`' result broadcastable over a `[rows, cols]` tile."""
+def promote(acc, d, a_s, b_s, SCALAR: tl.constexpr):
+    """``fma(d, a_s * b_s, acc)``: a group's dot d `[ROWS, COLS]` scaled by its row scales
+    a_s `[ROWS]` and weight scales b_s (:func:`weight_scales`) into acc. One fused
+    multiply-add an element (the scales' product a row or column pair, rounded once), not
+    a multiply and a multiply-add: the promotion is the K loop's CUDA-core work."""
     if SCALAR:
-        return b_s
+        scale = a_s[:, None] * b_s
     else:
-        return b_s[None, :]
+        scale = a_s[:, None] * b_s[None, :]
+    return tl.fma(d, tl.broadcast_to(scale, d.shape), acc)
 
 
 @triton.jit
@@ -200,7 +206,7 @@ def _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols, col_ok, g_lo,
         a_raw = a_raw_next
         kk = g * GROUP + tl.arange(0, GROUP)
         b = tl.load(b_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
-        part = part + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * scale_cols(b_s, WS_SCALAR)
+        part = promote(part, tl.dot(a, tl.trans(b)), a_s, b_s, WS_SCALAR)
         a_s = a_s_next
         b_s = b_s_next
     return part
@@ -283,7 +289,8 @@ class LinearLaunch:
     """How one FP8 linear runs; never changes a bit (module NOTE). parts: one program per
     (tile, split) with a fold launch after (else a program folds its tile's splits);
     quant_a: quantize the activation inside the K loop (else one :func:`quantize_rows`
-    launch before)."""
+    launch before); gluon: :mod:`fp8_gemm_gluon`'s kernel after :func:`quantize_rows`
+    where it applies (Hopper, TMA-readable operands; else this launch's other fields)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -291,6 +298,7 @@ class LinearLaunch:
     num_stages: int = 3
     parts: bool = False
     quant_a: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128) or self.block_n not in (32, 64, 128, 256):
@@ -312,16 +320,21 @@ def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
     (the most programs on the weights; H200, ``fp8_bench --sweep``: at M = 1 and 64 this
     ran the Qwen3-30B-A3B qkv / o_proj and DeepSeek-V3 o_proj in 9.6 / 9.3 / 53 us against
     17.0 / 12.2 / 119 quantizing in the K loop); from 1024 rows: 128 x 128 tiles, 8 warps,
-    splits folded in registers. ``$MEGASERVE_FP8_LINEAR`` replaces the launch up to
-    ``DECODE_MAX_M`` rows (tuning runs)."""
+    splits folded in registers. :mod:`fp8_gemm_gluon` where it applies, from 1024 rows and
+    above DECODE_MAX_M rows where its 128 x 128 tiles fill the SMs (one persistent program
+    an SM). ``$MEGASERVE_FP8_LINEAR`` replaces the launch up to ``DECODE_MAX_M`` rows
+    (tuning runs)."""
     if m <= DECODE_MAX_M:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return LinearLaunch(*v[:4], *(bool(f) for f in v[4:]))
+    gluon = m >= 1024 or (m > DECODE_MAX_M
+                          and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= _TARGET_PROGRAMS)
     if m < 1024:
-        return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP))
-    return LinearLaunch(128, 128, 8, 3)
+        return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP),
+                            gluon=gluon)
+    return LinearLaunch(128, 128, 8, 3, gluon=gluon)
 
 
 def check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, k: int) -> None:
@@ -359,6 +372,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         a_s = a
     else:
         a, a_s = quantize_rows(x)
+        if lp.gluon:
+            from . import fp8_gemm_gluon
+            if fp8_gemm_gluon.applies(a, weight):
+                fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, out, sg)
+                return out
     parts = lp.parts and splits > 1
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parts else out
     grid = (triton.cdiv(m, lp.block_m), triton.cdiv(n, lp.block_n), splits if parts else 1)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_raw, load_scales,
-                       quantize_rows, scale_cols, silu_mul_quantize_rows, swiglu,
+                       promote, quantize_rows, silu_mul_quantize_rows, swiglu,
                        weight_scales)
 from .moe import INLINE_ALIGN_MAX_ROWS, align, max_tiles, rows_at, tile_of
 
@@ -114,11 +114,10 @@ def _fp8_expert_kernel(
         kk = g * GROUP + tl.arange(0, GROUP)
         w_ok = col_ok[:, None] & (kk < K)[None, :]
         b = tl.load(g_rows + kk[None, :], mask=w_ok, other=0.0)
-        acc = acc + (tl.dot(a, tl.trans(b)) * a_s[:, None]) * scale_cols(b_s, WS_SCALAR)
+        acc = promote(acc, tl.dot(a, tl.trans(b)), a_s, b_s, WS_SCALAR)
         if SWIGLU:
             b_up = tl.load(u_rows + kk[None, :], mask=w_ok, other=0.0)
-            acc_up = acc_up + ((tl.dot(a, tl.trans(b_up)) * a_s[:, None])
-                               * scale_cols(u_s, WS_SCALAR))
+            acc_up = promote(acc_up, tl.dot(a, tl.trans(b_up)), a_s, u_s, WS_SCALAR)
         a_s = a_s_next
         b_s = b_s_next
         u_s = u_s_next

@@ -96,17 +96,22 @@ def test_fp8_grouped_gemm_matches_float64_and_is_batch_invariant(experts, n, k, 
 @pytest.mark.parametrize("n,k", [(2048, 4096), (576, 7168), (5120, 2048)])
 def test_fp8_linear_launches_give_the_same_bits(n, k):
     """Tiles (wgmma N 32..256, 4 or 8 warps), K splits folded in registers or through the
-    workspace, the activation quantized in the K loop or before: one set of bits."""
-    from megaserve.kernels.triton_impl.fp8_gemm import LinearLaunch, fp8_linear
+    workspace, the activation quantized in the K loop or before, the Gluon kernel (one K
+    split at 5120 x 2048, several at the others): one set of bits."""
+    from megaserve.kernels.triton_impl import fp8_gemm_gluon
+    from megaserve.kernels.triton_impl.fp8_gemm import LinearLaunch, fp8_linear, quantize_rows
 
     q, s = _weight(n, k, seed=7)
-    for m in (1, 64, 300):
+    for m in (1, 64, 300, 1100):
         x = torch.randn(m, k, device="cuda", dtype=BF16)
+        assert fp8_gemm_gluon.applies(quantize_rows(x)[0], q)
         ref = fp8_linear(x, q, s, launch=LinearLaunch())
         for lp in (LinearLaunch(64, 64, parts=True, quant_a=True), LinearLaunch(128, 128, 8),
                    LinearLaunch(64, 32, 4, 4, quant_a=True), LinearLaunch(64, 256, parts=True),
-                   LinearLaunch(64, 64, 4, 4, parts=True)):
-            assert torch.equal(fp8_linear(x, q, s, launch=lp), ref), f"M={m} {lp}"
+                   LinearLaunch(64, 64, 4, 4, parts=True), LinearLaunch(gluon=True)):
+            with poisoned_empty(cuda_only=True):
+                got = fp8_linear(x, q, s, launch=lp)
+            assert torch.equal(got, ref), f"M={m} {lp}"
 
 
 def test_fp8_expert_ffn_launches_give_the_same_bits():
