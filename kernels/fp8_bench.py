@@ -34,7 +34,7 @@ import torch
 _COLD_BYTES = 256 << 20  # weights cycled per timed call: past an H200's 60 MB L2
 
 
-def _graph_us(fns: list, reps: int = 20) -> float:
+def graph_us(fns: list, reps: int = 20) -> float:
     """Median device microseconds of one call of ``fns`` (each called in turn), from a
     CUDA graph of all of them replayed ``reps`` times."""
     for fn in fns:  # compile and warm up outside the capture
@@ -59,11 +59,11 @@ def _graph_us(fns: list, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _copies(nbytes: int) -> int:
+def copies(nbytes: int) -> int:
     return max(1, min(16, -(-_COLD_BYTES // nbytes)))
 
 
-def _fp8(n: int, k: int, experts: int | None = None):
+def random_fp8(n: int, k: int, experts: int | None = None):
     from .triton_impl.fp8_gemm import FP8
 
     shape = (experts, n, k) if experts else (n, k)
@@ -76,7 +76,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = min(_graph_us([lambda: dst.copy_(src)], reps=10) for _ in range(3))  # clocks up
+    us = min(graph_us([lambda: dst.copy_(src)], reps=10) for _ in range(3))  # clocks up
     return 2 * src.numel() / (us * 1e-6)
 
 
@@ -94,19 +94,19 @@ def bench_gemms(sizes: list[int]) -> list[float]:
     print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'triton us':>10} {'_scaled_mm us':>14}"
           f" {'block us':>9} {'bf16 (ours) us':>15} {'cuBLAS/ours':>12} {'block/ours':>11}")
     for name, (n, k) in shapes.items():
-        c = _copies(n * k)
-        fp8 = [_fp8(n, k) for _ in range(c)]
+        c = copies(n * k)
+        fp8 = [random_fp8(n, k) for _ in range(c)]
         bf16 = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(c)]
         sb = torch.rand(1, n, device="cuda")
         for m in sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ours = _graph_us([lambda w=w, s=s: kernels.fp8_linear(x, w, s) for w, s in fp8])
+            ours = graph_us([lambda w=w, s=s: kernels.fp8_linear(x, w, s) for w, s in fp8])
             tri_launch = dataclasses.replace(plan_linear(m, n, k), gluon=False)  # the Triton kernel
-            tri = _graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=tri_launch)
+            tri = graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=tri_launch)
                              for w, s in fp8])
             xq, _ = quantize_rows(x)
             sa = torch.rand(m, 1, device="cuda")
-            cublas = _graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
+            cublas = graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
                                                               out_dtype=torch.bfloat16)
                                 for w, _ in fp8])
             try:
@@ -116,7 +116,7 @@ def bench_gemms(sizes: list[int]) -> list[float]:
                 if block_reason is None:
                     block_reason = str(e).splitlines()[0][:160]
                     print(f"(cuBLAS block-scaled FP8 not available here: {block_reason})")
-            b16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
+            b16 = graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
             ratios.append(cublas / ours)
             triton_ratios.append(cublas / tri)
             if block is not None:
@@ -152,7 +152,7 @@ def _block_scaled_us(x: torch.Tensor, fp8: list, quantize_rows) -> float:
 
     call(*fp8[0])
     torch.cuda.synchronize()
-    return _graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
+    return graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
 
 
 def _routing(batch: int, experts: int, top_k: int) -> torch.Tensor:
@@ -164,10 +164,10 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
     from . import api as kernels
 
     d, inter, experts, top_k, qkv_n, o_k = 2048, 768, 128, 8, 5120, 4096
-    wq, sq = _fp8(qkv_n, d)
-    wo, so = _fp8(d, o_k)
-    wgu, sgu = _fp8(2 * inter, d, experts)
-    wd, sd = _fp8(d, inter, experts)
+    wq, sq = random_fp8(qkv_n, d)
+    wo, so = random_fp8(d, o_k)
+    wgu, sgu = random_fp8(2 * inter, d, experts)
+    wd, sd = random_fp8(d, inter, experts)
     bq = (torch.randn(qkv_n, d, device="cuda") * 0.02).bfloat16()
     bo = (torch.randn(d, o_k, device="cuda") * 0.02).bfloat16()
     bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
@@ -192,8 +192,8 @@ def bench_moe_layer(batches: list[int], bandwidth: float) -> None:
             kernels.fp8_linear(xo, wo, so)
             kernels.fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, rows_per_token=top_k)
 
-        t16 = _graph_us([run_bf16])
-        t8 = _graph_us([run_fp8])
+        t16 = graph_us([run_bf16])
+        t8 = graph_us([run_fp8])
         weight_bytes = qkv_n * d + d * o_k + hit * 3 * inter * d  # e4m3: one byte each
         roof = weight_bytes / bandwidth * 1e6
         print(f"{b:5d} {t16:9.1f} {t8:9.1f} {t16 / t8:15.2f} {roof:16.1f} {100 * roof / t8:14.0f}%")
@@ -217,8 +217,8 @@ def sweep(batches: list[int], bandwidth: float) -> None:
     from .triton_impl.fp8_moe import Fp8MoeLaunch, fp8_expert_ffn
 
     d, inter, experts, top_k = 2048, 768, 128, 8
-    wgu, sgu = _fp8(2 * inter, d, experts)
-    wd, sd = _fp8(d, inter, experts)
+    wgu, sgu = random_fp8(2 * inter, d, experts)
+    wd, sd = random_fp8(d, inter, experts)
     bgu = (torch.randn(experts, 2 * inter, d, device="cuda") * 0.02).bfloat16()
     bd = (torch.randn(experts, d, inter, device="cuda") * 0.02).bfloat16()
     print(f"\nexpert FFN sweep (us; roofline: the fp8 expert bytes at {bandwidth / 1e12:.2f} TB/s)")
@@ -228,8 +228,8 @@ def sweep(batches: list[int], bandwidth: float) -> None:
         x = torch.randn(b, d, device="cuda", dtype=torch.bfloat16)
         ids = _routing(b, experts, top_k)
         roof = int(torch.unique(ids).numel()) * 3 * inter * d / bandwidth * 1e6
-        t16 = _graph_us([lambda: kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)])
-        times = [_graph_us([lambda lp=Fp8MoeLaunch(*c[:5], *(bool(f) for f in c[5:])):
+        t16 = graph_us([lambda: kernels.expert_ffn(x, ids, bgu, bd, rows_per_token=top_k)])
+        times = [graph_us([lambda lp=Fp8MoeLaunch(*c[:5], *(bool(f) for f in c[5:])):
                             fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, lp)])
                  for c in MOE_SWEEP]
         best = min(range(len(times)), key=times.__getitem__)
@@ -239,16 +239,16 @@ def sweep(batches: list[int], bandwidth: float) -> None:
           + " | ".join(str(c) for c in LINEAR_SWEEP))
     for name, (n, k) in {"qkv": (5120, 2048), "o_proj": (2048, 4096),
                          "ds kv_a": (576, 7168), "ds o_proj": (7168, 16384)}.items():
-        c = _copies(n * k)
-        fp8 = [_fp8(n, k) for _ in range(c)]
+        c = copies(n * k)
+        fp8 = [random_fp8(n, k) for _ in range(c)]
         bf16 = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(c)]
         for m in (1, 64, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t16 = _graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
+            t16 = graph_us([lambda w=w: kernels.linear(x, w) for w in bf16])
             times = []
             for cfg in LINEAR_SWEEP:
                 lp = LinearLaunch(*cfg[:4], parts=bool(cfg[4]), quant_a=bool(cfg[5]))
-                times.append(_graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=lp)
+                times.append(graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=lp)
                                         for w, s in fp8]))
             roof = n * k / bandwidth * 1e6
             print(f"{name:10} M={m:3d}: bf16 {t16:6.1f} fp8 " + " ".join(f"{t:6.1f}" for t in times)

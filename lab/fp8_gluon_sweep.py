@@ -33,17 +33,17 @@ def main() -> None:
     logs = {v: [] for v in variants}
     logs["triton"] = []
     for name, (n, k) in SHAPES.items():
-        fp8 = [fb._fp8(n, k) for _ in range(fb._copies(n * k))]
+        fp8 = [fb.random_fp8(n, k) for _ in range(fb.copies(n * k))]
         sb = torch.rand(1, n, device="cuda")
         for m in args.sizes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x)
             sa = torch.rand(m, 1, device="cuda")
-            cublas = fb._graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
+            cublas = fb.graph_us([lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb,
                                                                  out_dtype=torch.bfloat16)
                                    for w, _ in fp8])
             tri_lp = dataclasses.replace(plan_linear(m, n, k), gluon=False)
-            tri = fb._graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=tri_lp) for w, s in fp8])
+            tri = fb.graph_us([lambda w=w, s=s: fp8_linear(x, w, s, launch=tri_lp) for w, s in fp8])
             logs["triton"].append(cublas / tri)
             ref = fp8_linear(x, *fp8[0], launch=tri_lp)
             sg = split_groups(n, k)
@@ -56,7 +56,7 @@ def main() -> None:
 
                 call(*fp8[0])
                 assert torch.equal(out, ref), f"{name} M={m} stages={stages} tma={tma}"
-                us = fb._graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
+                us = fb.graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
                 times.append(us)
                 logs[(stages, tma)].append(cublas / us)
             print(f"{name:22} {m:5d} {cublas:8.1f} {tri:8.1f} " + " ".join(f"{t:8.1f}" for t in times),
