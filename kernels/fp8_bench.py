@@ -123,8 +123,8 @@ def bench_gemms(sizes: list[int]) -> list[float]:
                 block_ratios.append(block / ours)
             block_txt = f"{block:9.1f}" if block is not None else f"{'n/a':>9}"
             ratio_txt = f"{block / ours:11.2f}" if block is not None else f"{'n/a':>11}"
-            print(f"{name:22} {m:5d} {ours:14.1f} {tri:10.1f} {cublas:14.1f} {block_txt} {b16:15.1f}"
-                  f" {cublas / ours:12.2f} {ratio_txt}")
+            print(f"{name:22} {m:5d} {ours:14.1f} {tri:10.1f} {cublas:14.1f} {block_txt}"
+                  f" {b16:15.1f} {cublas / ours:12.2f} {ratio_txt}")
         del fp8, bf16
     geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geomean cuBLAS FP8 time / our FP8 time: {geo:.2f} (row-wise scales, quantize not timed)")

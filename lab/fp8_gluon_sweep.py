@@ -15,7 +15,8 @@ import torch
 
 from megaserve.kernels import fp8_bench as fb
 from megaserve.kernels.triton_impl import fp8_gemm_gluon as fg
-from megaserve.kernels.triton_impl.fp8_gemm import fp8_linear, plan_linear, quantize_rows, split_groups
+from megaserve.kernels.triton_impl.fp8_gemm import (fp8_linear, plan_linear, quantize_rows,
+                                                    split_groups)
 
 SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
           "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
@@ -59,8 +60,8 @@ def main() -> None:
                 us = fb.graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
                 times.append(us)
                 logs[(stages, tma)].append(cublas / us)
-            print(f"{name:22} {m:5d} {cublas:8.1f} {tri:8.1f} " + " ".join(f"{t:8.1f}" for t in times),
-                  flush=True)
+            print(f"{name:22} {m:5d} {cublas:8.1f} {tri:8.1f} "
+                  + " ".join(f"{t:8.1f}" for t in times), flush=True)
         del fp8
     for key, ratios in logs.items():
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))

@@ -323,8 +323,8 @@ def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
     splits folded in registers. :mod:`fp8_gemm_gluon` where it applies, from 1024 rows and
     above DECODE_MAX_M rows where its 128 x 128 tiles fill half the SMs or more (H200,
     ``lab/fp8_gluon_sweep.py``, M = 256: Qwen3-30B-A3B qkv, 80 tiles, 11.0 us against 12.9;
-    its o_proj, 32 tiles, 24.9 against 19.6). ``$MEGASERVE_FP8_LINEAR`` replaces the launch up to ``DECODE_MAX_M`` rows
-    (tuning runs)."""
+    its o_proj, 32 tiles, 24.9 against 19.6). ``$MEGASERVE_FP8_LINEAR`` replaces the
+    launch up to ``DECODE_MAX_M`` rows (tuning runs)."""
     if m <= DECODE_MAX_M:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
