@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -12,6 +14,7 @@ import torch
 from megaserve.comm import (ChannelConfig, CommTimeoutError, EndpointClosedError, PeerLostError,
                   RendezvousServer, create_endpoint, exchange)
 from megaserve.comm.errors import ProtocolError
+from megaserve.comm.tcp import parse_address
 from tests.comm.workers import payload
 
 PROVIDERS = ["inproc", "tcp", "nccl"]  # nccl: its gloo (CPU) backend
@@ -158,17 +161,18 @@ def test_rendezvous_exchange_and_duplicate_rank():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(120)  # each exchange gives up after its own 60 s
     assert out == [[e.address for e in eps]] * 3
     for e in eps:
         e.close()
     server.close()
 
-    server = RendezvousServer(2, timeout_s=1.0)
-    holder = threading.Thread(target=lambda: pytest.raises(Exception, exchange, server.address, 0, 2, "h:1", 3.0))
-    holder.start()
-    time.sleep(0.2)
-    with pytest.raises(Exception, match="duplicate rank 0"):
-        exchange(server.address, 0, 2, "h:2", timeout_s=3.0)
-    holder.join(5)
+    # Rank 0 registered (by hand: its line sent before the duplicate connects, and the
+    # server takes connections in the order they arrived), then rank 0 again.
+    server = RendezvousServer(2)
+    holder = socket.create_connection(parse_address(server.address), timeout=60)
+    holder.sendall(json.dumps({"rank": 0, "address": "h:1"}).encode() + b"\n")
+    with pytest.raises(ProtocolError, match="duplicate rank 0"):
+        exchange(server.address, 0, 2, "h:2", timeout_s=60)
+    holder.close()
     server.close()
