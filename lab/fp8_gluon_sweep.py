@@ -1,14 +1,17 @@
 """Launch sweep of the Gluon block-FP8 linear (kernels/triton_impl/fp8_gemm_gluon.py) on
-fp8_bench's shapes, H200: ring slots x TMA-store epilogue, against the Triton plan and
-cuBLAS row-wise FP8 in the same run; each variant checked bitwise against the default.
+fp8_bench's shapes, H200: tile rows x ring slots x TMA-store epilogue, against the Triton
+plan and cuBLAS row-wise FP8 in the same run; each variant checked bitwise against the
+Triton plan.
 
-    python lab/fp8_gluon_sweep.py [--sizes 256 4096] [--stages 4 5 6]
+    python lab/fp8_gluon_sweep.py [--sizes 256 4096] [--block-m 128 64] [--stages 4 5 6]
+                                  [--store tma reg]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 
 import torch
@@ -26,11 +29,14 @@ SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 4096])
-    parser.add_argument("--stages", type=int, nargs="+", default=[4, 5, 6])
+    parser.add_argument("--block-m", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--stages", type=int, nargs="+", default=[6])
+    parser.add_argument("--store", nargs="+", default=["tma"], choices=["tma", "reg"])
     args = parser.parse_args()
-    variants = [(s, t) for s in args.stages for t in (False, True)]
+    variants = list(itertools.product(args.block_m, args.stages,
+                                      [s == "tma" for s in args.store]))
     print(f"{'GEMM':22} {'M':>5} {'cuBLAS':>8} {'triton':>8} "
-          + " ".join(f"{f's{s}' + ('tma' if t else 'reg'):>8}" for s, t in variants))
+          + " ".join(f"{f'm{b}s{s}' + ('tma' if t else 'reg'):>10}" for b, s, t in variants))
     logs = {v: [] for v in variants}
     logs["triton"] = []
     for name, (n, k) in SHAPES.items():
@@ -49,19 +55,19 @@ def main() -> None:
             ref = fp8_linear(x, *fp8[0], launch=tri_lp)
             sg = split_groups(n, k)
             times = []
-            for stages, tma in variants:
+            for block_m, stages, tma in variants:
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
-                def call(w, s, out=out, stages=stages, tma=tma):
-                    fg.linear(xq, xs, w, s, out, sg, stages=stages, c_tma=tma)
+                def call(w, s, out=out, block_m=block_m, stages=stages, tma=tma):
+                    fg.linear(xq, xs, w, s, out, sg, block_m=block_m, stages=stages, c_tma=tma)
 
                 call(*fp8[0])
-                assert torch.equal(out, ref), f"{name} M={m} stages={stages} tma={tma}"
+                assert torch.equal(out, ref), f"{name} M={m} {block_m} {stages} {tma}"
                 us = fb.graph_us([lambda w=w, s=s: call(w, s) for w, s in fp8])
                 times.append(us)
-                logs[(stages, tma)].append(cublas / us)
+                logs[(block_m, stages, tma)].append(cublas / us)
             print(f"{name:22} {m:5d} {cublas:8.1f} {tri:8.1f} "
-                  + " ".join(f"{t:8.1f}" for t in times), flush=True)
+                  + " ".join(f"{t:10.1f}" for t in times), flush=True)
         del fp8
     for key, ratios in logs.items():
         geo = math.exp(sum(map(math.log, ratios)) / len(ratios))

@@ -321,17 +321,20 @@ def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
     ran the Qwen3-30B-A3B qkv / o_proj and DeepSeek-V3 o_proj in 9.6 / 9.3 / 53 us against
     17.0 / 12.2 / 119 quantizing in the K loop); from 1024 rows: 128 x 128 tiles, 8 warps,
     splits folded in registers. :mod:`fp8_gemm_gluon` where it applies, from 1024 rows and
-    above DECODE_MAX_M rows where its 128 x 128 tiles fill half the SMs or more (H200,
-    ``lab/fp8_gluon_sweep.py``, M = 256: Qwen3-30B-A3B qkv, 80 tiles, 11.0 us against 12.9;
-    its o_proj, 32 tiles, 24.9 against 19.6). ``$MEGASERVE_FP8_LINEAR`` replaces the
+    above DECODE_MAX_M rows where its tiles (:func:`fp8_gemm_gluon.tile_rows`) number a
+    quarter of the SMs or more (H200, ``lab/fp8_gluon_sweep.py``, us against the Triton
+    plan: Qwen3-30B-A3B o_proj at M = 256, 64 tiles of 64 rows, 14.0 against 18.7; at
+    M = 128, 32 tiles, 14.0 against 11.6). ``$MEGASERVE_FP8_LINEAR`` replaces the
     launch up to ``DECODE_MAX_M`` rows (tuning runs)."""
     if m <= DECODE_MAX_M:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return LinearLaunch(*v[:4], *(bool(f) for f in v[4:]))
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)  # the Gluon kernel's, one SM each
-    gluon = m >= 1024 or (m > DECODE_MAX_M and 2 * tiles >= _TARGET_PROGRAMS)
+    from .fp8_gemm_gluon import BLOCK_N, tile_rows
+
+    tiles = triton.cdiv(m, tile_rows(m, n, _TARGET_PROGRAMS)) * triton.cdiv(n, BLOCK_N)
+    gluon = m > DECODE_MAX_M and (m >= 1024 or 4 * tiles >= _TARGET_PROGRAMS)
     if m < 1024:
         return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP),
                             gluon=gluon)

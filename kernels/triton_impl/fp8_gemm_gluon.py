@@ -14,12 +14,13 @@ Per output element, as fp8_gemm: d_g a fresh chain of four k32 QGMMA steps from 
 part = fma(d_g, xs_g * ws_g, part) for the split's groups in ascending order, the splits
 folded into total in ascending order.
 
-One persistent program an SM walks (BLOCK_M x BLOCK_N) tiles ``program_id + k * programs``
+One persistent program an SM walks (BLOCK_M x 128) tiles ``program_id + k * programs``
 in GROUP_M-row bands (L2 reuse of the weight columns); three warp groups
 (``gl.warp_specialize``): a loader streams each group's A rows ``[BLOCK_M, 128]`` and
-weight rows ``[BLOCK_N, 128]`` by TMA into a ring of STAGES slots (``ready`` when both
+weight rows ``[128, 128]`` by TMA into a ring of STAGES slots (``ready`` when both
 landed, ``empty`` when both MMA groups are done with it); two MMA groups take 64 rows of
-each tile, a split's groups in an inner loop, and send their rows out through shared
+each tile (BLOCK_M 128) or 64 columns (BLOCK_M 64: :func:`tile_rows`), a split's groups
+in an inner loop, and send their rows out through shared
 memory by a TMA store that runs during the next tile (H200, ``lab/fp8_gluon_sweep.py``:
 geomean cuBLAS time / ours 0.72 storing from registers, 0.82-0.84 by TMA). Rows past M
 and weight rows past N read as zeros (TMA), as the Triton kernel's masked loads read them;
@@ -40,10 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GROUP = 128  # activation group = weight block = one K step
-BLOCK_M = 128
 BLOCK_N = 128
-_GROUP = gl.constexpr(GROUP)  # the two as the kernels read them
-_BLOCK_M = gl.constexpr(BLOCK_M)
+_GROUP = gl.constexpr(GROUP)  # as the kernels read it
 STAGES = 6  # 6 x 32 KB and the 32 KB TMA-store buffer (H200 sweep: 4, 5, 6 within 2%)
 GROUP_M = 8
 MMA_REGS = 224
@@ -62,9 +61,10 @@ def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr):
-    tiles_m = gl.cdiv(M, _BLOCK_M)
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+            PROGRAMS: gl.constexpr):
+    tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     num_groups = gl.cdiv(K, _GROUP)
     i = 0
@@ -75,7 +75,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_N: gl.c
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot),
                             a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pm * _BLOCK_M, g * _GROUP], ready.index(slot),
+            tma.async_copy_global_to_shared(a_desc, [pm * BLOCK_M, g * _GROUP], ready.index(slot),
                                             a_bufs.index(slot))
             tma.async_copy_global_to_shared(w_desc, [pn * BLOCK_N, g * _GROUP], ready.index(slot),
                                             w_bufs.index(slot))
@@ -85,25 +85,29 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_N: gl.c
 @gluon.jit
 def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K,
          stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, HALF: gl.constexpr,
-         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-         PROGRAMS: gl.constexpr, C_TMA: gl.constexpr):
-    """An MMA partition (one warp group): rows ``HALF * 64 + [0, 64)`` of each tile. C_TMA:
-    the tile's rows go out through c_smem by a TMA store (waited for before the next
-    tile's store), else by stores from registers."""
-    ROWS: gl.constexpr = _BLOCK_M // 2
+         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+         GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr, C_TMA: gl.constexpr):
+    """An MMA partition (one warp group): of each tile, rows ``HALF * 64 + [0, 64)``
+    (BLOCK_M 128) or columns ``HALF * 64 + [0, 64)`` (BLOCK_M 64). C_TMA: its part of the
+    tile goes out through c_smem by a TMA store (waited for before the next tile's store),
+    else by stores from registers."""
+    ROWS: gl.constexpr = 64
+    COLS: gl.constexpr = BLOCK_N if BLOCK_M == 128 else BLOCK_N // 2
+    ROW0: gl.constexpr = HALF * ROWS if BLOCK_M == 128 else 0
+    COL0: gl.constexpr = 0 if BLOCK_M == 128 else HALF * COLS
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 32])
+                                                  instr_shape=[16, COLS, 32])
     ROW: gl.constexpr = gl.SliceLayout(1, ACC)
     COL: gl.constexpr = gl.SliceLayout(0, ACC)
-    zero = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC)
-    tiles_m = gl.cdiv(M, _BLOCK_M)
+    zero = gl.zeros([ROWS, COLS], gl.float32, ACC)
+    tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     num_groups = gl.cdiv(K, _GROUP)
     split = num_groups if SPLIT_GROUPS == 0 else SPLIT_GROUPS  # the host passes 0: one split
     i = 0
     for t in range(gl.program_id(0), tiles_m * tiles_n, PROGRAMS):
         pm, pn = _tile(t, tiles_m, tiles_n, GROUP_M)
-        rows = pm * _BLOCK_M + HALF * ROWS + gl.arange(0, ROWS, layout=ROW)
+        rows = pm * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=ROW)
         row_ok = rows < M
         as_rows = as_ptr + rows.to(gl.int64) * stride_asm
         bs_row = bs_ptr + ((pn * BLOCK_N) // _GROUP) * stride_bsn
@@ -115,9 +119,9 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
             for g in range(g_lo, gl.minimum(g_lo + split, num_groups)):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-                d = warpgroup_mma(a_bufs.index(slot).slice(HALF * ROWS, ROWS),
-                                  w_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
-                                  is_async=True)
+                d = warpgroup_mma(a_bufs.index(slot).slice(ROW0, ROWS),
+                                  w_bufs.index(slot).slice(COL0, COLS).permute((1, 0)), zero,
+                                  use_acc=False, is_async=True)
                 # group g + 1's scales load while the chain runs (0 past the last group)
                 a_s_next = gl.load(as_rows + g + 1, mask=row_ok & (g + 1 < num_groups),
                                    other=0.0)
@@ -133,10 +137,10 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
             tma.store_wait(pendings=0)  # the previous tile's rows have left c_smem
             c_smem.store(total.to(c_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [pm * _BLOCK_M + HALF * ROWS, pn * BLOCK_N],
+            tma.async_copy_shared_to_global(c_desc, [pm * BLOCK_M + ROW0, pn * BLOCK_N + COL0],
                                             c_smem)
         else:
-            cols = pn * BLOCK_N + gl.arange(0, BLOCK_N, layout=COL)
+            cols = pn * BLOCK_N + COL0 + gl.arange(0, COLS, layout=COL)
             at = (c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1)
                   + gl.expand_dims(cols, 0))
             gl.store(at, total.to(c_ptr.dtype.element_ty),
@@ -147,13 +151,14 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
 
 @gluon.jit
 def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride_asm,
-                  stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
                   C_TMA: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
     """The module docstring's GEMM over every tile; this program's warps are the first MMA
     group. SPLIT_GROUPS: groups per K split (0: one split). C_TMA: c_desc (64-row boxes of
     c) takes the tiles' rows, else c_ptr."""
-    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, _BLOCK_M, _GROUP], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, _GROUP], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, _GROUP], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -161,7 +166,7 @@ def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
     if C_TMA:
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, _BLOCK_M // 2, BLOCK_N],
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape,
                                            c_desc.layout)
         c0 = c_smem.index(0)
         c1 = c_smem.index(1)
@@ -171,14 +176,22 @@ def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride
     fence_async_shared()
     gl.warp_specialize([
         (_mma, (a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c0, M, N, K,
-                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 0, BLOCK_N, STAGES, GROUP_M,
-                PROGRAMS, C_TMA)),
+                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 0, BLOCK_M, BLOCK_N, STAGES,
+                GROUP_M, PROGRAMS, C_TMA)),
         (_mma, (a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c1, M, N, K,
-                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 1, BLOCK_N, STAGES, GROUP_M,
-                PROGRAMS, C_TMA)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_N, STAGES,
-                   GROUP_M, PROGRAMS)),
+                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 1, BLOCK_M, BLOCK_N, STAGES,
+                GROUP_M, PROGRAMS, C_TMA)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N,
+                   STAGES, GROUP_M, PROGRAMS)),
     ], [4, 4], [MMA_REGS, LOAD_REGS])
+
+
+def tile_rows(m: int, n: int, sms: int) -> int:
+    """Rows a tile: 128 (each MMA group 64 rows x 128 columns) where such tiles number at
+    least half the SMs, else 64 (each MMA group 64 x 64). H200, ``lab/fp8_gluon_sweep.py``
+    (us): Qwen3-30B-A3B qkv at M = 256 (80 tiles of 128 rows) 11.1 against 14.0; at M = 128
+    (40) 10.8 against 8.8; DeepSeek-V3 o_proj at M = 128 (56) 61.3 against 48.5."""
+    return 128 if 2 * triton.cdiv(m, 128) * triton.cdiv(n, BLOCK_N) >= sms else 64
 
 
 def applies(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -196,17 +209,20 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 
 def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-           out: torch.Tensor, split_groups: int, *, stages: int = STAGES,
-           c_tma: bool | None = None) -> None:
+           out: torch.Tensor, split_groups: int, *, block_m: int | None = None,
+           stages: int = STAGES, c_tma: bool | None = None) -> None:
     """``out = a @ dequant(weight).T`` by fp8_gemm's arithmetic: a `[M, K]` e4m3 with group
     scales a_s `[M, G]` (:func:`fp8_gemm.quantize_rows`), weight `[N, K]` e4m3 with
     scale_inv `[ceil(N/128), G]`, split_groups the weight's K split (fp8_gemm.split_groups).
-    stages, c_tma: the ring's slots and whether out is written by TMA (default: where TMA
-    can write it); speed only, the same bits."""
+    block_m (default :func:`tile_rows`), stages, c_tma: the tile's rows, the ring's slots and
+    whether out is written by TMA (default: where TMA can write it); speed only, the same
+    bits."""
     m, k = a.shape
     n = weight.shape[0]
+    programs = torch.cuda.get_device_properties(a.device).multi_processor_count
+    block_m = block_m or tile_rows(m, n, programs)
     a_desc = TensorDescriptor.from_tensor(
-        a, [BLOCK_M, GROUP], gl.NVMMASharedLayout.get_default_for([BLOCK_M, GROUP], gl.float8e4nv))
+        a, [block_m, GROUP], gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
     w_desc = TensorDescriptor.from_tensor(
         weight, [BLOCK_N, GROUP],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP], gl.float8e4nv))
@@ -215,13 +231,13 @@ def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: 
                  and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0)
     c_desc = None
     if c_tma:
-        box = [BLOCK_M // 2, BLOCK_N]
+        box = [64, BLOCK_N if block_m == 128 else BLOCK_N // 2]  # one MMA group's part
         c_desc = TensorDescriptor.from_tensor(
             out, box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[out.dtype]))
-    programs = torch.cuda.get_device_properties(a.device).multi_processor_count
     one_split = split_groups >= triton.cdiv(k, GROUP)
     linear_kernel[(programs,)](
         a_desc, w_desc, a_s, scale_inv, out, c_desc, m, n, k, a_s.stride(0), scale_inv.stride(0),
-        out.stride(0), SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_N=BLOCK_N,
+        out.stride(0), SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
         STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs, C_TMA=c_tma, MMA_REGS=MMA_REGS,
         LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
