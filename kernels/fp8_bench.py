@@ -80,20 +80,23 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (us * 1e-6)
 
 
+# The linears timed against cuBLAS: name -> (N, K)
+GEMM_SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
+               "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
+               "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
+
+
 def bench_gemms(sizes: list[int]) -> list[float]:
     import dataclasses
 
     from . import api as kernels
     from .triton_impl.fp8_gemm import fp8_linear, plan_linear, quantize_rows
 
-    shapes = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
-              "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
-              "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
     ratios, block_ratios, triton_ratios = [], [], []
     block_reason = None  # why cuBLAS first refused block scales (printed once)
     print(f"{'GEMM':22} {'M':>5} {'fp8 (ours) us':>14} {'triton us':>10} {'_scaled_mm us':>14}"
           f" {'block us':>9} {'bf16 (ours) us':>15} {'cuBLAS/ours':>12} {'block/ours':>11}")
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in GEMM_SHAPES.items():
         c = copies(n * k)
         fp8 = [random_fp8(n, k) for _ in range(c)]
         bf16 = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(c)]

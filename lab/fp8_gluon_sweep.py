@@ -21,11 +21,6 @@ from megaserve.kernels.triton_impl import fp8_gemm_gluon as fg
 from megaserve.kernels.triton_impl.fp8_gemm import (fp8_linear, plan_linear, quantize_rows,
                                                     split_groups)
 
-SHAPES = {"qwen3-30b qkv": (5120, 2048), "qwen3-30b o_proj": (2048, 4096),
-          "qwen3-30b lm_head": (151936, 2048), "deepseek-v3 q_b": (24576, 1536),
-          "deepseek-v3 o_proj": (7168, 16384), "deepseek-v3 dense up": (36864, 7168)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 4096])
@@ -39,7 +34,7 @@ def main() -> None:
           + " ".join(f"{f'm{b}s{s}' + ('tma' if t else 'reg'):>10}" for b, s, t in variants))
     logs = {v: [] for v in variants}
     logs["triton"] = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in fb.GEMM_SHAPES.items():
         fp8 = [fb.random_fp8(n, k) for _ in range(fb.copies(n * k))]
         sb = torch.rand(1, n, device="cuda")
         for m in args.sizes:
