@@ -152,9 +152,9 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
 @gluon.jit
 def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride_asm,
                   stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
-                  C_TMA: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                  PROGRAMS: gl.constexpr, C_TMA: gl.constexpr, MMA_REGS: gl.constexpr,
+                  LOAD_REGS: gl.constexpr):
     """The module docstring's GEMM over every tile; this program's warps are the first MMA
     group. SPLIT_GROUPS: groups per K split (0: one split). C_TMA: c_desc (64-row boxes of
     c) takes the tiles' rows, else c_ptr."""
