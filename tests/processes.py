@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def parent_of(pid: int) -> int | None:
@@ -50,3 +51,13 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.01) -> None:
+    """Polls ``predicate()`` every ``poll_s`` until it is true; AssertionError naming
+    ``what`` after ``timeout`` s. For what another process does when it next runs."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll_s)

@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from megaserve.server.client import build_request, stream_generate
+from tests.processes import wait_for
+from tests.server.conftest import http_get
 
 
 @contextlib.contextmanager
@@ -102,12 +104,12 @@ class HealthPoller(threading.Thread):
         return next((t for t, s in self.history if t >= after and s == status), None)
 
 
-def wait_for(predicate, timeout: float, what: str, poll_s: float = 0.01) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll_s)
+def wait_http_serving(url: str) -> None:
+    """Waits (60 s) for the server's HTTP /health to answer 200: it is the listener
+    process's copy of what the event loop publishes (every 0.1 s), so it follows gRPC
+    health back to SERVING a moment later on a loaded machine."""
+    wait_for(lambda: http_get(url + "/health")[0] == 200, 60,
+             "HTTP /health to follow gRPC health back to 200", poll_s=0.1)
 
 
 def kill_mid_stream(grpc_address: str, poller: HealthPoller, expected, victim_pid: int) -> None:

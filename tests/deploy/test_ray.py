@@ -21,10 +21,10 @@ from ray.util import state as ray_state  # noqa: E402
 from megaserve.engine.config import EngineConfig  # noqa: E402
 from megaserve.sampling_params import SamplingParams  # noqa: E402
 from tests.processes import alive  # noqa: E402
-from tests.server.conftest import ServerProcess, http_get  # noqa: E402
+from tests.server.conftest import ServerProcess  # noqa: E402
 
 from .serving import (REQUESTS, HealthPoller, Stream, built_model_cache,  # noqa: E402
-                      kill_mid_stream, wait_for)
+                      kill_mid_stream, wait_for, wait_http_serving)
 
 MODEL = "builtin:tiny-moe"
 PLAN = """\
@@ -123,10 +123,7 @@ def test_serve_plan_on_ray_places_by_gpu_type_survives_a_killed_actor(cluster, t
         workers = [a for a in _worker_actors(cluster) if a.class_name == "RayWorker"]
         assert len(workers) == 4 and victim.actor_id not in {a.actor_id for a in workers}
         pids += [a.pid for a in workers]
-        # HTTP /health is the listener process's copy of what the event loop publishes
-        # (every 0.1 s): it follows gRPC health, a moment later on a loaded machine.
-        wait_for(lambda: http_get(server.url + "/health")[0] == 200, 60,
-                 "HTTP /health to follow gRPC health back to 200", poll_s=0.1)
+        wait_http_serving(server.url)
 
         # Idle: expert 1's actor dies with nothing in flight; health reports it, no request needed.
         (victim,) = [a for a in workers if "-expert-1-" in a.name]

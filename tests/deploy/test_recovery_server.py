@@ -17,7 +17,7 @@ from tests.processes import alive, comm, descendants
 from tests.server.conftest import ServerProcess, http_get
 
 from .serving import (REQUESTS, HealthPoller, Stream, built_model_cache, kill_mid_stream,
-                      wait_for)
+                      wait_for, wait_http_serving)
 
 MODEL = "builtin:tiny-moe"
 
@@ -70,10 +70,7 @@ def test_server_survives_killed_expert_worker(model_cache, tmp_path):
         assert status in (200, 503)  # 503 RECOVERING unless the restart already finished
         wait_for(lambda: poller.first("SERVING", poller.first("NOT_SERVING", killed)) is not None,
                  600, "health back after the idle kill")
-        # HTTP /health is the listener process's copy of what the event loop publishes
-        # (every 0.1 s): it follows gRPC health, a moment later on a loaded machine.
-        wait_for(lambda: http_get(server.url + "/health")[0] == 200, 60,
-                 "HTTP /health to follow gRPC health back to 200", poll_s=0.1)
+        wait_http_serving(server.url)
         again = Stream(server.grpc_address, *REQUESTS[1])
         again.run()
         assert again.error is None and list(again.complete.output_ids) == expected[1].token_ids

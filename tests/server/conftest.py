@@ -36,15 +36,6 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
-    """Polls ``predicate()`` every 10 ms until it is true (AssertionError naming ``what``
-    after ``timeout`` s): for what another process does when it next runs."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.01)
-
-
 def http_post(url: str, body: bytes | dict, timeout: float = 60.0) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})

@@ -14,7 +14,9 @@ from megaserve.server import generation_pb2 as pb
 from megaserve.server.cli import main as serve_main
 from megaserve.server.client import build_request, generation_stub
 
-from .conftest import ServerProcess, assert_idle, http_get, http_post, wait_until
+from tests.processes import wait_for
+
+from .conftest import ServerProcess, assert_idle, http_get, http_post
 
 GRACE = 3.0
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -127,12 +129,12 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     small_server.proc.send_signal(signal.SIGTERM)
     # The server logs the drain in the same step that starts refusing work; the HTTP
     # listener process closes its port when it next runs.
-    wait_until(lambda: "shutting down" in small_server.log(), "the drain's log line")
+    wait_for(lambda: "shutting down" in small_server.log(), 60, "the drain's log line")
     with grpc.insecure_channel(small_server.grpc_address) as channel:  # no new work
         with pytest.raises(grpc.RpcError) as e:
             list(generation_stub(channel)["Generate"](build_request("late"), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    wait_until(lambda: not _answers(small_server.url + "/health"), "the HTTP port closed")
+    wait_for(lambda: not _answers(small_server.url + "/health"), 60, "the HTTP port closed")
     for t in threads:
         t.join(30)
     assert small_server.proc.wait(GRACE + 15) == 0
