@@ -22,7 +22,8 @@ decode: one launch less each) or each by one quantize launch before its GEMM (th
 stream e4m3 rows; no column tile repeats the quantization): the same helper on the same
 values; whether SwiGLU is the gate_up GEMM's epilogue (h in fp32) or the launch that
 quantizes h (:func:`fp8_gemm.silu_mul_quantize_rows` of gate and up in x.dtype): the
-same roundings.
+same roundings; whether :mod:`fp8_moe_gluon`'s kernel (Hopper; e4m3 rows in, no SwiGLU
+epilogue) runs a grouped GEMM instead of this module's.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8_moe_gluon
 from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_raw, load_scales,
                        promote, quantize_rows, silu_mul_quantize_rows, swiglu,
                        weight_scales)
+from .matmul import num_sms
 from .moe import INLINE_ALIGN_MAX_ROWS, align, max_tiles, rows_at, tile_of
 
 
@@ -145,7 +148,9 @@ class Fp8MoeLaunch:
     else it holds up_n of the 2I columns, stores them in x.dtype and
     :func:`silu_mul_quantize_rows` makes h (one launch; needs h_in_loop False: the same
     rounding of gate and up, the same fp32 SwiGLU). x_in_loop / h_in_loop: x (h) quantized
-    in the gate_up (down) GEMM's K loop, else by one quantize launch before it."""
+    in the gate_up (down) GEMM's K loop, else by one quantize launch before it. gluon: the
+    GEMMs that take e4m3 rows and store their product (unfused, quantized before) run
+    :mod:`fp8_moe_gluon`'s kernel where it applies (rows grouped by the align pass)."""
 
     block_m: int = 64
     up_n: int = 64
@@ -155,6 +160,7 @@ class Fp8MoeLaunch:
     x_in_loop: bool = True
     h_in_loop: bool = True
     fused: bool = True
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128):
@@ -170,8 +176,11 @@ class Fp8MoeLaunch:
                              f"num_stages {self.num_stages} >= 1")
 
 
-# tuning runs: "m,up_n,down_n,warps,stages,x_in_loop,h_in_loop,fused" (decode sizes)
+# tuning runs: "m,up_n,down_n,warps,stages,x_in_loop,h_in_loop,fused[,gluon]" (decode sizes)
 _LAUNCH_ENV = "MEGASERVE_FP8_MOE"
+# H200, lab/fp8_moe_gluon_sweep.py, Qwen3-30B-A3B's expert FFN (us, Triton / Gluon): batch
+# 64 (4 rows an expert) 177 / 161, 256 (16) 189 / 174, 1024 (64) 241 / 279.
+GLUON_MAX_ROWS_PER_EXPERT = 32
 
 
 def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
@@ -179,17 +188,19 @@ def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
 
     Up to 64 rows an expert on average (decode): x quantized by one launch, gate_up
     unfused in 64 x 128 tiles, 4 stages, h by :func:`silu_mul_quantize_rows` (every K
-    loop streams e4m3 rows; one dot a step). H200, ``fp8_bench --sweep``, Qwen3-30B-A3B's
-    experts (128, top-8): 27 / 178 / 192 / 252 us at batch 1 / 64 / 256 / 1024, against
-    47 / 353 / 378 / 557 with x and h quantized in the K loops (fused SwiGLU) and 32 /
-    279 / 325 / 416 for the bf16 expert FFN. More rows: the same with 128 x 128 tiles,
-    8 warps, 3 stages. ``$MEGASERVE_FP8_MOE`` replaces the decode launch (tuning runs)."""
+    loop streams e4m3 rows; one dot a step), both GEMMs by :mod:`fp8_moe_gluon` up to
+    GLUON_MAX_ROWS_PER_EXPERT rows an expert on average, where it applies. H200, ``fp8_bench --sweep``, Qwen3-30B-A3B's experts (128, top-8), Triton
+    kernel: 27 / 178 / 192 / 252 us at batch 1 / 64 / 256 / 1024, against 47 / 353 / 378
+    / 557 with x and h quantized in the K loops (fused SwiGLU) and 32 / 279 / 325 / 416
+    for the bf16 expert FFN. More rows: the same with 128 x 128 tiles, 8 warps, 3 stages.
+    ``$MEGASERVE_FP8_MOE`` replaces the decode launch (tuning runs)."""
     if num_rows <= 64 * num_experts:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
             v = [int(t) for t in text.split(",")]
             return Fp8MoeLaunch(*v[:5], *(bool(f) for f in v[5:]))
-        return Fp8MoeLaunch(64, 128, 128, 4, 4, x_in_loop=False, h_in_loop=False, fused=False)
+        return Fp8MoeLaunch(64, 128, 128, 4, 4, x_in_loop=False, h_in_loop=False, fused=False,
+                            gluon=num_rows <= GLUON_MAX_ROWS_PER_EXPERT * num_experts)
     return Fp8MoeLaunch(128, 128, 128, 8, 3, x_in_loop=False, h_in_loop=False, fused=False)
 
 
@@ -199,10 +210,15 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swiglu: bool,
              round_ty: torch.dtype, gather: bool, scatter: bool,
              rows_per_token: int, block_m: int, block_n: int, num_warps: int,
-             num_stages: int) -> None:
+             num_stages: int, gluon: bool = False) -> None:
     r = ids.shape[0]
     num_experts, _, k = w.shape
     offsets, order = grouping if grouping is not None else (ids, ids)  # unused if inline
+    if (gluon and grouping is not None and not quant_a and not swiglu
+            and fp8_moe_gluon.applies(a, w, gather=gather)):
+        fp8_moe_gluon.grouped(a, a_s, w, w_s, out, offsets, order, num_sms(a.device),
+                              gather=gather, scatter=scatter, rows_per_token=rows_per_token)
+        return
     grid = (max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
     _fp8_expert_kernel[grid](
         a, a_s, w, w_s, out, ids, order, offsets, r, num_experts, n, k,
@@ -271,7 +287,7 @@ def fp8_expert_ffn(x: torch.Tensor, expert_ids: torch.Tensor, w_gate_up: torch.T
     ids = expert_ids.contiguous()
     grouping = _grouping(ids, num_experts)
     common = dict(round_ty=x.dtype, rows_per_token=rows_per_token, block_m=lp.block_m,
-                  num_warps=lp.num_warps, num_stages=lp.num_stages)
+                  num_warps=lp.num_warps, num_stages=lp.num_stages, gluon=lp.gluon)
     x = x if x.stride(1) == 1 else x.contiguous()
     a, a_s = (x, x) if lp.x_in_loop else quantize_rows(x)
     if lp.fused:

@@ -7,11 +7,11 @@ them), in a persistent warp-specialised kernel. Two forms:
   weights by TMA;
 * **gate_up** (rows gathered from ``x[order[position] // rows_per_token]``, SwiGLU): 128
   rows x (128 gate + 128 up columns) tiles, column tile by column tile inside an expert
-  (``moe._tile_of``'s N_MAJOR), A by cp.async, the weights by TMA.
+  (``moe.tile_of``'s N_MAJOR), A by cp.async, the weights by TMA.
 
 Why a second kernel: the Triton kernel runs one tile a program, so every tile waits for its
 first loads and no load runs during its epilogue. Here one program an SM walks tiles
-``program_id + k * programs`` (``moe._tile_of``'s numbering), in three warp groups
+``program_id + k * programs`` (``moe.tile_of``'s numbering), in three warp groups
 (``gl.warp_specialize``):
 
 * a load group streams each K step's rows of A ``[BLOCK_M, BLOCK_K]`` and the expert's
@@ -45,7 +45,7 @@ from .matmul import tma_readable
 
 @triton.constexpr_function
 def _experts_layout(block_e, warps):
-    """``[block_e]`` with every warp holding all of it: :func:`_tile_of`'s sums stay inside
+    """``[block_e]`` with every warp holding all of it: :func:`tile_of`'s sums stay inside
     a warp."""
     return gl.BlockedLayout([max(1, block_e // 32)], [32], [warps], [0])
 
@@ -56,7 +56,7 @@ def _add(a, b):
 
 
 @gluon.jit
-def _expert_tiles(offsets_ptr, num_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr):
+def expert_tiles(offsets_ptr, num_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr):
     """(experts, lo, hi, ends, tiles) `[BLOCK_E]`: expert e's grouped positions [lo, hi),
     the row tiles through it and its own."""
     experts = gl.arange(0, BLOCK_E, layout=_experts_layout(BLOCK_E, gl.num_warps()))
@@ -68,10 +68,10 @@ def _expert_tiles(offsets_ptr, num_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.c
 
 
 @gluon.jit
-def _tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M: gl.constexpr,
+def tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M: gl.constexpr,
              N_MAJOR: gl.constexpr):
     """Tile t: (expert, first position, end of the expert's positions, column tile),
-    numbered as moe._tile_of numbers them."""
+    numbered as moe.tile_of numbers them."""
     if N_MAJOR:
         expert = gl.sum((ends * tiles_n <= t).to(gl.int32), axis=0)
         mine = experts == expert
@@ -101,12 +101,12 @@ def _loader(a_ptr, a_desc, w_desc, a_bufs, w_bufs, ready_a, ready_w, empty, orde
     rows ``order[position] // ROWS_PER_TOKEN`` (K a multiple of BLOCK_K: no column mask)."""
     GATHER_L: gl.constexpr = rows_layout(BLOCK_K, gl.num_warps())
     W_BYTES: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes
-    experts, lo, hi, ends, tiles = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    experts, lo, hi, ends, tiles = expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     tiles_n = gl.cdiv(N, BLOCK_N)
     kk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, GATHER_L))
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
-        expert, start, end, col = _tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
+        expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
                                            N_MAJOR)
         if GATHER:
             pos = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, GATHER_L))
@@ -152,12 +152,12 @@ def _mma(a_bufs, w_bufs, ready_a, ready_w, empty, c_ptr, order_ptr, offsets_ptr,
     OUT: gl.constexpr = rows_layout(BLOCK_N, 4)
     ROWS: gl.constexpr = BLOCK_M // 2
     out_ty: gl.constexpr = c_ptr.dtype.element_ty
-    experts, lo, hi, ends, tiles = _expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
+    experts, lo, hi, ends, tiles = expert_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E)
     tiles_n = gl.cdiv(N, BLOCK_N)
     zero = gl.zeros([ROWS, W_ROWS], gl.float32, ACC)
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
-        expert, start, end, col = _tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
+        expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
                                            N_MAJOR)
         if start + HALF * ROWS >= end:  # none of this half's rows is the expert's (a tail
             for k0 in range(0, K, BLOCK_K):  # tile of at most ROWS rows): only free the slots

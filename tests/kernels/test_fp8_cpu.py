@@ -3,6 +3,8 @@ rounding) and the CPU backend's float kernels run; rows stay independent."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megaserve import kernels
@@ -57,8 +59,9 @@ def test_fp8_launch_configs_are_validated_and_the_split_depends_on_weights_only(
     assert plan_linear(1, 2048, 4096).parts and not plan_linear(4096, 2048, 4096).parts
     assert plan_linear(256, 2048, 4096).parts and not plan_linear(256, 5120, 2048).parts
     assert not any(plan_linear(m, 2048, 4096).quant_a for m in (1, 64, 256, 4096))
-    assert plan_moe(8, 128) == plan_moe(8192, 128) == Fp8MoeLaunch(
-        64, 128, 128, 4, 4, x_in_loop=False, h_in_loop=False, fused=False)
+    assert plan_moe(8, 128) == plan_moe(4096, 128) == Fp8MoeLaunch(
+        64, 128, 128, 4, 4, x_in_loop=False, h_in_loop=False, fused=False, gluon=True)
+    assert plan_moe(8192, 128) == dataclasses.replace(plan_moe(8, 128), gluon=False)
     assert plan_moe(8193, 128).block_m == 128
     monkeypatch.setenv("MEGASERVE_FP8_MOE", "64,32,64,4,4,1,0,1")
     assert plan_moe(512, 128) == Fp8MoeLaunch(64, 32, 64, 4, 4, True, False, True)

@@ -136,9 +136,54 @@ def test_fp8_expert_ffn_launches_give_the_same_bits():
                    Fp8MoeLaunch(64, 64, 128, 4, 3, x_in_loop=False, h_in_loop=True),
                    Fp8MoeLaunch(64, 128, 256, 4, 3, x_in_loop=False, h_in_loop=False),
                    Fp8MoeLaunch(64, 128, 128, 4, 3, x_in_loop=False, h_in_loop=False, fused=False),
+                   Fp8MoeLaunch(64, 128, 128, 4, 3, x_in_loop=False, h_in_loop=False, fused=False,
+                                gluon=True),
                    Fp8MoeLaunch(128, 128, 128, 8, 3, x_in_loop=True, h_in_loop=False, fused=False)):
             got = fp8_expert_ffn(x, ids, wgu, sgu, wd, sd, top_k, launch=lp)
             assert torch.equal(got, ref), f"tokens={tokens} {lp}"
+
+
+@pytest.mark.parametrize("experts,n,k,top_k", [(128, 1536, 2048, 8), (8, 200, 384, 2)])
+def test_fp8_moe_gluon_equals_the_triton_kernel(experts, n, k, top_k):
+    """fp8_moe_gluon's grouped GEMM (weights as wgmma's A operand, 16 to 64 positions a
+    tile) gives the Triton kernel's bits in both forms: rows gathered by token (gate_up)
+    and rows in grouped order scattered back (down), rows routed nowhere included."""
+    from megaserve.kernels.triton_impl import fp8_moe_gluon
+    from megaserve.kernels.triton_impl.fp8_gemm import quantize_rows
+    from megaserve.kernels.triton_impl.fp8_moe import align, fp8_grouped_gemm
+    from megaserve.kernels.triton_impl.matmul import num_sms
+
+    q, s = _weight(n, k, experts, seed=11)
+    for tokens in (9, 64, 256, 1024):
+        x = torch.randn(tokens, k, device="cuda", dtype=BF16)
+        ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                           for _ in range(tokens)]).reshape(-1)
+        ids[::5] = experts  # routed nowhere
+        xq, xs = quantize_rows(x)
+        assert fp8_moe_gluon.applies(xq, q, gather=True)
+        offsets, order = align(ids, experts)
+        ref = fp8_grouped_gemm(xq, xs, ids, q, s, BF16, rows_per_token=top_k)
+        keep = ids != experts
+        # down form: rows already in grouped order, products scattered to order[p]
+        live = int(offsets[-1])
+        rows = order[:live].long() // top_k
+        grouped_x = torch.zeros(ids.shape[0], k, dtype=torch.uint8, device="cuda")
+        grouped_x[:live] = xq.view(torch.uint8)[rows]
+        grouped_x = grouped_x.view(xq.dtype)
+        grouped_xs = torch.ones(ids.shape[0], xs.shape[1], device="cuda")
+        grouped_xs[:live] = xs[rows]
+        for block_t in (16, 32, 64):
+            with poisoned_empty(cuda_only=True):
+                up = torch.empty(ids.shape[0], n, dtype=BF16, device="cuda")
+                down = torch.empty(ids.shape[0], n, dtype=BF16, device="cuda")
+            fp8_moe_gluon.grouped(xq, xs, q, s, up, offsets, order, num_sms(xq.device),
+                                  gather=True, scatter=False, rows_per_token=top_k,
+                                  block_t=block_t)
+            fp8_moe_gluon.grouped(grouped_x, grouped_xs, q, s, down, offsets, order,
+                                  num_sms(xq.device), gather=False, scatter=True,
+                                  block_t=block_t)
+            assert torch.equal(up[:live], ref[order[:live].long()]), f"{tokens} {block_t}"
+            assert torch.equal(down[keep], ref[keep]), f"{tokens} {block_t}"
 
 
 def test_fp8_expert_ffn_close_to_bf16_and_batch_invariant():
