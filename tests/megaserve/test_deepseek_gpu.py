@@ -52,3 +52,18 @@ def test_alone_crowded_chunked_and_cached_are_bitwise_equal_on_cuda(deepseek_pat
         again = _run(engine, [(0, "again", target, params)])["again"]
         assert again.num_cached_tokens >= 32
         assert _signature(again) == _signature(alone), f"prefix-cache hit, budget {budget}"
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_speculative_decoding_is_bitwise_equal_on_cuda(deepseek_path, quantization):
+    """Greedy with n-gram speculation on CUDA (verification steps of several tokens a
+    sequence through MLA and, in fp8, the FP8 linears and expert GEMMs): the tokens and
+    logprobs of the engine without it."""
+    prompts = [[7, 8, 9, 10] * 6, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5] * 2, [11] * 20]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    arrivals = [(0, f"p{i}", p, params) for i, p in enumerate(prompts)]
+    ref = _run(_engine(deepseek_path, quantization, enable_prefix_caching=False), arrivals)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    got = _run(_engine(deepseek_path, quantization, speculative_config=spec), arrivals)
+    assert all(len(out.outputs[0].token_ids) == 12 for out in ref.values())
+    assert {k: _signature(v) for k, v in got.items()} == {k: _signature(v) for k, v in ref.items()}
