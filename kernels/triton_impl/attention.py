@@ -117,9 +117,13 @@ class AttentionLaunch:
 # Tiles, chosen by timing every candidate with its bitwise checks (lab/attn_sweep.py,
 # lab/attn_chunk_bench.py; the numbers are in docs/benchmarks.md in git history). None
 # changes a bit (module NOTE).
-# * Decode: serial 16-row tiles of 4 warps, both loop switches (mask_tail, prefetch) and
-#   4 stages wherever the serial grid fills the GPU; else chunk mode, whose fold covers
-#   16 head_dim columns a one-warp program when the fold grid is small.
+# * Decode: serial 16-row tiles, both loop switches (mask_tail, prefetch), of 2 warps and
+#   2 stages wherever the serial grid fills the GPU (several programs an SM: H200,
+#   lab/attn_decode_stages.py, Qwen3-30B-A3B's heads, us at batch 64 / 256 / 1024: at ~80
+#   tokens of context 11 / 23 / 73 against 15 / 34 / 108 for 4 warps and 4 stages, at
+#   ~1000 tokens 49 / 138 / 514 against 49 / 152 / 540); else chunk mode (4 warps, 3
+#   stages), whose fold covers 16 head_dim columns a one-warp program when the fold grid
+#   is small.
 # * Prefill: 128-row tiles of 8 warps (4-warp 64-row tiles spill the chunk accumulator),
 #   masks only on the splits that cross a row's position, the ``p @ 1`` dot 16 columns
 #   wide, the longest causal rows first (without long_first deeper pipelines lost: the
@@ -131,7 +135,7 @@ class AttentionLaunch:
 _PREFILL_BASE_TILE = dict(rows=128, num_warps=8, num_stages=2, mask_tail=True)
 DECODE_TILE = dict(rows=16, num_warps=4, num_stages=3, fold_unroll=16, mask_tail=True,
                    prefetch=True)
-DECODE_SERIAL_TILE = dict(DECODE_TILE, num_stages=4)
+DECODE_SERIAL_TILE = dict(DECODE_TILE, num_warps=2, num_stages=2)
 PREFILL_TILE = dict(_PREFILL_BASE_TILE, l_cols=16, long_first=True)
 PREFILL_SERIAL_TILE = dict(PREFILL_TILE, num_stages=3, prefetch=True)
 _DEEP_PREFILL_MAX_D = 128  # widest (padded) head_dim that gets PREFILL_SERIAL_TILE

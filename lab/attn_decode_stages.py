@@ -1,0 +1,71 @@
+"""Decode attention at serving batches on one GPU: the default launch against the same
+serial tile at other pipeline depths and warps (launch choices: the same bits, checked
+here with ``torch.equal``). Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head
+dim 128, 16-token cache blocks), contexts drawn around ``--context``.
+
+    python lab/attn_decode_stages.py [--batches 64 256 1024] [--context 80 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from megaserve.kernels import fp8_bench as fb
+from megaserve.kernels.triton_impl import attention as at
+
+HQ, HKV, DH, BLOCK = 32, 4, 128, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--context", type=int, nargs="+", default=[80, 1000])
+    parser.add_argument("--table-blocks", type=int, default=0,
+                        help="block-table width (the engine's: max_model_len / block size; "
+                             "0: the longest context's)")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = fb.copy_bandwidth()
+    print(f"copy {bandwidth / 1e12:.2f} TB/s; us (CUDA-graph replays)")
+    for ctx in args.context:
+        for b in args.batches:
+            lens = torch.randint(ctx - ctx // 8, ctx + ctx // 8 + 1, (b,), device="cuda",
+                                 generator=gen, dtype=torch.int32)
+            blocks_per = (int(lens.max()) + BLOCK - 1) // BLOCK
+            width = max(args.table_blocks, blocks_per)
+            num_blocks = b * blocks_per + 1
+            k = torch.randn(num_blocks, BLOCK, HKV, DH, device="cuda", generator=gen).bfloat16()
+            v = torch.randn(num_blocks, BLOCK, HKV, DH, device="cuda", generator=gen).bfloat16()
+            perm = torch.randperm(num_blocks - 1, device="cuda", generator=gen).int() + 1
+            table = torch.zeros(b, width, dtype=torch.int32, device="cuda")
+            table[:, :blocks_per] = perm[:b * blocks_per].view(b, blocks_per)
+            q = torch.randn(b, HQ, DH, device="cuda", generator=gen).bfloat16()
+            qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+            kv_bytes = int(lens.sum()) * HKV * DH * 2 * 2
+
+            def run(launch=None):
+                return at.paged_attention(q, k, v, table, lens, qsl, DH ** -0.5, launch=launch,
+                                          one_token_per_seq=True)
+
+            ref = run()
+            splits = -(-width * BLOCK // at.KV_SPLIT_SIZE)  # as paged_attention bounds them
+            ws = -(-splits // at.CHUNK_SPLITS) * b * HQ * (DH + 2) * 4
+            default = at.choose_launch(b, b, HKV, HQ // HKV, splits, ws)
+            t_ref = fb.graph_us([run])
+            line = (f"ctx ~{ctx:5d} batch {b:5d}: KV {kv_bytes / 1e6:6.1f} MB at copy "
+                    f"{kv_bytes / bandwidth * 1e6:5.1f} us; default {default.mode} "
+                    f"w{default.num_warps} s{default.num_stages} {t_ref:6.1f}")
+            for warps, stages in ((4, 1), (4, 2), (4, 3), (2, 2), (2, 3), (8, 2)):
+                lp = dataclasses.replace(at.AttentionLaunch("serial", **at.DECODE_SERIAL_TILE),
+                                         num_warps=warps, num_stages=stages)
+                same = torch.equal(run(lp), ref)
+                t = fb.graph_us([lambda lp=lp: run(lp)])
+                line += f" | w{warps} s{stages} {t:6.1f}{'' if same else ' BITS DIFFER'}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
