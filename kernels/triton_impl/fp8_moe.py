@@ -189,10 +189,11 @@ def plan_moe(num_rows: int, num_experts: int) -> Fp8MoeLaunch:
     Up to 64 rows an expert on average (decode): x quantized by one launch, gate_up
     unfused in 64 x 128 tiles, 4 stages, h by :func:`silu_mul_quantize_rows` (every K
     loop streams e4m3 rows; one dot a step), both GEMMs by :mod:`fp8_moe_gluon` up to
-    GLUON_MAX_ROWS_PER_EXPERT rows an expert on average, where it applies. H200, ``fp8_bench --sweep``, Qwen3-30B-A3B's experts (128, top-8), Triton
-    kernel: 27 / 178 / 192 / 252 us at batch 1 / 64 / 256 / 1024, against 47 / 353 / 378
-    / 557 with x and h quantized in the K loops (fused SwiGLU) and 32 / 279 / 325 / 416
-    for the bf16 expert FFN. More rows: the same with 128 x 128 tiles, 8 warps, 3 stages.
+    GLUON_MAX_ROWS_PER_EXPERT rows an expert on average, where it applies. H200,
+    ``fp8_bench --sweep``, Qwen3-30B-A3B's experts (128, top-8), Triton kernel: 27 / 178
+    / 192 / 252 us at batch 1 / 64 / 256 / 1024, against 47 / 353 / 378 / 557 with x and
+    h quantized in the K loops (fused SwiGLU) and 32 / 279 / 325 / 416 for the bf16
+    expert FFN. More rows: the same with 128 x 128 tiles, 8 warps, 3 stages.
     ``$MEGASERVE_FP8_MOE`` replaces the decode launch (tuning runs)."""
     if num_rows <= 64 * num_experts:
         text = os.environ.get(_LAUNCH_ENV)

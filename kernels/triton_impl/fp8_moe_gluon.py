@@ -7,7 +7,9 @@ Why a second kernel: at decode an expert sees a handful of rows (4 to 16 at batc
 256 of Qwen3-30B-A3B), so its GEMM streams the expert's weights and little else. The
 Triton kernel runs one (expert, 64 rows, 128 columns) tile a program: each program waits
 for its first loads, pads its few rows to wgmma's 64, and keeps its whole CTA lock-step on
-each group's promotion; its expert FFN ran at ~83% of the copy rate (H200). Here:
+each group's promotion; its expert FFN ran at ~80% of the copy rate (H200). Here
+(H200, ``lab/fp8_moe_gluon_sweep.py``, Qwen3-30B-A3B's expert FFN at batch 64 / 256:
+161 / 174 us against 177 / 189; ~91% of the copy rate in the batch-64 decode step):
 
 * the weights are the wgmma's A operand ("swap AB"): a tile is 256 weight rows (two
   scale blocks: output columns) x BLOCK_T grouped positions (wgmma N: 16 or 32), so a
@@ -15,7 +17,7 @@ each group's promotion; its expert FFN ran at ~83% of the copy rate (H200). Here
   registers and little promotion;
 * one persistent program an SM walks tiles ``program_id + k * programs`` (fp8_moe's
   numbering, column tile by column tile inside an expert: moe_gluon.tile_of's N_MAJOR),
-  in three warp groups (``gl.warp_specialize``): a loader fills a ring of STAGES slots
+  in five warp groups (``gl.warp_specialize``): a loader fills a ring of STAGES slots
   (``ready_w`` / ``ready_x``, ``empty``) across tile boundaries, the weights by TMA, the
   rows by TMA (down: h in grouped order) or by cp.async gathered from
   ``x[order[position] // rows_per_token]`` (gate_up); four MMA groups take 64 weight rows
@@ -70,7 +72,7 @@ def _loader(x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, orde
             ROWS_PER_TOKEN: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_E: gl.constexpr,
             STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
     """The load partition: group g of this program's tiles into slot ``i % STAGES`` once
-    both MMA groups are done with the slot's previous group (``empty``)."""
+    every MMA group is done with the slot's previous group (``empty``)."""
     GATHER_L: gl.constexpr = _gather_layout(gl.num_warps())
     experts, lo, hi, ends, tiles = expert_tiles(offsets_ptr, num_experts, BLOCK_T, BLOCK_E)
     tiles_n = gl.cdiv(N, _BLOCK_W)
@@ -109,10 +111,10 @@ def _loader(x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, orde
 @gluon.jit
 def _mma(x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
          offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-         HALF: gl.constexpr, GATHER: gl.constexpr, SCATTER: gl.constexpr,
+         MMA_GROUP: gl.constexpr, GATHER: gl.constexpr, SCATTER: gl.constexpr,
          ROWS_PER_TOKEN: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_E: gl.constexpr,
          STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
-    """An MMA partition (one warp group): weight rows ``HALF * 64 + [0, 64)`` of each tile
+    """An MMA partition (one warp group): weight rows ``MMA_GROUP * 64 + [0, 64)`` of each tile
     (its output columns), then their store at every position's output row (``order[p]``
     with SCATTER, else p)."""
     ROWS: gl.constexpr = 64
@@ -137,7 +139,7 @@ def _mma(x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_p
         else:
             src = pos
         xs_rows = xs_ptr + src.to(gl.int64) * stride_xsm
-        row0 = col * _BLOCK_W + HALF * ROWS  # this group's first weight row
+        row0 = col * _BLOCK_W + MMA_GROUP * ROWS  # this group's first weight row
         ws_row = ws_ptr + expert.to(gl.int64) * stride_wse + (row0 // _GROUP) * stride_wsn
         w_ok = row0 < N  # (a group past N reads no scale)
         x_s = gl.load(xs_rows, mask=ok, other=0.0)
@@ -150,7 +152,7 @@ def _mma(x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_p
             if GATHER:
                 mbarrier.wait(ready_x.index(slot), phase)
                 fence_async_shared()  # the cp.async writes, before the wgmma reads them
-            d = warpgroup_mma(w_bufs.index(slot).slice(HALF * ROWS, ROWS),
+            d = warpgroup_mma(w_bufs.index(slot).slice(MMA_GROUP * ROWS, ROWS),
                               x_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
                               is_async=True)
             # group g + 1's scales load while the chain runs (0 past the last group)
@@ -218,7 +220,7 @@ def token_tile(num_rows: int, num_experts: int) -> int:
     """Positions a tile (wgmma N): 16 up to 16 rows an expert on average, else 32 (an
     expert with more rows takes more tiles, whose weights come from L2: N_MAJOR
     numbering). H200, ``lab/fp8_moe_gluon_sweep.py``, Qwen3-30B-A3B's expert FFN (us, T
-    = 16 / 32): batch 64 161 / 172, 256 174 / 185, 1024 334 / 279; 64 spills."""
+    = 16 / 32): batch 64 161 / 177, 256 174 / 185, 1024 334 / 279; 64 spills."""
     return 16 if num_rows <= 16 * num_experts else 32
 
 

@@ -55,7 +55,8 @@ def _desc(t: torch.Tensor, block: list[int], dtype):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor.from_tensor(t, block, layout)
 
 
 @pytest.mark.parametrize("gather,block_t", [(True, 16), (False, 16), (True, 32)])
@@ -72,7 +73,8 @@ def test_fp8_moe_gluon_compiles_for_sm90(gather: bool, block_t: int) -> None:
     x = torch.empty(1024, k, dtype=fp8)
     ids = torch.empty(1024, dtype=torch.int32)
     args = dict(x_ptr=x, x_desc=None if gather else _desc(x, [block_t, 128], gl.float8e4nv),
-                xs_ptr=torch.empty(1024, k // 128), w_desc=_desc(w, [fg.BLOCK_W, 128], gl.float8e4nv),
+                xs_ptr=torch.empty(1024, k // 128),
+                w_desc=_desc(w, [fg.BLOCK_W, 128], gl.float8e4nv),
                 ws_ptr=torch.empty(experts, n // 128, k // 128),
                 c_ptr=torch.empty(1024, n, dtype=torch.bfloat16), order_ptr=ids, offsets_ptr=ids,
                 num_experts=experts, N=n, K=k, stride_xm=k, stride_xsm=k // 128,
