@@ -81,7 +81,7 @@ def _loader(x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, orde
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_T,
-                                           True)
+                                          True)
         if GATHER:
             pos = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, GATHER_L))
             rows = gl.load(order_ptr + pos, mask=pos < end, other=0) // ROWS_PER_TOKEN
@@ -131,7 +131,7 @@ def _mma(x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_p
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_T,
-                                           True)
+                                          True)
         pos = start + gl.arange(0, BLOCK_T, layout=POS)
         ok = pos < end
         if GATHER:

@@ -69,7 +69,7 @@ def expert_tiles(offsets_ptr, num_experts, BLOCK_M: gl.constexpr, BLOCK_E: gl.co
 
 @gluon.jit
 def tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M: gl.constexpr,
-             N_MAJOR: gl.constexpr):
+            N_MAJOR: gl.constexpr):
     """Tile t: (expert, first position, end of the expert's positions, column tile),
     numbered as moe.tile_of numbers them."""
     if N_MAJOR:
@@ -107,7 +107,7 @@ def _loader(a_ptr, a_desc, w_desc, a_bufs, w_bufs, ready_a, ready_w, empty, orde
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
-                                           N_MAJOR)
+                                          N_MAJOR)
         if GATHER:
             pos = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, GATHER_L))
             row_ok = gl.expand_dims(pos < end, 1)
@@ -158,7 +158,7 @@ def _mma(a_bufs, w_bufs, ready_a, ready_w, empty, c_ptr, order_ptr, offsets_ptr,
     i = 0
     for t in range(gl.program_id(0), gl.sum(tiles, axis=0) * tiles_n, PROGRAMS):
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
-                                           N_MAJOR)
+                                          N_MAJOR)
         if start + HALF * ROWS >= end:  # none of this half's rows is the expert's (a tail
             for k0 in range(0, K, BLOCK_K):  # tile of at most ROWS rows): only free the slots
                 slot = i % STAGES
