@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .matmul import num_sms
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # activation group = weight block = the K step of every FP8 GEMM
@@ -313,8 +315,9 @@ class LinearLaunch:
 _LAUNCH_ENV = "MEGASERVE_FP8_LINEAR"  # tuning runs: "m,n,warps,stages,parts,quant_a" (decode)
 
 
-def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
-    """The launch for an `[m, k] x [n, k]^T` product (a speed choice, bit-neutral).
+def plan_linear(m: int, n: int, k: int, sms: int = _TARGET_PROGRAMS) -> LinearLaunch:
+    """The launch for an `[m, k] x [n, k]^T` product on a GPU of ``sms`` SMs (a speed
+    choice, bit-neutral).
 
     Below 1024 rows: one :func:`quantize_rows` launch, 64 x 64 tiles, 4 stages, one
     program per (tile, split) and a fold launch where the weight has more than one split
@@ -323,7 +326,7 @@ def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
     17.0 / 12.2 / 119 quantizing in the K loop); from 1024 rows: 128 x 128 tiles, 8 warps,
     splits folded in registers. :mod:`fp8_gemm_gluon` where it applies, from 1024 rows and
     above DECODE_MAX_M rows where its tiles (:func:`fp8_gemm_gluon.tile_rows`) number a
-    quarter of the SMs or more (H200, ``lab/fp8_gluon_sweep.py``, us against the Triton
+    quarter of the SMs or more, counted as the Gluon launch counts them (H200, ``lab/fp8_gluon_sweep.py``, us against the Triton
     plan: Qwen3-30B-A3B o_proj at M = 256, 64 tiles of 64 rows, 14.0 against 18.7; at
     M = 128, 32 tiles, 14.0 against 11.6). ``$MEGASERVE_FP8_LINEAR`` replaces the
     launch up to ``DECODE_MAX_M`` rows (tuning runs)."""
@@ -334,8 +337,8 @@ def plan_linear(m: int, n: int, k: int) -> LinearLaunch:
             return LinearLaunch(*v[:4], *(bool(f) for f in v[4:]))
     from .fp8_gemm_gluon import BLOCK_N, tile_rows
 
-    tiles = triton.cdiv(m, tile_rows(m, n, _TARGET_PROGRAMS)) * triton.cdiv(n, BLOCK_N)
-    gluon = m > DECODE_MAX_M and (m >= 1024 or 4 * tiles >= _TARGET_PROGRAMS)
+    tiles = triton.cdiv(m, tile_rows(m, n, sms)) * triton.cdiv(n, BLOCK_N)
+    gluon = m > DECODE_MAX_M and (m >= 1024 or 4 * tiles >= sms)
     if m < 1024:
         return LinearLaunch(64, 64, 4, 4, parts=split_groups(n, k) < triton.cdiv(k, GROUP),
                             gluon=gluon)
@@ -369,7 +372,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    lp = launch or plan_linear(m, n, k)
+    lp = launch or plan_linear(m, n, k, num_sms(x.device))
     sg = split_groups(n, k)
     splits = triton.cdiv(triton.cdiv(k, GROUP), sg)
     if lp.quant_a:

@@ -59,6 +59,8 @@ def test_fp8_launch_configs_are_validated_and_the_split_depends_on_weights_only(
     assert plan_linear(1, 2048, 4096).parts and not plan_linear(4096, 2048, 4096).parts
     assert plan_linear(256, 2048, 4096).parts and not plan_linear(256, 5120, 2048).parts
     assert not any(plan_linear(m, 2048, 4096).quant_a for m in (1, 64, 256, 4096))
+    # the Gluon linear where its tiles fill a quarter of the GPU's SMs (the launch's count)
+    assert plan_linear(256, 2048, 4096).gluon and not plan_linear(256, 2048, 4096, sms=300).gluon
     assert plan_moe(8, 128) == plan_moe(4096, 128) == Fp8MoeLaunch(
         64, 128, 128, 4, 4, x_in_loop=False, h_in_loop=False, fused=False, gluon=True)
     assert plan_moe(8192, 128) == dataclasses.replace(plan_moe(8, 128), gluon=False)
