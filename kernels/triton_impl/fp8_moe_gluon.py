@@ -67,12 +67,14 @@ def _gather_layout(warps):
 
 
 @gluon.jit
-def _loader(x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, order_ptr,
-            offsets_ptr, num_experts, N, K, stride_xm, GATHER: gl.constexpr,
+def _loader(bufs, bars, tiles_args, x_ptr, x_desc, w_desc, stride_xm, GATHER: gl.constexpr,
             ROWS_PER_TOKEN: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_E: gl.constexpr,
             STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
     """The load partition: group g of this program's tiles into slot ``i % STAGES`` once
     every MMA group is done with the slot's previous group (``empty``)."""
+    x_bufs, w_bufs = bufs
+    ready_w, ready_x, empty = bars
+    order_ptr, offsets_ptr, num_experts, N, K = tiles_args
     GATHER_L: gl.constexpr = _gather_layout(gl.num_warps())
     experts, lo, hi, ends, tiles = expert_tiles(offsets_ptr, num_experts, BLOCK_T, BLOCK_E)
     tiles_n = gl.cdiv(N, _BLOCK_W)
@@ -109,14 +111,17 @@ def _loader(x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, orde
 
 
 @gluon.jit
-def _mma(x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
-         offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-         MMA_GROUP: gl.constexpr, GATHER: gl.constexpr, SCATTER: gl.constexpr,
-         ROWS_PER_TOKEN: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_E: gl.constexpr,
-         STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
-    """An MMA partition (one warp group): weight rows ``MMA_GROUP * 64 + [0, 64)`` of each tile
-    (its output columns), then their store at every position's output row (``order[p]``
-    with SCATTER, else p)."""
+def _mma(bufs, bars, tiles_args, scales, out, MMA_GROUP: gl.constexpr, GATHER: gl.constexpr,
+         SCATTER: gl.constexpr, ROWS_PER_TOKEN: gl.constexpr, BLOCK_T: gl.constexpr,
+         BLOCK_E: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
+    """An MMA partition (one warp group): weight rows ``MMA_GROUP * 64 + [0, 64)`` of each
+    tile (its output columns), then their store at every position's output row
+    (``order[p]`` with SCATTER, else p)."""
+    x_bufs, w_bufs = bufs
+    ready_w, ready_x, empty = bars
+    order_ptr, offsets_ptr, num_experts, N, K = tiles_args
+    xs_ptr, stride_xsm, ws_ptr, stride_wse, stride_wsn = scales
+    c_ptr, stride_cm = out
     ROWS: gl.constexpr = 64
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_T, 32])
@@ -197,22 +202,24 @@ def grouped_kernel(x_ptr, x_desc, xs_ptr, w_desc, ws_ptr, c_ptr, order_ptr, offs
         mbarrier.init(ready_x.index(s), count=4 * 32)  # every load thread's cp.async
         mbarrier.init(empty.index(s), count=_MMA_GROUPS)
     fence_async_shared()
+    # the partitions' arguments, grouped: buffers, barriers, the tile walk's inputs, the
+    # scales, the output
+    bufs = (x_bufs, w_bufs)
+    bars = (ready_w, ready_x, empty)
+    tiles_args = (order_ptr, offsets_ptr, num_experts, N, K)
+    scales = (xs_ptr, stride_xsm, ws_ptr, stride_wse, stride_wsn)
+    out = (c_ptr, stride_cm)
     gl.warp_specialize([
-        (_mma, (x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
-                offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-                0, GATHER, SCATTER, ROWS_PER_TOKEN, BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
-        (_mma, (x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
-                offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-                1, GATHER, SCATTER, ROWS_PER_TOKEN, BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
-        (_mma, (x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
-                offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-                2, GATHER, SCATTER, ROWS_PER_TOKEN, BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
-        (_mma, (x_bufs, w_bufs, ready_w, ready_x, empty, xs_ptr, ws_ptr, c_ptr, order_ptr,
-                offsets_ptr, num_experts, N, K, stride_xsm, stride_wse, stride_wsn, stride_cm,
-                3, GATHER, SCATTER, ROWS_PER_TOKEN, BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
-        (_loader, (x_ptr, x_desc, w_desc, x_bufs, w_bufs, ready_w, ready_x, empty, order_ptr,
-                   offsets_ptr, num_experts, N, K, stride_xm, GATHER, ROWS_PER_TOKEN, BLOCK_T,
-                   BLOCK_E, STAGES, PROGRAMS)),
+        (_mma, (bufs, bars, tiles_args, scales, out, 0, GATHER, SCATTER, ROWS_PER_TOKEN,
+                BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
+        (_mma, (bufs, bars, tiles_args, scales, out, 1, GATHER, SCATTER, ROWS_PER_TOKEN,
+                BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
+        (_mma, (bufs, bars, tiles_args, scales, out, 2, GATHER, SCATTER, ROWS_PER_TOKEN,
+                BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
+        (_mma, (bufs, bars, tiles_args, scales, out, 3, GATHER, SCATTER, ROWS_PER_TOKEN,
+                BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
+        (_loader, (bufs, bars, tiles_args, x_ptr, x_desc, w_desc, stride_xm, GATHER,
+                   ROWS_PER_TOKEN, BLOCK_T, BLOCK_E, STAGES, PROGRAMS)),
     ], [4, 4, 4, 4], [MMA_REGS, MMA_REGS, MMA_REGS, LOAD_REGS])
 
 
