@@ -262,44 +262,21 @@ def sweep(batches: list[int], bandwidth: float) -> None:
 def _compile_sm90(fn, ptr_types: dict, constexprs: dict, num_warps: int,
                   num_stages: int) -> dict:
     """Compile ``fn`` for sm_90 (an H100/H200) without a GPU: {regs, stack (spilled bytes),
-    smem (bytes), qgmma (fp8 wgmma instructions in the SASS)}."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    smem (bytes), qgmma (fp8 wgmma instructions in the SASS), async_copies (TTGIR)}."""
+    from .triton_impl.sm90 import compile_sm90
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            continue
-        sig[name] = ptr_types.get(name, "i32")
-        if name.endswith("_ptr") or name.startswith("stride") or name in ("N", "K"):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # as the JIT marks them at these shapes
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
-    return dict(regs=int(m[1]), stack=int(m[2]), smem=compiled.metadata.shared,
-                qgmma=sass.count("QGMMA"), async_copies=compiled.asm["ttgir"].count("async_copy"))
+    args = {name: ptr_types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
+    build = compile_sm90(fn, args, constexprs, num_warps=num_warps, num_stages=num_stages,
+                         divisible=tuple(n for n in args if n.startswith("stride")
+                                         or n in ("N", "K")))  # as the JIT marks them here
+    return dict(_usage(build), async_copies=build.ttgir.count("async_copy"))
 
 
 def resources() -> None:
     """Registers, spills, shared memory and QGMMA count of the FP8 kernels at the planned
-    launches, compiled for sm_90 on this machine (no GPU needed)."""
-    from .triton_impl import fp8_gemm, fp8_moe
+    launches, compiled for sm_90 on this machine (no GPU needed): the Triton kernels, and
+    the Gluon ones where the plan runs them on Hopper."""
+    from .triton_impl import fp8_gemm, fp8_gemm_gluon, fp8_moe, fp8_moe_gluon
 
     moe_ptrs = dict(a_ptr="*bf16", as_ptr="*fp32", w_ptr="*fp8e4nv", wsc_ptr="*fp32",
                     c_ptr="*bf16", ids_ptr="*i64", order_ptr="*i32", offsets_ptr="*i32")
@@ -323,6 +300,12 @@ def resources() -> None:
             res = _compile_sm90(fp8_moe.expert_kernel, ptrs, cx, lp.num_warps,
                                 lp.num_stages)
             print(f"expert {name:7} batch {batch:5d} {lp}: {res}", flush=True)
+            if lp.gluon and not inline:
+                block_t = fp8_moe_gluon.token_tile(rows, 128)
+                build = fp8_moe_gluon.sm90_build(128, n, 2048 if gather else 768,
+                                                 gather=gather, block_t=block_t)
+                print(f"expert {name:7} batch {batch:5d} Gluon, {block_t} positions a tile: "
+                      f"{_usage(build)}", flush=True)
     lin_ptrs = dict(a_ptr="*bf16", as_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32",
                     c_ptr="*bf16", ws_ptr="*fp32")
     for m in (1, 256, 4096):
@@ -338,6 +321,14 @@ def resources() -> None:
             res = _compile_sm90(fp8_gemm.linear_kernel, ptrs, cx, lp.num_warps,
                                 lp.num_stages)
             print(f"linear {n}x{k} M={m:5d} {lp}: {res}", flush=True)
+            if lp.gluon:
+                build = fp8_gemm_gluon.sm90_build(m, n, k, sg,
+                                                  block_m=fp8_gemm_gluon.tile_rows(m, n, 132))
+                print(f"linear {n}x{k} M={m:5d} Gluon: {_usage(build)}", flush=True)
+
+
+def _usage(build) -> dict:
+    return dict(regs=build.regs, stack=build.stack, smem=build.smem, qgmma=build.count("QGMMA"))
 
 
 def summarize_decode(bf16_json: str, fp8_json: str) -> None:

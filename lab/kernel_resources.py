@@ -14,20 +14,13 @@ confirmed both.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from megaserve.kernels.triton_impl import attention_kernels as ak  # noqa: E402
+from megaserve.kernels.triton_impl.sm90 import compile_sm90  # noqa: E402
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INT_PTRS = ("bt_ptr", "ctx_ptr", "qsl_ptr")
 _WS_PTRS = ("ws_m_ptr", "ws_l_ptr", "ws_o_ptr")
 
@@ -36,28 +29,18 @@ def resources(fn, constexprs: dict, num_warps: int, num_stages: int,
               fp32_ws: bool = True) -> dict:
     """Compile ``fn`` for sm_90; returns {regs, stack, smem} (bytes for the last two)."""
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
+    args = {}
+    for name in fn.arg_names:
         if name in constexprs:
-            sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            sig[name] = ("*i32" if name in _INT_PTRS
-                         else "*fp32" if name in _WS_PTRS and fp32_ws else "*bf16")
+            args[name] = ("*i32" if name in _INT_PTRS
+                          else "*fp32" if name in _WS_PTRS and fp32_ws else "*bf16")
         else:
-            sig[name] = "fp32" if name == "scale" else "i32"
-        if name.endswith("_ptr") or name.startswith("stride"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-res-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage, re.S)
-    return dict(regs=int(m[1]), stack=int(m[2]), smem=compiled.metadata.shared)
+            args[name] = "fp32" if name == "scale" else "i32"
+    build = compile_sm90(fn, args, constexprs, num_warps=num_warps, num_stages=num_stages,
+                         divisible=tuple(n for n in args if n.startswith("stride")))
+    return dict(regs=build.regs, stack=build.stack, smem=build.smem)
 
 
 def main() -> None:

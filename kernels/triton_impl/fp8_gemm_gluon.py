@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .sm90 import Sm90Build, compile_sm90
+
 GROUP = 128  # activation group = weight block = one K step
 BLOCK_N = 128
 _GROUP = gl.constexpr(GROUP)  # as the kernels read it
@@ -217,27 +219,50 @@ def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: 
     block_m (default :func:`tile_rows`), stages, c_tma: the tile's rows, the ring's slots and
     whether out is written by TMA (default: where TMA can write it); speed only, the same
     bits."""
+    programs = torch.cuda.get_device_properties(a.device).multi_processor_count
+    if c_tma is None:
+        c_tma = (out.dtype in _GL_DTYPES and out.stride(1) == 1
+                 and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0)
+    args, constexprs = _launch(a, a_s, weight, scale_inv, out, split_groups, programs,
+                               block_m or tile_rows(a.shape[0], weight.shape[0], programs),
+                               stages, c_tma)
+    linear_kernel[(programs,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG)
+
+
+def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, block_m: int,
+            stages: int, c_tma: bool) -> tuple[dict, dict]:
+    """:func:`linear_kernel`'s arguments and constexprs for :func:`linear`'s call."""
     m, k = a.shape
     n = weight.shape[0]
-    programs = torch.cuda.get_device_properties(a.device).multi_processor_count
-    block_m = block_m or tile_rows(m, n, programs)
     a_desc = TensorDescriptor.from_tensor(
         a, [block_m, GROUP], gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
     w_desc = TensorDescriptor.from_tensor(
         weight, [BLOCK_N, GROUP],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP], gl.float8e4nv))
-    if c_tma is None:
-        c_tma = (out.dtype in _GL_DTYPES and out.stride(1) == 1
-                 and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0)
     c_desc = None
     if c_tma:
         box = [64, BLOCK_N if block_m == 128 else BLOCK_N // 2]  # one MMA group's part
         c_desc = TensorDescriptor.from_tensor(
             out, box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[out.dtype]))
     one_split = split_groups >= triton.cdiv(k, GROUP)
-    linear_kernel[(programs,)](
-        a_desc, w_desc, a_s, scale_inv, out, c_desc, m, n, k, a_s.stride(0), scale_inv.stride(0),
-        out.stride(0), SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs, C_TMA=c_tma, MMA_REGS=MMA_REGS,
-        LOAD_REGS=LOAD_REGS, num_warps=4, maxnreg=MAXNREG)
+    args = dict(a_desc=a_desc, w_desc=w_desc, as_ptr=a_s, bs_ptr=scale_inv, c_ptr=out,
+                c_desc=c_desc, M=m, N=n, K=k, stride_asm=a_s.stride(0),
+                stride_bsn=scale_inv.stride(0), stride_cm=out.stride(0))
+    constexprs = dict(SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
+                      BLOCK_N=BLOCK_N, STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs,
+                      C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS)
+    return args, constexprs
+
+
+def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int) -> Sm90Build:
+    """:func:`linear`'s kernel compiled for an H100/H200 (132 SMs) on any machine, at the
+    launch it makes for `[m, k] x [n, k]^T` with bf16 output stored by TMA (registers,
+    spills, shared memory, SASS). No GPU: CPU tensors stand in for the operands."""
+    fp8 = torch.float8_e4m3fn
+    g = triton.cdiv(k, GROUP)
+    args, constexprs = _launch(torch.empty(m, k, dtype=fp8), torch.empty(m, g),
+                               torch.empty(n, k, dtype=fp8),
+                               torch.empty(triton.cdiv(n, GROUP), g),
+                               torch.empty(m, n, dtype=torch.bfloat16), split_groups, 132,
+                               block_m, STAGES, True)
+    return compile_sm90(linear_kernel, args, constexprs, maxnreg=MAXNREG)

@@ -45,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .matmul import tma_readable
 from .moe_gluon import expert_tiles, tile_of
+from .sm90 import Sm90Build, compile_sm90
 
 GROUP = 128  # activation group = weight block = one K step
 MMA_GROUPS = 4  # MMA warp groups, 64 weight rows each
@@ -260,16 +261,47 @@ def grouped(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor
     w `[E, N, K]` e4m3 with ws `[E, ceil(N/128), ceil(K/128)]`. block_t (default
     :func:`token_tile`) and ring (slots, default :func:`stages`): speed only, the same
     bits. Rows of out not named are not written."""
+    args, constexprs = _launch(x, xs, w, ws, out, offsets, order, num_sms, gather=gather,
+                               scatter=scatter, rows_per_token=rows_per_token,
+                               block_t=block_t or token_tile(order.shape[0], w.shape[0]),
+                               ring=ring)
+    grouped_kernel[(num_sms,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG)
+
+
+def _launch(x, xs, w, ws, out, offsets, order, num_sms: int, *, gather: bool, scatter: bool,
+            rows_per_token: int, block_t: int, ring: int | None) -> tuple[dict, dict]:
+    """:func:`grouped_kernel`'s arguments and constexprs for :func:`grouped`'s call."""
     e, n, k = w.shape
-    block_t = block_t or token_tile(order.shape[0], e)
     x_layout = gl.NVMMASharedLayout.get_default_for([block_t, GROUP], gl.float8e4nv)
-    x_desc = None if gather else TensorDescriptor.from_tensor(x, [block_t, GROUP], x_layout)
-    w_desc = TensorDescriptor.from_tensor(
-        w.view(e * n, k), [BLOCK_W, GROUP],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_W, GROUP], gl.float8e4nv))
-    grouped_kernel[(num_sms,)](
-        x, x_desc, xs, w_desc, ws, out, order, offsets, e, n, k, x.stride(0), xs.stride(0),
-        ws.stride(0), ws.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter,
-        ROWS_PER_TOKEN=rows_per_token, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(e),
-        STAGES=ring or stages(block_t), PROGRAMS=num_sms, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS,
-        num_warps=4, maxnreg=MAXNREG)
+    w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_W, GROUP], gl.float8e4nv)
+    args = dict(
+        x_ptr=x, x_desc=None if gather else TensorDescriptor.from_tensor(x, [block_t, GROUP],
+                                                                        x_layout),
+        xs_ptr=xs, w_desc=TensorDescriptor.from_tensor(w.view(e * n, k), [BLOCK_W, GROUP],
+                                                       w_layout),
+        ws_ptr=ws, c_ptr=out, order_ptr=order, offsets_ptr=offsets, num_experts=e, N=n, K=k,
+        stride_xm=x.stride(0), stride_xsm=xs.stride(0), stride_wse=ws.stride(0),
+        stride_wsn=ws.stride(1), stride_cm=out.stride(0))
+    constexprs = dict(GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
+                      BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(e),
+                      STAGES=ring or stages(block_t), PROGRAMS=num_sms, MMA_REGS=MMA_REGS,
+                      LOAD_REGS=LOAD_REGS)
+    return args, constexprs
+
+
+def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int,
+               rows_per_token: int = 8, out_dtype: torch.dtype = torch.bfloat16) -> Sm90Build:
+    """:func:`grouped`'s kernel compiled for an H100/H200 (132 SMs) on any machine, at the
+    launch it makes for experts of `[n, k]` (registers, spills, shared memory, SASS). No
+    GPU: CPU tensors stand in for the operands."""
+    fp8, rows = torch.float8_e4m3fn, 1024
+    w = torch.empty(num_experts, n, k, dtype=fp8)
+    ws = torch.empty(num_experts, triton.cdiv(n, GROUP), triton.cdiv(k, GROUP))
+    x = torch.empty(rows, k, dtype=fp8)
+    xs = torch.empty(rows, triton.cdiv(k, GROUP))
+    ids = torch.empty(rows, dtype=torch.int32)
+    args, constexprs = _launch(x, xs, w, ws, torch.empty(rows, n, dtype=out_dtype), ids, ids,
+                               132, gather=gather, scatter=not gather,
+                               rows_per_token=rows_per_token if gather else 1,
+                               block_t=block_t, ring=None)
+    return compile_sm90(grouped_kernel, args, constexprs, maxnreg=MAXNREG)

@@ -167,15 +167,9 @@ def test_plane_kernel_under_interpreter(interp_results: dict[str, dict], name: s
 def _compile_sm90(fn, pointers: dict, ints: list[str], ones: list[str], constexprs: dict):
     """Compile ``fn`` for sm_90 with Triton's bundled ptxas (no GPU), the ``ones``
     arguments specialised to the constant 1 as the JIT does when a launch passes 1."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from megaserve.kernels.triton_impl.sm90 import compile_sm90
 
-    constexprs = {**constexprs, **{name: 1 for name in ones}}
-    signature = {**pointers, **{n: "i32" for n in ints if n not in ones},
-                 **{name: "constexpr" for name in constexprs}}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    compile_sm90(fn, {**pointers, **{n: 1 if n in ones else "i32" for n in ints}}, constexprs)
 
 
 @pytest.mark.parametrize("variant", [True, False])
