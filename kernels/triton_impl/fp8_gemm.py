@@ -325,11 +325,12 @@ def plan_linear(m: int, n: int, k: int, sms: int = _TARGET_PROGRAMS) -> LinearLa
     ran the Qwen3-30B-A3B qkv / o_proj and DeepSeek-V3 o_proj in 9.6 / 9.3 / 53 us against
     17.0 / 12.2 / 119 quantizing in the K loop); from 1024 rows: 128 x 128 tiles, 8 warps,
     splits folded in registers. :mod:`fp8_gemm_gluon` where it applies, from 1024 rows and
-    above DECODE_MAX_M rows where its tiles (:func:`fp8_gemm_gluon.tile_rows`) number a
-    quarter of the SMs or more, counted as the Gluon launch counts them (H200, ``lab/fp8_gluon_sweep.py``, us against the Triton
-    plan: Qwen3-30B-A3B o_proj at M = 256, 64 tiles of 64 rows, 14.0 against 18.7; at
-    M = 128, 32 tiles, 14.0 against 11.6). ``$MEGASERVE_FP8_LINEAR`` replaces the
-    launch up to ``DECODE_MAX_M`` rows (tuning runs)."""
+    above DECODE_MAX_M rows where its tiles (:func:`fp8_gemm_gluon.tile_rows`, as its
+    launch counts them) number a quarter of the SMs or more (H200,
+    ``lab/fp8_gluon_sweep.py``, us against the Triton plan: Qwen3-30B-A3B o_proj at M =
+    256, 64 tiles of 64 rows, 14.0 against 18.7; at M = 128, 32 tiles, 14.0 against
+    11.6). ``$MEGASERVE_FP8_LINEAR`` replaces the launch up to ``DECODE_MAX_M`` rows
+    (tuning runs)."""
     if m <= DECODE_MAX_M:
         text = os.environ.get(_LAUNCH_ENV)
         if text:
