@@ -133,7 +133,10 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     with grpc.insecure_channel(small_server.grpc_address) as channel:  # no new work
         with pytest.raises(grpc.RpcError) as e:
             list(generation_stub(channel)["Generate"](build_request("late"), timeout=5))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # UNAVAILABLE: the closed port, or the draining server's refusal; CANCELLED: a
+        # connection gRPC accepted just before its stop closed the port (seen beside two
+        # CPU hogs), whose call its stop then cancels. Either way the work is refused.
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     wait_for(lambda: not _answers(small_server.url + "/health"), 60, "the HTTP port closed")
     for t in threads:
         t.join(30)
