@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .matmul import tma_readable
-from .moe_gluon import expert_tiles, tile_of
+from .moe_gluon import expert_tiles, gathered_rows, tile_of
 from .sm90 import Sm90Build, compile_sm90
 
 GROUP = 128  # activation group = weight block = one K step
@@ -86,10 +86,8 @@ def _loader(bufs, bars, tiles_args, x_ptr, x_desc, w_desc, stride_xm, GATHER: gl
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_T,
                                           True)
         if GATHER:
-            pos = start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, GATHER_L))
-            rows = gl.load(order_ptr + pos, mask=pos < end, other=0) // ROWS_PER_TOKEN
-            x_rows = x_ptr + gl.expand_dims(rows.to(gl.int64) * stride_xm, 1)
-            row_ok = gl.expand_dims(pos < end, 1)
+            x_rows, row_ok = gathered_rows(x_ptr, order_ptr, start, end, stride_xm, BLOCK_T,
+                                           ROWS_PER_TOKEN, GATHER_L)
         w_row = expert * N + col * _BLOCK_W
         for g in range(num_groups):
             slot = i % STAGES

@@ -90,6 +90,18 @@ def tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def gathered_rows(a_ptr, order_ptr, start, end, stride_am, ROWS: gl.constexpr,
+                  ROWS_PER_TOKEN: gl.constexpr, LAYOUT: gl.constexpr):
+    """(row pointers, in_expert) `[ROWS, 1]` in LAYOUT's rows: grouped positions ``start +
+    [0, ROWS)`` read row ``order[p] // ROWS_PER_TOKEN`` of a (row 0 past ``end``), and
+    whether each is the expert's (p < end): a gathering loader's A rows."""
+    pos = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    rows = gl.load(order_ptr + pos, mask=pos < end, other=0) // ROWS_PER_TOKEN
+    return (a_ptr + gl.expand_dims(rows.to(gl.int64) * stride_am, 1),
+            gl.expand_dims(pos < end, 1))
+
+
+@gluon.jit
 def _loader(a_ptr, a_desc, w_desc, a_bufs, w_bufs, ready_a, ready_w, empty, order_ptr,
             offsets_ptr, num_experts, N, K, stride_am, GATHER: gl.constexpr,
             SWIGLU: gl.constexpr, N_MAJOR: gl.constexpr, ROWS_PER_TOKEN: gl.constexpr,
@@ -109,10 +121,8 @@ def _loader(a_ptr, a_desc, w_desc, a_bufs, w_bufs, ready_a, ready_w, empty, orde
         expert, start, end, col = tile_of(t, tiles_n, experts, lo, hi, ends, tiles, BLOCK_M,
                                           N_MAJOR)
         if GATHER:
-            pos = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, GATHER_L))
-            row_ok = gl.expand_dims(pos < end, 1)
-            rows = gl.load(order_ptr + pos, mask=pos < end, other=0) // ROWS_PER_TOKEN
-            a_rows = a_ptr + gl.expand_dims(rows.to(gl.int64) * stride_am, 1)
+            a_rows, row_ok = gathered_rows(a_ptr, order_ptr, start, end, stride_am, BLOCK_M,
+                                           ROWS_PER_TOKEN, GATHER_L)
         w_row = expert * (2 * N if SWIGLU else N) + col * BLOCK_N
         for k0 in range(0, K, BLOCK_K):
             slot = i % STAGES

@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -56,7 +55,7 @@ def compile_sm90(fn, args: dict, constexprs: dict, *, num_warps: int = 4,
             sig[name], const[(index,)] = "constexpr", value
             continue
         sig[name] = value if isinstance(value, str) else mangle_type(value)
-        if (sig[name].startswith("*") or isinstance(value, torch.Tensor) or name in divisible
+        if (sig[name].startswith("*") or name in divisible  # a tensor's type is "*<dtype>"
                 or (isinstance(value, int) and value % 16 == 0)):
             attrs[(index,)] = [["tt.divisibility", 16]]
     for name, value in constexprs.items():
