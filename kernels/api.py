@@ -98,7 +98,7 @@ def linear_rms_norm(
     """A projection, the residual add and the next RMSNorm: ``rms_norm(linear(x, weight),
     norm_weight, eps, residual)``, bitwise. x: `[T, K]`, weight: `[D, K]`, residual:
     `[T, D]`; returns ``(norm(h) * norm_weight, h)``. A backend may leave the linear's
-    split-K parts for the norm's kernel to fold (Triton: decode rows). A
+    split-K parts for the norm's kernel to fold (Triton: matmul.linear_parts). A
     :class:`kernels.fp8.BlockFp8` weight: :func:`fp8_linear`, then :func:`rms_norm`.
     """
     if isinstance(weight, BlockFp8):
@@ -237,7 +237,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router and the routing: ``topk_route(linear(x, weight), top_k, renormalize)``,
     bitwise. x: `[T, D]`, weight: `[E, D]`. A backend may leave the router's split-K parts
-    for the top-k's kernel to fold (Triton: decode rows).
+    for the top-k's kernel to fold (Triton: matmul.linear_parts).
     """
     return _backend(x).route(x, weight, top_k, renormalize)
 

@@ -317,7 +317,7 @@ def resources() -> None:
                                                           as_ptr="*fp32")
             cx = dict(SPLIT_GROUPS=sg, SPLITS=splits, PARTS=lp.parts and splits > 1,
                       QUANT_A=lp.quant_a, BLOCK_M=lp.block_m, BLOCK_N=lp.block_n, GROUP=128,
-                      FP8_MAX=448.0)
+                      FP8_MAX=448.0, PDL=True)
             res = _compile_sm90(fp8_gemm.linear_kernel, ptrs, cx, lp.num_warps,
                                 lp.num_stages)
             print(f"linear {n}x{k} M={m:5d} {lp}: {res}", flush=True)

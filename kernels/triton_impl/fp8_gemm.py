@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .matmul import num_sms
 
 FP8 = torch.float8_e4m3fn
@@ -48,6 +49,19 @@ GROUP = 128  # activation group = weight block = the K step of every FP8 GEMM
 _TARGET_PROGRAMS = 132  # one per SM of an H100/H200: the decode split rule's budget
 _MIN_SPLIT_GROUPS = 4
 DECODE_MAX_M = 64  # rows up to which $MEGASERVE_FP8_LINEAR replaces the planned launch
+
+# The FP8 kernels launched with PDL (pdl's NOTE; each waits first whatever this says):
+# "quantize" (quantize_rows and silu_mul_quantize_rows), "linear" (this module's GEMM and
+# its fold), "gluon_linear" (fp8_gemm_gluon), "gluon_moe" (fp8_moe_gluon; persistent, one
+# program an SM). fp8_moe's Triton expert GEMM never (many programs a wave: moe's note on
+# PDL_KERNELS). $MEGASERVE_FP8_PDL (names, comma-separated) replaces the set.
+PDL_KERNELS = frozenset({"quantize", "linear", "gluon_linear", "gluon_moe"})
+_PDL_ENV = "MEGASERVE_FP8_PDL"
+
+
+def pdl_args(device: torch.device, kernel: str) -> dict:
+    """The launch arguments of FP8 kernel ``kernel`` (a name in :data:`PDL_KERNELS`)."""
+    return pdl.named_launch_args(device, kernel, PDL_KERNELS, _PDL_ENV)
 
 
 @triton.jit
@@ -71,9 +85,10 @@ def swiglu(gate, up):
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
                      SWIGLU: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
+                     BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Rows [BLOCK_R * pid0, +BLOCK_R), group pid1 of x (SWIGLU: x is ``[gate | up]`` of
     width 2K and the quantized value is :func:`swiglu` of them)."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -98,7 +113,8 @@ def _quantize(x: torch.Tensor, swiglu: bool) -> tuple[torch.Tensor, torch.Tensor
         block_r = 16
         _quantize_kernel[(triton.cdiv(m, block_r), scale.shape[1])](
             x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), SWIGLU=swiglu,
-            FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_R=block_r, num_warps=4)
+            FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_R=block_r, num_warps=4,
+            **pdl_args(x.device, "quantize"))
     return q, scale
 
 
@@ -222,10 +238,11 @@ def _fp8_linear_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, PARTS: tl.constexpr,
     QUANT_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (BLOCK_M rows, BLOCK_N columns) tile; PARTS: split pid2 only, its part stored
     to ws `[S, M, N]` fp32; else every split, folded here (module NOTE)."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -265,8 +282,10 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _fold_kernel(ws_ptr, c_ptr, M, N, stride_cm, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _fold_kernel(ws_ptr, c_ptr, M, N, stride_cm, NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
     """c = cast(((0 + ws[0]) + ws[1]) + ...): the module NOTE's fold of the parts."""
+    pdl.wait_then_release(PDL)  # first: no memory access before it
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -394,11 +413,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         a.stride(0), a_s.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
         SPLIT_GROUPS=sg, SPLITS=splits, PARTS=parts, QUANT_A=lp.quant_a, BLOCK_M=lp.block_m,
         BLOCK_N=lp.block_n, GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=lp.num_warps,
-        num_stages=lp.num_stages)
+        num_stages=lp.num_stages, **pdl_args(x.device, "linear"))
     if parts:
         block = 1024
         _fold_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),
-                                                   NUM_SPLITS=splits, BLOCK=block, num_warps=4)
+                                                   NUM_SPLITS=splits, BLOCK=block, num_warps=4,
+                                                   **pdl_args(x.device, "linear"))
     return out
 
 

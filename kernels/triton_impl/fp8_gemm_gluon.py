@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import pdl
+from .fp8_gemm import pdl_args
 from .sm90 import Sm90Build, compile_sm90
 
 GROUP = 128  # activation group = weight block = one K step
@@ -156,10 +158,11 @@ def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride
                   stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                   PROGRAMS: gl.constexpr, C_TMA: gl.constexpr, MMA_REGS: gl.constexpr,
-                  LOAD_REGS: gl.constexpr):
+                  LOAD_REGS: gl.constexpr, PDL: gl.constexpr):
     """The module docstring's GEMM over every tile; this program's warps are the first MMA
     group. SPLIT_GROUPS: groups per K split (0: one split). C_TMA: c_desc (64-row boxes of
     c) takes the tiles' rows, else c_ptr."""
+    pdl.gluon_wait_then_release(PDL)  # first: no memory access before it
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, _GROUP], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, _GROUP], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -226,7 +229,8 @@ def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: 
     args, constexprs = _launch(a, a_s, weight, scale_inv, out, split_groups, programs,
                                block_m or tile_rows(a.shape[0], weight.shape[0], programs),
                                stages, c_tma)
-    linear_kernel[(programs,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG)
+    linear_kernel[(programs,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG,
+                               launch_pdl=constexprs["PDL"])
 
 
 def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, block_m: int,
@@ -250,7 +254,8 @@ def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, bl
                 stride_bsn=scale_inv.stride(0), stride_cm=out.stride(0))
     constexprs = dict(SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
                       BLOCK_N=BLOCK_N, STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs,
-                      C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS)
+                      C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS,
+                      PDL=pdl_args(a.device, "gluon_linear")["PDL"])
     return args, constexprs
 
 
@@ -265,4 +270,5 @@ def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int) -> Sm
                                torch.empty(triton.cdiv(n, GROUP), g),
                                torch.empty(m, n, dtype=torch.bfloat16), split_groups, 132,
                                block_m, STAGES, True)
+    constexprs["PDL"] = True  # as a decode step launches it
     return compile_sm90(linear_kernel, args, constexprs, maxnreg=MAXNREG)

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import pdl
+from .fp8_gemm import pdl_args
 from .matmul import tma_readable
 from .moe_gluon import expert_tiles, gathered_rows, tile_of
 from .sm90 import Sm90Build, compile_sm90
@@ -185,9 +187,11 @@ def grouped_kernel(x_ptr, x_desc, xs_ptr, w_desc, ws_ptr, c_ptr, order_ptr, offs
                    num_experts, N, K, stride_xm, stride_xsm, stride_wse, stride_wsn, stride_cm,
                    GATHER: gl.constexpr, SCATTER: gl.constexpr, ROWS_PER_TOKEN: gl.constexpr,
                    BLOCK_T: gl.constexpr, BLOCK_E: gl.constexpr, STAGES: gl.constexpr,
-                   PROGRAMS: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+                   PROGRAMS: gl.constexpr, MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                   PDL: gl.constexpr):
     """The module docstring's GEMM over every tile; this program's warps are the first MMA
     group. GATHER: x rows gathered by cp.async (x_desc unused), else read by TMA."""
+    pdl.gluon_wait_then_release(PDL)  # first: no memory access before it
     X_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_T, _GROUP],
                                                                   gl.float8e4nv)
     x_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_T, _GROUP], X_LAYOUT)
@@ -263,7 +267,8 @@ def grouped(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor
                                scatter=scatter, rows_per_token=rows_per_token,
                                block_t=block_t or token_tile(order.shape[0], w.shape[0]),
                                ring=ring)
-    grouped_kernel[(num_sms,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG)
+    grouped_kernel[(num_sms,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG,
+                               launch_pdl=constexprs["PDL"])
 
 
 def _launch(x, xs, w, ws, out, offsets, order, num_sms: int, *, gather: bool, scatter: bool,
@@ -283,7 +288,7 @@ def _launch(x, xs, w, ws, out, offsets, order, num_sms: int, *, gather: bool, sc
     constexprs = dict(GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
                       BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(e),
                       STAGES=ring or stages(block_t), PROGRAMS=num_sms, MMA_REGS=MMA_REGS,
-                      LOAD_REGS=LOAD_REGS)
+                      LOAD_REGS=LOAD_REGS, PDL=pdl_args(x.device, "gluon_moe")["PDL"])
     return args, constexprs
 
 
@@ -302,4 +307,5 @@ def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int,
                                132, gather=gather, scatter=not gather,
                                rows_per_token=rows_per_token if gather else 1,
                                block_t=block_t, ring=None)
+    constexprs["PDL"] = True  # as a decode step launches it
     return compile_sm90(grouped_kernel, args, constexprs, maxnreg=MAXNREG)

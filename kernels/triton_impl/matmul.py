@@ -270,9 +270,10 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
     return min(cands, key=lambda lp: launch_cost_us(m, n, k, cfg, lp, num_sms))
 
 
-# Parts are left unfolded for calls of at most this many rows: a consumer program reads
-# one token's parts at a stride of M elements, so each 32-byte sector it loads serves it
-# alone; at 8 rows that is 8x the bytes of the folded row, all from L2.
+# Swap mode's parts are left unfolded for calls of at most this many rows: a consumer
+# program reads one token's parts at a stride of M elements, so each 32-byte sector it
+# loads serves it alone; at 8 rows that is 8x the bytes of the folded row, all from L2.
+# Split mode's parts (token-major) are read whole at any M.
 PARTS_MAX_M = 8
 _PARTS_ENV = "MEGASERVE_LINEAR_PARTS"  # "0": never leave parts unfolded (A/B runs)
 
@@ -328,12 +329,14 @@ def tma_readable(t: torch.Tensor) -> bool:
             and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
-def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor | Parts:
-    """:func:`linear`, or where its launch would fold split parts (swap mode, more than
-    one split, at most ``PARTS_MAX_M`` rows) those parts unfolded (:class:`Parts`), which
-    the consumer kernel folds. The same bits either way."""
-    return _linear(x, weight, bias, fold=os.environ.get(_PARTS_ENV, "1") == "0")
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 *, launch: Launch | None = None) -> torch.Tensor | Parts:
+    """:func:`linear`, or where its launch would fold split parts in a second pass (swap
+    mode with more than one split and at most ``PARTS_MAX_M`` rows; split mode with a fold
+    launch) those parts unfolded (:class:`Parts`), which the consumer kernel folds. The
+    same bits either way. ``launch``: as :func:`linear`'s (tests)."""
+    return _linear(x, weight, bias, launch=launch,
+                   fold=os.environ.get(_PARTS_ENV, "1") == "0")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -419,6 +422,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         mk.linear_split_kernel[(tiles, num_splits)](
             a_desc, b_desc, out, bias_arg, ws, counters, m, n, k, out.stride(0),
             NUM_SPLITS=num_splits, SPLIT_LEN=cfg.split_len, FOLD_LAST=lp.fold_last, **common)
+        if not (lp.fold_last or fold):  # rows of N contiguous parts: any M reads them whole
+            return Parts(ws, bias, x.dtype, token_major=True)
         if not lp.fold_last:
             _fold_parts(ws, out, bias, n, out.stride(0), 1, bias_inner=True)
     return out

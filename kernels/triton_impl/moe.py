@@ -55,12 +55,13 @@ from .rowwise import silu_and_mul
 
 
 @triton.jit
-def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, M, stride_l,
+def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, stride_l, stride_ps,
+                 stride_pf, stride_pt,
                  TOP_K: tl.constexpr, RENORM: tl.constexpr, PARTS: tl.constexpr,
                  HAS_BIAS: tl.constexpr, RELOAD: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0: the router's logits are the PARTS unfolded parts at ws_ptr
-    (:class:`parts.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here and
+    (:class:`parts.Parts` at strides stride_p*, bias at bias_ptr if HAS_BIAS), folded here and
     stored to logit_ptr; with RELOAD loaded back before the softmax (rowwise
     _rms_norm_kernel's docstring: the softmax's sum then reads a row loaded as it is
     without parts)."""
@@ -68,8 +69,8 @@ def _topk_kernel(logit_ptr, ids_ptr, w_ptr, ws_ptr, bias_ptr, E, M, stride_l,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     if PARTS > 0:
-        logits = fold_row_parts(ws_ptr, bias_ptr, cols, row, cols < E, M, E, PARTS,
-                                HAS_BIAS).to(logit_ptr.dtype.element_ty)
+        logits = fold_row_parts(ws_ptr, bias_ptr, cols, row, cols < E, stride_ps, stride_pf,
+                                stride_pt, PARTS, HAS_BIAS).to(logit_ptr.dtype.element_ty)
         tl.store(logit_ptr + row * stride_l + cols, logits, mask=cols < E)
         if RELOAD:
             tl.debug_barrier()  # the block's stores are visible to its loads
@@ -109,7 +110,7 @@ def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: boo
     router_logits may be the router's unfolded :class:`parts.Parts`, folded here to the
     bits of the folded logits."""
     parts = router_logits if isinstance(router_logits, Parts) else None
-    t, e = (parts.num_rows, parts.ws.shape[1]) if parts is not None else router_logits.shape
+    t, e = (parts.num_rows, parts.num_features) if parts is not None else router_logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"topk_route: top_k={top_k} must be in 1..{e}")
     if top_k & (top_k - 1) and renormalize:
@@ -126,7 +127,8 @@ def topk_route(router_logits: torch.Tensor | Parts, top_k: int, renormalize: boo
     ws = parts.ws if parts is not None else logits
     bias = parts.bias if parts is not None and parts.bias is not None else logits
     if t:
-        _topk_kernel[(t,)](logits, ids, w, ws, bias, e, t, logits.stride(0), TOP_K=top_k,
+        _topk_kernel[(t,)](logits, ids, w, ws, bias, e, logits.stride(0),
+                           *(parts.strides if parts is not None else (0, 0, 0)), TOP_K=top_k,
                            RENORM=renormalize, PARTS=ws.shape[0] if parts is not None else 0,
                            HAS_BIAS=parts is not None and parts.bias is not None,
                            RELOAD=parts is not None and rowwise.PARTS_RELOAD,
@@ -507,10 +509,10 @@ _PDL_ENV = "MEGASERVE_MOE_PDL"
 
 
 def _launch_args(device: torch.device, kernel: str, inline: bool = False) -> dict:
-    text = os.environ.get(_PDL_ENV)
-    names = PDL_KERNELS if text is None else set(text.split(","))
-    on = kernel in names or (inline and f"decode_{kernel}" in names)
-    return pdl.launch_args(device) if on else {"PDL": False}
+    args = pdl.named_launch_args(device, kernel, PDL_KERNELS, _PDL_ENV)
+    if inline and not args["PDL"]:
+        args = pdl.named_launch_args(device, f"decode_{kernel}", PDL_KERNELS, _PDL_ENV)
+    return args
 
 
 @dataclass(frozen=True)

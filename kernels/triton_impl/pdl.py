@@ -31,7 +31,13 @@ step, or computed at its start) and the routing of the kernel two launches back:
 rotary_and_cache, decode attention and its fold (``one_token_per_seq``), and the expert
 FFN's down GEMM (moe's EARLY_IDS). Kernels of
 other libraries (torch) never get the attribute: they start after their predecessor
-completes, as always.
+completes, as always. Gluon kernels call :func:`gluon_wait_then_release` first, before
+their partitions start (every thread of the program waits).
+
+A module whose kernels take PDL one by one (what gained in a measured run) names them in
+a set that :func:`named_launch_args` reads, with an environment variable that replaces
+the set for tuning runs (moe's ``$MEGASERVE_MOE_PDL``, the FP8 kernels'
+``$MEGASERVE_FP8_PDL``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENV = "MEGASERVE_PDL"  # "0" turns PDL off (A/B runs); on by default where supported
@@ -53,6 +61,16 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@gluon.jit
+def gluon_wait_then_release(PDL: gl.constexpr):
+    """:func:`wait_then_release` in a Gluon kernel (the same two PTX instructions)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,4 +94,13 @@ def launch_args(device: torch.device) -> dict:
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
-__all__ = ["ENV", "enabled", "launch_args", "wait_then_release"]
+def named_launch_args(device: torch.device, name: str, names: frozenset[str], env: str) -> dict:
+    """:func:`launch_args` for kernel ``name`` if it is in ``names`` (``$env``, comma-separated
+    names, replaces the set where set), else a launch without PDL."""
+    text = os.environ.get(env)
+    on = name in (names if text is None else set(text.split(",")))
+    return launch_args(device) if on else {"PDL": False}
+
+
+__all__ = ["ENV", "enabled", "gluon_wait_then_release", "launch_args", "named_launch_args",
+           "wait_then_release"]

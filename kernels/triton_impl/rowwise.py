@@ -60,12 +60,12 @@ def norm_warps(block_d: int) -> int:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, bias_ptr, D, M, eps,
-                     stride_x, stride_r, stride_o, stride_h,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, bias_ptr, D, eps,
+                     stride_x, stride_r, stride_o, stride_h, stride_ps, stride_pf, stride_pt,
                      HAS_RES: tl.constexpr, PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      RELOAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """PARTS > 0 (with HAS_RES): x_ptr holds the PARTS unfolded parts of a linear's
-    output (:class:`parts.Parts`, M rows, bias at bias_ptr if HAS_BIAS), folded here;
+    output (:class:`parts.Parts` at strides stride_p*, bias at bias_ptr if HAS_BIAS), folded here;
     h is then stored and, with RELOAD, loaded back, so that the reduction reads a row
     loaded as the plain kernel loads its x (the layout of a reduction's operand, and with
     it the order of its adds, may follow the width of the loads it comes from)."""
@@ -74,8 +74,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, h_ptr, bias_ptr, D, M, eps,
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     if PARTS > 0:
-        x = fold_row_parts(x_ptr, bias_ptr, cols, row, mask, M, D, PARTS, HAS_BIAS).to(
-            out_ptr.dtype.element_ty)
+        x = fold_row_parts(x_ptr, bias_ptr, cols, row, mask, stride_ps, stride_pf, stride_pt,
+                           PARTS, HAS_BIAS).to(out_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
@@ -102,7 +102,7 @@ def rms_norm(x: torch.Tensor | Parts, weight: torch.Tensor, eps: float,
         if residual is None:
             raise ValueError("rms_norm: unfolded parts need a residual")
         x = parts.ws
-        t, d, dtype = parts.num_rows, parts.ws.shape[1], parts.dtype
+        t, d, dtype = parts.num_rows, parts.num_features, parts.dtype
     else:
         t, d = x.shape
         dtype = x.dtype
@@ -117,8 +117,9 @@ def rms_norm(x: torch.Tensor | Parts, weight: torch.Tensor, eps: float,
     res = residual if residual is not None else x
     bias = parts.bias if parts is not None and parts.bias is not None else out
     if t:
-        _rms_norm_kernel[(t,)](x, res, weight, out, h, bias, d, t, float(eps),
+        _rms_norm_kernel[(t,)](x, res, weight, out, h, bias, d, float(eps),
                                x.stride(0), res.stride(0), out.stride(0), h.stride(0),
+                               *(parts.strides if parts is not None else (0, 0, 0)),
                                HAS_RES=residual is not None,
                                PARTS=parts.ws.shape[0] if parts is not None else 0,
                                HAS_BIAS=parts is not None and parts.bias is not None,

@@ -414,9 +414,11 @@ class DecodeGraphs:
         batches = []
         for i in range(m):
             r = rows[i * part:(i + 1) * part]
+            # every column a layer reads is made contiguous once here, not by each
+            # layer's kernels (rotary's .contiguous(): two copy launches a layer)
             batches.append(MicroBatch(r[:, _TOKEN], AttentionMetadata(
-                positions=r[:, _POSITION],
-                slot_mapping=r[:, _SLOT],
+                positions=r[:, _POSITION].contiguous(),
+                slot_mapping=r[:, _SLOT].contiguous(),
                 block_tables=r[:, _TABLE:_TABLE + self.table_width].contiguous(),
                 context_lens=r[:, _CONTEXT].contiguous(),
                 query_start_loc=self._query_start_loc[: part + 1],

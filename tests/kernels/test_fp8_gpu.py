@@ -202,3 +202,43 @@ def test_fp8_expert_ffn_close_to_bf16_and_batch_invariant():
     for m in (1, 7, 64, 200):
         part = fp8_expert_ffn(x[:m], ids[:m * top_k], wgu, sgu, wd, sd, rows_per_token=top_k)
         assert torch.equal(part, full[:m * top_k]), f"tokens={m}"
+
+
+@pytest.mark.parametrize("tokens", [8, 64, 256])  # Triton linear + inline grouping; Gluon
+def test_fp8_pdl_keeps_the_bits_in_a_graph(monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
+    """A decode layer's FP8 chain (quantize, qkv- and o_proj-shaped linears, the expert
+    FFN), three layers captured back to back in a CUDA graph with every FP8 kernel
+    launched with PDL, gives the bits of eager launches without PDL: a kernel that read
+    or wrote before its wait would race with the one before it."""
+    from megaserve.kernels.triton_impl import fp8_gemm, pdl
+    from megaserve.kernels.triton_impl.fp8_gemm import fp8_linear
+    from megaserve.kernels.triton_impl.fp8_moe import fp8_expert_ffn
+
+    experts, d, inter, top_k = 128, 2048, 768, 8
+    layers = [(_weight(4096, d, seed=10 * i), _weight(d, 4096, seed=10 * i + 1),
+               _weight(2 * inter, d, experts, seed=10 * i + 2),
+               _weight(d, inter, experts, seed=10 * i + 3)) for i in range(3)]
+    x = torch.randn(tokens, d, device="cuda", dtype=BF16)
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k]
+                       for _ in range(tokens)]).reshape(-1)
+
+    def step():
+        h = x
+        for (wq, sq), (wo, so), (wgu, sgu), (wd, sd) in layers:
+            h = fp8_linear(fp8_linear(h, wq, sq), wo, so)
+            h = fp8_expert_ffn(h, ids, wgu, sgu, wd, sd, top_k).view(tokens, top_k, d)[:, 1]
+        return h
+
+    monkeypatch.setenv(fp8_gemm._PDL_ENV, "")
+    want = step().clone()
+    monkeypatch.setenv(fp8_gemm._PDL_ENV, ",".join(fp8_gemm.PDL_KERNELS))
+    monkeypatch.setenv(pdl.ENV, "1")
+    step()  # compiled outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -100,8 +100,8 @@ def test_rms_norm_and_rowwise() -> None:
                                  (4096, 14336)])
 def test_norm_folds_linear_parts(monkeypatch, reload: bool, d: int, k: int) -> None:
     """o_proj's split-K parts folded by the post-attention norm (decode rows, up to
-    PARTS_MAX_M) give the folded linear's bits, row by row; the same for a router's parts
-    folded by the top-k. ``reload=False`` reduces the folded row as it is (the kernels'
+    PARTS_MAX_M, and split launches' token-major parts at any M) give the folded linear's
+    bits, row by row; the same for a router's parts folded by the top-k. ``reload=False`` reduces the folded row as it is (the kernels'
     PARTS_RELOAD knob): checked so that a layout that happens to match is known."""
     from megaserve.kernels.triton_impl import linear, matmul, rms_norm, rowwise, topk_route
 
@@ -127,6 +127,21 @@ def test_norm_folds_linear_parts(monkeypatch, reload: bool, d: int, k: int) -> N
                 got = topk_route(parts, top_k, renorm)
                 want = topk_route(linear(x[:m], wr), top_k, renorm)
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, m)
+    # split launches with a fold launch leave token-major parts at any M (the router and
+    # o_proj of decode batches above 64)
+    xs = torch.randn(300, k, device="cuda", dtype=BF16)
+    rs = torch.randn(300, d, device="cuda", dtype=BF16)
+    split = matmul.Launch("split", fold_last=False)
+    for m in (65, 256, 300):
+        parts = matmul.linear_parts(xs[:m], w, launch=split)
+        assert isinstance(parts, matmul.Parts) and parts.token_major, (d, k, m)
+        got = rms_norm(parts, nw, 1e-6, rs[:m])
+        want = rms_norm(linear(xs[:m], w), nw, 1e-6, rs[:m])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (d, k, m)
+        for e, wr in routers.items():
+            got = topk_route(matmul.linear_parts(xs[:m], wr, launch=split), 8, True)
+            want = topk_route(linear(xs[:m], wr), 8, True)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (e, m)
 
 
 def test_embed_tokens_gpu() -> None:

@@ -119,7 +119,8 @@ def check_rms_norm(torch, ti) -> None:
 def check_linear_parts(torch, ti) -> None:
     """A decode linear's split-K parts left to its consumer (o_proj's to the norm, the
     router's to the top-k) give the bits of the folded output, with and without the
-    reload before the reduction; more rows than PARTS_MAX_M fold in the linear."""
+    reload before the reduction; more rows than PARTS_MAX_M fold in the swap launch, and
+    a split launch with a fold launch leaves token-major parts at any M."""
     mm, rowwise = ti.matmul, ti.rowwise
     x = torch.randn(12, 512, dtype=torch.float16)
     w = torch.randn(64, 512, dtype=torch.float16) / 16
@@ -147,6 +148,20 @@ def check_linear_parts(torch, ti) -> None:
             got = ti.route(x[:m], w, 8, True)
             want = ti.topk_route(ti.linear(x[:m], w), 8, True)
             assert all(torch.equal(g, v) for g, v in zip(got, want)), m
+        # split mode with a fold launch leaves token-major parts at any M
+        split = mm.Launch("split", block_m=64, block_n=64, num_warps=4, fold_last=False)
+        for m in (1, 12):
+            for bias in (None, b):
+                parts = mm.linear_parts(x[:m], w, bias, launch=split)
+                assert isinstance(parts, mm.Parts) and parts.token_major, m
+                out = ti.linear(x[:m], w, bias)
+                got = ti.rms_norm(parts, nw, 1e-6, res[:m])
+                want = ti.rms_norm(out, nw, 1e-6, res[:m])
+                assert all(torch.equal(g, v) for g, v in zip(got, want)), ("split", m, reload)
+                got = ti.topk_route(mm.linear_parts(x[:m], w, bias, launch=split), 8, True)
+                want = ti.topk_route(out, 8, True)
+                assert all(torch.equal(g, v) for g, v in zip(got, want)), ("split", m, reload)
+        assert not isinstance(mm.linear_parts(x, w, launch=mm.Launch("split")), mm.Parts)
     rowwise.PARTS_RELOAD = True
     # a token's bits whatever the other rows
     alone = ti.linear_rms_norm(x[3:4], w, nw, 1e-6, res[3:4])
