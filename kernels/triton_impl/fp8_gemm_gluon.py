@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import pdl
+from . import fp8_gemm, pdl
 from .fp8_gemm import pdl_args
 from .sm90 import Sm90Build, compile_sm90
 
@@ -270,5 +270,5 @@ def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int) -> Sm
                                torch.empty(triton.cdiv(n, GROUP), g),
                                torch.empty(m, n, dtype=torch.bfloat16), split_groups, 132,
                                block_m, STAGES, True)
-    constexprs["PDL"] = True  # as a decode step launches it
+    constexprs["PDL"] = "gluon_linear" in fp8_gemm.PDL_KERNELS  # as a GPU launches it
     return compile_sm90(linear_kernel, args, constexprs, maxnreg=MAXNREG)

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import pdl
+from . import fp8_gemm, pdl
 from .fp8_gemm import pdl_args
 from .matmul import tma_readable
 from .moe_gluon import expert_tiles, gathered_rows, tile_of
@@ -307,5 +307,5 @@ def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int,
                                132, gather=gather, scatter=not gather,
                                rows_per_token=rows_per_token if gather else 1,
                                block_t=block_t, ring=None)
-    constexprs["PDL"] = True  # as a decode step launches it
+    constexprs["PDL"] = "gluon_moe" in fp8_gemm.PDL_KERNELS  # as a GPU launches it
     return compile_sm90(grouped_kernel, args, constexprs, maxnreg=MAXNREG)
