@@ -11,6 +11,8 @@ recover it. This script reads every box of Qwen3-30B-A3B's gate_up and down weig
 one layer, once per layout, with one persistent program an SM walking the tiles in the
 kernel's order (tile t = pid, pid + SMs, ...; its K groups in order), and prints GB/s
 against a torch copy in the same run. No output bits are involved: a read test only.
+H200 (docs/results/models-fp8.md): tiled 3-5% faster, but this reader runs at half the
+copy rate, so it does not settle the question.
 
     python lab/tma_box_layout.py [--reps 20]      # GPU
     TRITON_INTERPRET=1 python lab/tma_box_layout.py --smoke
