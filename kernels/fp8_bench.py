@@ -303,7 +303,8 @@ def resources() -> None:
             if lp.gluon and not inline:
                 block_t = fp8_moe_gluon.token_tile(rows, 128)
                 build = fp8_moe_gluon.sm90_build(128, n, 2048 if gather else 768,
-                                                 gather=gather, block_t=block_t)
+                                                 gather=gather, block_t=block_t,
+                                                 pdl="gluon_moe" in fp8_gemm.PDL_KERNELS)
                 print(f"expert {name:7} batch {batch:5d} Gluon, {block_t} positions a tile: "
                       f"{_usage(build)}", flush=True)
     lin_ptrs = dict(a_ptr="*bf16", as_ptr="*bf16", b_ptr="*fp8e4nv", bs_ptr="*fp32",
@@ -322,8 +323,9 @@ def resources() -> None:
                                 lp.num_stages)
             print(f"linear {n}x{k} M={m:5d} {lp}: {res}", flush=True)
             if lp.gluon:
-                build = fp8_gemm_gluon.sm90_build(m, n, k, sg,
-                                                  block_m=fp8_gemm_gluon.tile_rows(m, n, 132))
+                build = fp8_gemm_gluon.sm90_build(
+                    m, n, k, sg, block_m=fp8_gemm_gluon.tile_rows(m, n, 132),
+                    pdl="gluon_linear" in fp8_gemm.PDL_KERNELS)
                 print(f"linear {n}x{k} M={m:5d} Gluon: {_usage(build)}", flush=True)
 
 

@@ -409,7 +409,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         if lp.gluon:
             from . import fp8_gemm_gluon
             if fp8_gemm_gluon.applies(a, weight):
-                fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, out, sg)
+                fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, out, sg,
+                                      pdl=pdl_args(x.device, "gluon_linear")["PDL"])
                 return out
     parts = lp.parts and splits > 1
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parts else out

@@ -40,8 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import fp8_gemm, pdl
-from .fp8_gemm import pdl_args
+from . import pdl
 from .sm90 import Sm90Build, compile_sm90
 
 GROUP = 128  # activation group = weight block = one K step
@@ -215,26 +214,26 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
            out: torch.Tensor, split_groups: int, *, block_m: int | None = None,
-           stages: int = STAGES, c_tma: bool | None = None) -> None:
+           stages: int = STAGES, c_tma: bool | None = None, pdl: bool = False) -> None:
     """``out = a @ dequant(weight).T`` by fp8_gemm's arithmetic: a `[M, K]` e4m3 with group
     scales a_s `[M, G]` (:func:`fp8_gemm.quantize_rows`), weight `[N, K]` e4m3 with
     scale_inv `[ceil(N/128), G]`, split_groups the weight's K split (fp8_gemm.split_groups).
     block_m (default :func:`tile_rows`), stages, c_tma: the tile's rows, the ring's slots and
-    whether out is written by TMA (default: where TMA can write it); speed only, the same
-    bits."""
+    whether out is written by TMA (default: where TMA can write it); pdl: launched with PDL
+    (fp8_gemm.PDL_KERNELS' "gluon_linear"); speed only, the same bits."""
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count
     if c_tma is None:
         c_tma = (out.dtype in _GL_DTYPES and out.stride(1) == 1
                  and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0)
     args, constexprs = _launch(a, a_s, weight, scale_inv, out, split_groups, programs,
                                block_m or tile_rows(a.shape[0], weight.shape[0], programs),
-                               stages, c_tma)
+                               stages, c_tma, pdl)
     linear_kernel[(programs,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG,
-                               launch_pdl=constexprs["PDL"])
+                               launch_pdl=pdl)
 
 
 def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, block_m: int,
-            stages: int, c_tma: bool) -> tuple[dict, dict]:
+            stages: int, c_tma: bool, pdl: bool) -> tuple[dict, dict]:
     """:func:`linear_kernel`'s arguments and constexprs for :func:`linear`'s call."""
     m, k = a.shape
     n = weight.shape[0]
@@ -254,12 +253,12 @@ def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, bl
                 stride_bsn=scale_inv.stride(0), stride_cm=out.stride(0))
     constexprs = dict(SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
                       BLOCK_N=BLOCK_N, STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs,
-                      C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS,
-                      PDL=pdl_args(a.device, "gluon_linear")["PDL"])
+                      C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS, PDL=pdl)
     return args, constexprs
 
 
-def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int) -> Sm90Build:
+def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int,
+               pdl: bool) -> Sm90Build:
     """:func:`linear`'s kernel compiled for an H100/H200 (132 SMs) on any machine, at the
     launch it makes for `[m, k] x [n, k]^T` with bf16 output stored by TMA (registers,
     spills, shared memory, SASS). No GPU: CPU tensors stand in for the operands."""
@@ -269,6 +268,5 @@ def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int) -> Sm
                                torch.empty(n, k, dtype=fp8),
                                torch.empty(triton.cdiv(n, GROUP), g),
                                torch.empty(m, n, dtype=torch.bfloat16), split_groups, 132,
-                               block_m, STAGES, True)
-    constexprs["PDL"] = "gluon_linear" in fp8_gemm.PDL_KERNELS  # as a GPU launches it
+                               block_m, STAGES, True, pdl)
     return compile_sm90(linear_kernel, args, constexprs, maxnreg=MAXNREG)

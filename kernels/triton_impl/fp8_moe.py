@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import fp8_moe_gluon
 from .fp8_gemm import (FP8_MAX, GROUP, check_weight, load_group, load_raw, load_scales,
-                       promote, quantize_rows, silu_mul_quantize_rows, swiglu,
+                       pdl_args, promote, quantize_rows, silu_mul_quantize_rows, swiglu,
                        weight_scales)
 from .matmul import num_sms
 from .moe import INLINE_ALIGN_MAX_ROWS, align, max_tiles, rows_at, tile_of
@@ -218,7 +218,8 @@ def _grouped(a, a_s, w, w_s, out, ids, grouping, *, n: int, quant_a: bool, swigl
     if (gluon and grouping is not None and not quant_a and not swiglu
             and fp8_moe_gluon.applies(a, w, gather=gather)):
         fp8_moe_gluon.grouped(a, a_s, w, w_s, out, offsets, order, num_sms(a.device),
-                              gather=gather, scatter=scatter, rows_per_token=rows_per_token)
+                              gather=gather, scatter=scatter, rows_per_token=rows_per_token,
+                              pdl=pdl_args(a.device, "gluon_moe")["PDL"])
         return
     grid = (max_tiles(r, num_experts, block_m) * triton.cdiv(n, block_n),)
     _fp8_expert_kernel[grid](

@@ -43,8 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import fp8_gemm, pdl
-from .fp8_gemm import pdl_args
+from . import pdl
 from .matmul import tma_readable
 from .moe_gluon import expert_tiles, gathered_rows, tile_of
 from .sm90 import Sm90Build, compile_sm90
@@ -255,24 +254,25 @@ def applies(x: torch.Tensor, w: torch.Tensor, *, gather: bool) -> bool:
 def grouped(x: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
             out: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, num_sms: int, *,
             gather: bool, scatter: bool, rows_per_token: int = 1,
-            block_t: int | None = None, ring: int | None = None) -> None:
+            block_t: int | None = None, ring: int | None = None, pdl: bool = False) -> None:
     """fp8_moe's grouped GEMM over each expert e's grouped positions p in ``[offsets[e],
     offsets[e + 1])``: the row of p is ``x[order[p] // rows_per_token]`` with ``gather``,
     else ``x[p]``; its product with ``dequant(w[e]).T`` goes to ``out[order[p]]`` with
     ``scatter``, else ``out[p]``. x e4m3 with group scales xs (fp8_gemm.quantize_rows),
     w `[E, N, K]` e4m3 with ws `[E, ceil(N/128), ceil(K/128)]`. block_t (default
-    :func:`token_tile`) and ring (slots, default :func:`stages`): speed only, the same
-    bits. Rows of out not named are not written."""
+    :func:`token_tile`), ring (slots, default :func:`stages`) and pdl (launched with PDL:
+    fp8_gemm.PDL_KERNELS' "gluon_moe"): speed only, the same bits. Rows of out not named
+    are not written."""
     args, constexprs = _launch(x, xs, w, ws, out, offsets, order, num_sms, gather=gather,
                                scatter=scatter, rows_per_token=rows_per_token,
                                block_t=block_t or token_tile(order.shape[0], w.shape[0]),
-                               ring=ring)
+                               ring=ring, pdl=pdl)
     grouped_kernel[(num_sms,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG,
-                               launch_pdl=constexprs["PDL"])
+                               launch_pdl=pdl)
 
 
 def _launch(x, xs, w, ws, out, offsets, order, num_sms: int, *, gather: bool, scatter: bool,
-            rows_per_token: int, block_t: int, ring: int | None) -> tuple[dict, dict]:
+            rows_per_token: int, block_t: int, ring: int | None, pdl: bool) -> tuple[dict, dict]:
     """:func:`grouped_kernel`'s arguments and constexprs for :func:`grouped`'s call."""
     e, n, k = w.shape
     x_layout = gl.NVMMASharedLayout.get_default_for([block_t, GROUP], gl.float8e4nv)
@@ -288,11 +288,11 @@ def _launch(x, xs, w, ws, out, offsets, order, num_sms: int, *, gather: bool, sc
     constexprs = dict(GATHER=gather, SCATTER=scatter, ROWS_PER_TOKEN=rows_per_token,
                       BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(e),
                       STAGES=ring or stages(block_t), PROGRAMS=num_sms, MMA_REGS=MMA_REGS,
-                      LOAD_REGS=LOAD_REGS, PDL=pdl_args(x.device, "gluon_moe")["PDL"])
+                      LOAD_REGS=LOAD_REGS, PDL=pdl)
     return args, constexprs
 
 
-def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int,
+def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int, pdl: bool,
                rows_per_token: int = 8, out_dtype: torch.dtype = torch.bfloat16) -> Sm90Build:
     """:func:`grouped`'s kernel compiled for an H100/H200 (132 SMs) on any machine, at the
     launch it makes for experts of `[n, k]` (registers, spills, shared memory, SASS). No
@@ -306,6 +306,5 @@ def sm90_build(num_experts: int, n: int, k: int, *, gather: bool, block_t: int,
     args, constexprs = _launch(x, xs, w, ws, torch.empty(rows, n, dtype=out_dtype), ids, ids,
                                132, gather=gather, scatter=not gather,
                                rows_per_token=rows_per_token if gather else 1,
-                               block_t=block_t, ring=None)
-    constexprs["PDL"] = "gluon_moe" in fp8_gemm.PDL_KERNELS  # as a GPU launches it
+                               block_t=block_t, ring=None, pdl=pdl)
     return compile_sm90(grouped_kernel, args, constexprs, maxnreg=MAXNREG)
