@@ -336,7 +336,7 @@ def _usage(build) -> dict:
 def summarize_decode(bf16_json: str, fp8_json: str) -> None:
     """The fp8-vs-bf16 table of two ``megaserve bench decode --json-out`` files of one
     model: tok/s of each and the FP8 step against the roofline of the bytes FP8 moves
-    (attention and expert weights one byte each; KV, LM head and router stay 16-bit)."""
+    (attention and expert weights one byte each; KV and LM head stay 16-bit)."""
     import json
 
     bf16, fp8 = (json.loads(open(f).read()) for f in (bf16_json, fp8_json))
@@ -346,8 +346,8 @@ def summarize_decode(bf16_json: str, fp8_json: str) -> None:
           f" {'fp8 step ms':>12} {'fp8 % roof':>11}")
     for a, b in zip(bf16["decode"], fp8["decode"]):
         print(f"{b['batch']:5d} {a['tok_s']:11.0f} {b['tok_s']:10.0f} {b['tok_s'] / a['tok_s']:9.2f}"
-              f" {fp8_roofline_ms(b, bandwidth):12.3f} {b['step_ms_median']:12.3f}"
-              f" {100 * fp8_roofline_ms(b, bandwidth) / b['step_ms_median']:10.0f}%")
+              f" {fp8_roofline_ms(fp8, b, bandwidth):12.3f} {b['step_ms_median']:12.3f}"
+              f" {100 * fp8_roofline_ms(fp8, b, bandwidth) / b['step_ms_median']:10.0f}%")
 
 
 def summarize_roofline(fp8_json: str) -> None:
@@ -361,18 +361,21 @@ def summarize_roofline(fp8_json: str) -> None:
           f"(copy {bandwidth / 1e12:.2f} TB/s)")
     print(f"{'batch':>5} {'tok/s':>8} {'step ms':>9} {'roof ms':>9} {'% roof':>7}")
     for b in fp8["decode"]:
-        roof = fp8_roofline_ms(b, bandwidth)
+        roof = fp8_roofline_ms(fp8, b, bandwidth)
         print(f"{b['batch']:5d} {b['tok_s']:8.0f} {b['step_ms_median']:9.3f} {roof:9.3f}"
               f" {100 * roof / b['step_ms_median']:6.0f}%")
 
 
-def fp8_roofline_ms(run: dict, bandwidth: float) -> float:
+def fp8_roofline_ms(report: dict, run: dict, bandwidth: float) -> float:
     """Milliseconds to move one decode step's bytes with attention and expert weights in
-    FP8 (one byte each; KV, LM head and router 16-bit) at ``bandwidth`` bytes/s."""
+    FP8 (one byte each; KV and LM head 16-bit) at ``bandwidth`` bytes/s. ``run``: one of
+    ``report``'s decode runs; a report whose weights were FP8 (``weight_elt_bytes`` 1)
+    counted them so already, an older one at two bytes."""
     by = run["bytes"]
-    fp8_bytes = ((by["attention_weights"] + by["expert_weights"]) / 2 + by["kv_read"]
-                 + by["kv_write"] + by["lm_head"])
-    return fp8_bytes / bandwidth * 1e3
+    weights = by["attention_weights"] + by["expert_weights"]
+    if report.get("weight_elt_bytes") != 1:
+        weights /= 2
+    return (weights + by["kv_read"] + by["kv_write"] + by["lm_head"]) / bandwidth * 1e3
 
 
 def main() -> None:

@@ -270,6 +270,18 @@ def _resolve_model(args, options: dict, device: str) -> tuple[str, int | None]:
     return str(random_model.resolve_random_model(name, args.random_weights)), fitted
 
 
+def _keeps_fp8(cfg, options: dict, device: str) -> bool:
+    """Whether the engine holds its linear weights in FP8 (``--quantization fp8`` or a
+    block-FP8 checkpoint, where the loader keeps them FP8: models.loader.keeps_fp8)."""
+    import torch
+
+    from megaserve.models.loader import keeps_fp8
+    from megaserve.models.quantization import QuantConfig
+
+    quant = cfg.quantization or (QuantConfig() if options.get("quantization") == "fp8" else None)
+    return quant is not None and keeps_fp8(torch.device(device), quant.weight_block_size)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megaserve bench decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -345,9 +357,11 @@ def main(argv: list[str]) -> int:
     load_s = time.perf_counter() - t0
     engine, cfg = llm.engine, llm.engine.model_config
     elt = ELT_BYTES[args.dtype]
+    welt = 1 if _keeps_fp8(cfg, options, device) else elt  # FP8 weights: one byte each
     report = {"device": name, "command": "megaserve bench decode " + " ".join(argv), "model": args.model,
               "num_layers": cfg.num_layers, "layers_fitted_by_auto": fitted, "dtype": args.dtype,
-              "weights_gb": roofline.weight_bytes(cfg, elt) / 1e9, "engine_load_s": load_s,
+              "quantization": options.get("quantization"), "weight_elt_bytes": welt,
+              "weights_gb": roofline.weight_bytes(cfg, elt, welt) / 1e9, "engine_load_s": load_s,
               "copy_bandwidth_gbs": copy_bw / 1e9, "matmul_tflops": matmul / 1e12,
               "matmul_held_tflops": held / 1e12 if held else None,
               "datasheet": {"hbm_tbps": spec.hbm_tbps, "bf16_tflops": spec.bf16_tflops} if spec else None,
@@ -367,9 +381,9 @@ def main(argv: list[str]) -> int:
             Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         r, ids = decode_run(engine, device, batch, args.input_len, args.warmup_steps, args.steps,
                             args.profile_steps, rng)
-        need = roofline.decode_bytes(cfg, batch, r["mean_context"], elt)
+        need = roofline.decode_bytes(cfg, batch, r["mean_context"], elt, welt)
         step_s = r["step_ms_median"] / 1e3
-        steady = roofline.decode_bytes(cfg, batch, r["mean_context_steady"], elt)
+        steady = roofline.decode_bytes(cfg, batch, r["mean_context_steady"], elt, welt)
         r |= {"bytes": {**need.__dict__, "total": need.total}, "roofline_ms": need.total / copy_bw * 1e3,
               "achieved": need.total / copy_bw / step_s, "tok_s": batch / step_s,
               "achieved_steady": steady.total / copy_bw / (r["steady_step_ms"] / 1e3),

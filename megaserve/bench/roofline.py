@@ -82,12 +82,17 @@ def expert_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def decode_bytes(cfg: ModelConfig, batch: int, context: float, elt_bytes: int) -> DecodeBytes:
+def decode_bytes(cfg: ModelConfig, batch: int, context: float, elt_bytes: int,
+                 weight_elt_bytes: int | None = None) -> DecodeBytes:
     """Bytes a decode step of ``batch`` sequences with mean ``context`` KV tokens moves.
 
-    ``elt_bytes``: bytes per weight and per KV element (2 for bf16). Raises ValueError for
-    a non-positive batch.
+    ``elt_bytes``: bytes per weight and per KV element (2 for bf16); ``weight_elt_bytes``:
+    bytes per attention-side and expert weight where they differ (1 for block-FP8
+    weights, whose 128 x 128 scales are < 0.01% more; the router and norms are counted at
+    it too, an undercount below 2% of the attention weights; KV and the LM head stay at
+    ``elt_bytes``). Raises ValueError for a non-positive batch.
     """
+    welt = elt_bytes if weight_elt_bytes is None else weight_elt_bytes
     if batch <= 0:
         raise ValueError(f"batch must be positive, got {batch}")
     num_moe = sum(cfg.moe_layers)
@@ -96,8 +101,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: float, elt_bytes: int) -
     kv_per_token_layer = ((1 if cfg.cache_shares_kv else 2) * cfg.cache_kv_heads
                           * cfg.cache_head_dim * elt_bytes)
     return DecodeBytes(
-        attention_weights=cfg.num_layers * attention_params_per_layer(cfg) * elt_bytes,
-        expert_weights=num_moe * active * expert_params(cfg) * elt_bytes,
+        attention_weights=cfg.num_layers * attention_params_per_layer(cfg) * welt,
+        expert_weights=num_moe * active * expert_params(cfg) * welt,
         active_experts_per_layer=active,
         kv_read=cfg.num_layers * batch * context * kv_per_token_layer,
         kv_write=cfg.num_layers * batch * kv_per_token_layer,
@@ -105,10 +110,12 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: float, elt_bytes: int) -
     )
 
 
-def weight_bytes(cfg: ModelConfig, elt_bytes: int) -> float:
-    """Bytes of all weights held (embedding and LM head included)."""
+def weight_bytes(cfg: ModelConfig, elt_bytes: int, weight_elt_bytes: int | None = None) -> float:
+    """Bytes of all weights held (embedding and LM head included; ``weight_elt_bytes`` as
+    :func:`decode_bytes`' for the layers' weights)."""
     layers = cfg.num_layers * attention_params_per_layer(cfg) + sum(cfg.moe_layers) * cfg.num_experts * expert_params(cfg)
-    return (layers + 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * elt_bytes
+    welt = elt_bytes if weight_elt_bytes is None else weight_elt_bytes
+    return layers * welt + (2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size) * elt_bytes
 
 
 def prefill_flops_per_token(cfg: ModelConfig, prompt_len: int) -> float:

@@ -53,6 +53,26 @@ def test_decode_bytes_by_kind():
         roofline.decode_bytes(cfg, batch=0, context=1, elt_bytes=2)
 
 
+def test_fp8_weights_count_one_byte_and_fp8_bench_agrees():
+    """FP8 weights (``weight_elt_bytes`` 1): the attention-side and expert weights move one
+    byte each, KV and the LM head two; fp8_bench's roofline of such a report equals its
+    roofline of the same run recorded at two bytes a weight (older reports)."""
+    from megaserve.kernels.fp8_bench import fp8_roofline_ms
+
+    cfg = preset("qwen3-30b-a3b", 48)
+    bf16 = roofline.decode_bytes(cfg, batch=256, context=80, elt_bytes=2)
+    fp8 = roofline.decode_bytes(cfg, batch=256, context=80, elt_bytes=2, weight_elt_bytes=1)
+    assert fp8.attention_weights == bf16.attention_weights / 2
+    assert fp8.expert_weights == bf16.expert_weights / 2
+    assert (fp8.kv_read, fp8.kv_write, fp8.lm_head) == (bf16.kv_read, bf16.kv_write, bf16.lm_head)
+    embed_and_head = (2 * 151936 * 2048 + 2048) * 2
+    assert roofline.weight_bytes(cfg, 2, 1) == pytest.approx(
+        (roofline.weight_bytes(cfg, 2) - embed_and_head) / 2 + embed_and_head)
+    old = fp8_roofline_ms({"dtype": "bfloat16"}, {"bytes": bf16.__dict__}, 4.2e12)
+    new = fp8_roofline_ms({"weight_elt_bytes": 1}, {"bytes": fp8.__dict__}, 4.2e12)
+    assert new == pytest.approx(old) and new == pytest.approx(fp8.total / 4.2e12 * 1e3)
+
+
 def test_prefill_flops_and_layers_that_fit():
     cfg = preset("mixtral-8x7b", 32)
     per_token = roofline.prefill_flops_per_token(cfg, 4096)
