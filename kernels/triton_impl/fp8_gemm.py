@@ -54,13 +54,10 @@ DECODE_MAX_M = 64  # rows up to which $MEGASERVE_FP8_LINEAR replaces the planned
 # "quantize" (quantize_rows and silu_mul_quantize_rows), "linear" (this module's GEMM and
 # its fold), "gluon_linear" (fp8_gemm_gluon), "gluon_moe" (fp8_moe_gluon; persistent, one
 # program an SM). fp8_moe's Triton expert GEMM never (many programs a wave: moe's note on
-# PDL_KERNELS). $MEGASERVE_FP8_PDL (names, comma-separated) replaces the set. H200,
-# random:qwen3-30b-a3b:48 fp8, steady decode step at batch 64 / 256 in one call
-# (lab/device/ab_decode.sh): none 9.77 / 12.03 and again 9.76 / 11.94 ms; quantize
-# 9.73 / 11.92; + linear 9.74 / 11.99; + gluon_linear 9.74 / 11.90; + gluon_moe instead
-# 9.95 / 12.30; all four 9.97 / 12.26. The Gluon expert GEMM launched early loses (its
-# persistent programs start behind the kernel before it); the rest is within the noise,
-# kept on.
+# PDL_KERNELS). $MEGASERVE_FP8_PDL (names, comma-separated) replaces the set. The Gluon
+# expert GEMM launched early cost 0.2-0.3 ms a decode step at batch 64 / 256 (H200,
+# Qwen3-30B-A3B fp8: its persistent programs start behind the kernel before it) and is
+# left out; the others were within the noise and stay on (docs/results/models-fp8.md).
 PDL_KERNELS = frozenset({"quantize", "linear", "gluon_linear"})
 _PDL_ENV = "MEGASERVE_FP8_PDL"
 
