@@ -4,6 +4,7 @@ here with ``torch.equal``). Qwen3-30B-A3B's attention (32 query heads, 4 KV head
 dim 128, 16-token cache blocks), contexts drawn around ``--context``.
 
     python lab/attn_decode_stages.py [--batches 64 256 1024] [--context 80 1000]
+        [--variants 2,2 2,2,168 2,1,128 ...]
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from megaserve.kernels.triton_impl import attention as at
 HQ, HKV, DH, BLOCK = 32, 4, 128, 16
 
 
+def _variant(text: str) -> tuple[int, int, int]:
+    """"WARPS,STAGES[,MAXNREG]" → (warps, stages, maxnreg or 0)."""
+    v = [int(t) for t in text.split(",")]
+    return v[0], v[1], v[2] if len(v) > 2 else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
@@ -26,6 +33,10 @@ def main() -> None:
     parser.add_argument("--table-blocks", type=int, default=0,
                         help="block-table width (the engine's: max_model_len / block size; "
                              "0: the longest context's)")
+    parser.add_argument("--variants", nargs="+", type=_variant,
+                        default=[_variant(v) for v in ("4,1", "4,2", "4,3", "2,2", "2,3", "8,2")],
+                        help="serial tiles as WARPS,STAGES[,MAXNREG] (MAXNREG: registers a "
+                             "thread, AttentionLaunch.maxnreg)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = fb.copy_bandwidth()
@@ -58,12 +69,13 @@ def main() -> None:
             line = (f"ctx ~{ctx:5d} batch {b:5d}: KV {kv_bytes / 1e6:6.1f} MB at copy "
                     f"{kv_bytes / bandwidth * 1e6:5.1f} us; default {default.mode} "
                     f"w{default.num_warps} s{default.num_stages} {t_ref:6.1f}")
-            for warps, stages in ((4, 1), (4, 2), (4, 3), (2, 2), (2, 3), (8, 2)):
+            for warps, stages, regs in args.variants:
                 lp = dataclasses.replace(at.AttentionLaunch("serial", **at.DECODE_SERIAL_TILE),
-                                         num_warps=warps, num_stages=stages)
+                                         num_warps=warps, num_stages=stages, maxnreg=regs)
                 same = torch.equal(run(lp), ref)
                 t = fb.graph_us([lambda lp=lp: run(lp)])
-                line += f" | w{warps} s{stages} {t:6.1f}{'' if same else ' BITS DIFFER'}"
+                name = f"w{warps} s{stages}" + (f" r{regs}" if regs else "")
+                line += f" | {name} {t:6.1f}{'' if same else ' BITS DIFFER'}"
             print(line, flush=True)
 
 

@@ -97,6 +97,11 @@ class AttentionLaunch:
     # Serial prefill on Hopper runs attention_gluon's kernel where it applies
     # (:func:`gluon_applies`; the same bits); False keeps the Triton kernel and this tile.
     gluon: bool = True
+    # Registers a thread of the main kernel may use (0: the compiler's choice). Fewer fit
+    # more programs on an SM (the serial decode tile takes 255 with 2 warps: 4 programs
+    # an SM, so batch 256's 1,024 programs of Qwen3-30B-A3B run in two waves) at the cost
+    # of spills; register allocation only, the same bits.
+    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("serial", "chunk"):
@@ -112,6 +117,8 @@ class AttentionLaunch:
                 raise ValueError(f"AttentionLaunch: {name}={v} must be a power of two")
         if self.rows < 16 or self.num_stages < 1 or self.l_cols < 16:
             raise ValueError(f"AttentionLaunch: bad rows/num_stages/l_cols: {self}")
+        if self.maxnreg and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"AttentionLaunch: maxnreg={self.maxnreg} must be 0 or in 24..255")
 
 
 # Tiles, chosen by timing every candidate with its bitwise checks (lab/attn_sweep.py,
@@ -619,7 +626,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_SIZE=k_cache.shape[1], MASK_TAIL=launch.mask_tail, PREFETCH=launch.prefetch,
         LONG_FIRST=launch.long_first, PARTS=launch.mode == "chunk", L_COLS=launch.l_cols,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **common,
-        **pdl.launch_args(q.device))
+        **pdl.launch_args(q.device), **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}))
     if launch.mode == "chunk" and not parts_only:
         fold_q = launch.fold_tokens
         fold_d = min(launch.fold_block_d or block_d, block_d)

@@ -71,7 +71,9 @@ def _child() -> None:
                 AttentionLaunch("chunk", 32, 4, 2, fold_tokens=2),
                 AttentionLaunch("serial", 32, 8, 3, mask_tail=True, prefetch=True,
                                 l_cols=16),
-                AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, l_cols=16))
+                AttentionLaunch("chunk", 16, 2, 3, mask_tail=True, l_cols=16),
+                AttentionLaunch("serial", 16, 2, 2, mask_tail=True, prefetch=True,
+                                maxnreg=128))
     for exp2 in (False, True):  # the exp and the EXP2 arithmetic
         full = fulls[exp2] = run(q, [length], [length], ref, exp2)
         want = torch.cat([full[c - n : c] for c, n in zip(lens, n_new)])

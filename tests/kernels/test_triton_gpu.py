@@ -220,6 +220,11 @@ def test_paged_attention_decode_equals_prefill_and_chunks(monkeypatch) -> None:
                    # serial 4 stages, folds over 16 columns with one warp
                    AttentionLaunch("serial", 128, 8, 2, mask_tail=True),
                    AttentionLaunch("serial", 16, 2, 4, mask_tail=True, prefetch=True),
+                   # decode tiles under a register cap (spills: registers only)
+                   AttentionLaunch("serial", 16, 2, 2, mask_tail=True, prefetch=True,
+                                   maxnreg=128),
+                   AttentionLaunch("serial", 16, 2, 1, mask_tail=True, prefetch=True,
+                                   maxnreg=96),
                    AttentionLaunch("chunk", 16, 2, 3, fold_unroll=16, mask_tail=True,
                                    prefetch=True, fold_block_d=16, fold_warps=1),
                    # chunk mode (a program per chunk, then the fold), 4-warp
