@@ -14,7 +14,7 @@ against a torch copy in the same run. No output bits are involved: a read test o
 H200 (docs/results/models-fp8.md): tiled 3-5% faster, but this reader runs at half the
 copy rate, so it does not settle the question.
 
-    python lab/tma_box_layout.py [--reps 20]      # GPU
+    python lab/tma_box_layout.py                  # GPU
     TRITON_INTERPRET=1 python lab/tma_box_layout.py --smoke
 """
 
@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from megaserve.kernels import fp8_bench as fb
 
 BOX_ROWS, BOX_COLS = 256, 128
 
@@ -56,8 +58,9 @@ def tiled(w: torch.Tensor) -> torch.Tensor:
             .reshape(-1, 128).contiguous())
 
 
-def read_gbps(w: torch.Tensor, layout: str, reps: int, sms: int) -> float:
-    """GB/s of reading every box of ``w`` `[E, N, K]` in ``layout``, and checks the sum."""
+def read_gbps(w: torch.Tensor, layout: str, sms: int) -> float:
+    """GB/s of reading every box of ``w`` `[E, N, K]` in ``layout`` (fp8_bench.graph_us),
+    and checks the sum."""
     e, n, k = w.shape
     groups, num_tiles = k // 128, e * n // 256
     src = tiled(w) if layout == "tiled" else w.view(e * n, k)
@@ -73,35 +76,12 @@ def read_gbps(w: torch.Tensor, layout: str, reps: int, sms: int) -> float:
         raise RuntimeError(f"{layout}: the boxes read do not cover the weights")
     if not w.is_cuda:  # the interpreter's check (--smoke)
         return 0.0
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    torch.cuda.synchronize()
-    return w.numel() * reps / (start.elapsed_time(end) / 1e3) / 1e9
-
-
-def copy_gbps(reps: int) -> float:
-    """Read + write GB/s of a 1 GiB device copy (the decode bench's copy baseline)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * reps / (start.elapsed_time(end) / 1e3) / 1e9
+    return w.numel() / (fb.graph_us([launch]) * 1e-6) / 1e9
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--smoke", action="store_true",
                         help="check both layouts' box walks under TRITON_INTERPRET=1 (CPU)")
     args = parser.parse_args()
@@ -111,15 +91,16 @@ def main() -> None:
         patch_interpreter()
         w = torch.randint(0, 255, (2, 512, 256), dtype=torch.uint8)
         for layout in ("rows", "tiled"):
-            read_gbps(w, layout, 1, 3)
+            read_gbps(w, layout, 3)
         print("smoke: both layouts read every byte once")
         return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps(args.reps):,.0f} GB/s (read + write)")
+    print(f"{torch.cuda.get_device_name()}: copy {fb.copy_bandwidth() / 1e9:,.0f} GB/s "
+          "(read + write; fp8_bench.copy_bandwidth)")
     for name, (n, k) in {"gate_up": (1536, 2048), "down": (2048, 768)}.items():
         w = torch.randint(0, 255, (128, n, k), dtype=torch.uint8, device="cuda")
         for layout in ("rows", "tiled", "rows"):
-            print(f"{name:8} [128, {n}, {k}] {layout:6} {read_gbps(w, layout, args.reps, sms):,.0f} GB/s",
+            print(f"{name:8} [128, {n}, {k}] {layout:6} {read_gbps(w, layout, sms):,.0f} GB/s",
                   flush=True)
 
 
