@@ -496,6 +496,23 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     return q
 
 
+_DECODE_TILE_ENV = "MEGASERVE_ATTN_DECODE_TILE"
+
+
+def decode_serial_tile() -> dict:
+    """:data:`DECODE_SERIAL_TILE`, or with ``$MEGASERVE_ATTN_DECODE_TILE`` ("WARPS,STAGES"
+    or "WARPS,STAGES,MAXNREG"; tuning runs, lab/device/ab_decode.sh) its warps, stages and
+    register cap replaced (none changes a bit)."""
+    text = os.environ.get(_DECODE_TILE_ENV)
+    if not text:
+        return DECODE_SERIAL_TILE
+    v = [int(t) for t in text.split(",")]
+    if len(v) not in (2, 3):
+        raise ValueError(f"${_DECODE_TILE_ENV}={text!r}: expected WARPS,STAGES[,MAXNREG]")
+    return dict(DECODE_SERIAL_TILE, num_warps=v[0], num_stages=v[1],
+                maxnreg=v[2] if len(v) == 3 else 0)
+
+
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                   max_splits: int, ws_bytes: int, head_dim: int = 128) -> AttentionLaunch:
     """The launch for a call, from host-known shapes only (no sync): small tiles for
@@ -517,7 +534,7 @@ def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
                 if decode_like and fold_programs < _FOLD_CHUNK_BELOW else {})
         return AttentionLaunch("chunk", **dict(tile, **fold))
     if decode_like:
-        return AttentionLaunch("serial", **DECODE_SERIAL_TILE)
+        return AttentionLaunch("serial", **decode_serial_tile())
     deep = triton.next_power_of_2(head_dim) <= _DEEP_PREFILL_MAX_D
     return AttentionLaunch("serial", **(PREFILL_SERIAL_TILE if deep else tile))
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.kernels import interp_support
 
 
@@ -139,6 +141,23 @@ def test_prefill_launch_choice() -> None:
     assert choose_launch(1, 1, 4, 8, 8, 1 << 20) == AttentionLaunch("serial",
                                                                      **DECODE_SERIAL_TILE)
     assert PREFILL_SERIAL_TILE["l_cols"] == 16 and PREFILL_SERIAL_TILE["long_first"]
+
+
+def test_decode_tile_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$MEGASERVE_ATTN_DECODE_TILE replaces the serial decode tile's warps, stages and
+    register cap (tuning runs) and nothing else; a malformed value is refused."""
+    from megaserve.kernels.triton_impl.attention import (DECODE_SERIAL_TILE, AttentionLaunch,
+                                                         choose_launch)
+
+    monkeypatch.setenv("MEGASERVE_ATTN_DECODE_TILE", "2,1,128")
+    assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch(
+        "serial", **dict(DECODE_SERIAL_TILE, num_stages=1, maxnreg=128))
+    monkeypatch.setenv("MEGASERVE_ATTN_DECODE_TILE", "4,3")
+    assert choose_launch(64, 64, 8, 4, 64, 1 << 20) == AttentionLaunch(
+        "serial", **dict(DECODE_SERIAL_TILE, num_warps=4, num_stages=3))
+    monkeypatch.setenv("MEGASERVE_ATTN_DECODE_TILE", "2")
+    with pytest.raises(ValueError, match="WARPS,STAGES"):
+        choose_launch(64, 64, 8, 4, 64, 1 << 20)
 
 
 def test_gluon_prefill_tma_boxes() -> None:
