@@ -99,9 +99,16 @@ def linear_rms_norm(
     norm_weight, eps, residual)``, bitwise. x: `[T, K]`, weight: `[D, K]`, residual:
     `[T, D]`; returns ``(norm(h) * norm_weight, h)``. A backend may leave the linear's
     split-K parts for the norm's kernel to fold (Triton: matmul.linear_parts). A
-    :class:`kernels.fp8.BlockFp8` weight: :func:`fp8_linear`, then :func:`rms_norm`.
+    :class:`kernels.fp8.BlockFp8` weight: :func:`fp8_linear`, then :func:`rms_norm` (CUDA:
+    the norm folds the FP8 linear's parts, fp8_gemm.fp8_linear_parts).
     """
     if isinstance(weight, BlockFp8):
+        if x.is_cuda:
+            from .triton_impl.fp8_gemm import fp8_linear_parts
+            from .triton_impl.rowwise import rms_norm as gpu_rms_norm
+
+            return gpu_rms_norm(fp8_linear_parts(x, weight.weight, weight.scale_inv),
+                                norm_weight, eps, residual)
         return rms_norm(fp8_linear(x, weight.weight, weight.scale_inv), norm_weight, eps, residual)
     return _backend(x).linear_rms_norm(x, weight, norm_weight, eps, residual)
 

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .matmul import num_sms
+from .matmul import PARTS_ENV, num_sms
+from .parts import Parts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -266,11 +267,10 @@ def _fp8_linear_kernel(
         part = _split_part(a_ptr, as_ptr, bs_ptr, b_rows, rows, row_ok, cols, col_ok, g_lo, g_hi,
                            K, stride_am, stride_asm, stride_bsn, QUANT_A, WS_SCALAR, BLOCK_M,
                            BLOCK_N, GROUP, FP8_MAX)
-        if PARTS:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + part
+        if PARTS:  # 0 + part: a consumer that folds from ws[0] gets _fold_kernel's bits
             at = ws_ptr + (s_lo * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-            tl.store(at, part, mask=row_ok[:, None] & col_ok[None, :])
-        else:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + part
+            tl.store(at, total, mask=row_ok[:, None] & col_ok[None, :])
     else:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(s_lo, s_hi):
@@ -389,6 +389,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     Returns `[M, N]` in ``out_dtype`` (default x.dtype). Batch-invariant (module NOTE);
     ``launch`` forces a launch (tests, tuning; default :func:`plan_linear`), the same bits.
     """
+    return _fp8_linear(x, weight, scale_inv, out_dtype, launch, fold=True)
+
+
+def fp8_linear_parts(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     launch: LinearLaunch | None = None) -> torch.Tensor | Parts:
+    """:func:`fp8_linear`, or where its launch computes split parts (the Triton launch's
+    parts; :mod:`fp8_gemm_gluon`'s where :func:`fp8_gemm_gluon.parts_pay`) those parts
+    unfolded, token-major (:class:`parts.Parts`, ws `[S, M, N]`, each ``0 + part``), for
+    the consumer kernel to fold: the module NOTE's fold from ws[0] gives the same bits (no
+    stored part is -0, so ``0 + ws[0]`` is ws[0]). One fold launch fewer; matmul's
+    ``$MEGASERVE_LINEAR_PARTS`` "0" folds here instead (A/B runs)."""
+    return _fp8_linear(x, weight, scale_inv, None, launch,
+                       fold=os.environ.get(PARTS_ENV, "1") == "0")
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                out_dtype: torch.dtype | None, launch: LinearLaunch | None,
+                fold: bool) -> torch.Tensor | Parts:
     m, k = x.shape
     check_weight(weight, scale_inv, k)
     n = weight.shape[0]
@@ -406,8 +424,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         if lp.gluon:
             from . import fp8_gemm_gluon
             if fp8_gemm_gluon.applies(a, weight):
-                fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, out, sg,
-                                      pdl=pdl_args(x.device, "gluon_linear")["PDL"])
+                gluon_pdl = pdl_args(x.device, "gluon_linear")["PDL"]
+                if not fold and fp8_gemm_gluon.parts_pay(m, n, k, sg, num_sms(x.device)):
+                    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+                    fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, ws, sg, pdl=gluon_pdl,
+                                          parts=True)
+                    return Parts(ws, None, out.dtype, token_major=True)
+                fp8_gemm_gluon.linear(a, a_s, weight, scale_inv, out, sg, pdl=gluon_pdl)
                 return out
     parts = lp.parts and splits > 1
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if parts else out
@@ -418,6 +441,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         SPLIT_GROUPS=sg, SPLITS=splits, PARTS=parts, QUANT_A=lp.quant_a, BLOCK_M=lp.block_m,
         BLOCK_N=lp.block_n, GROUP=GROUP, FP8_MAX=FP8_MAX, num_warps=lp.num_warps,
         num_stages=lp.num_stages, **pdl_args(x.device, "linear"))
+    if parts and not fold:
+        return Parts(ws, None, out.dtype, token_major=True)
     if parts:
         block = 1024
         _fold_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, out.stride(0),

@@ -275,7 +275,7 @@ def plan_launch(m: int, n: int, k: int, cfg: MatmulConfig, mode: str | None = No
 # loads serves it alone; at 8 rows that is 8x the bytes of the folded row, all from L2.
 # Split mode's parts (token-major) are read whole at any M.
 PARTS_MAX_M = 8
-_PARTS_ENV = "MEGASERVE_LINEAR_PARTS"  # "0": never leave parts unfolded (A/B runs)
+PARTS_ENV = "MEGASERVE_LINEAR_PARTS"  # "0": never leave parts unfolded (A/B runs)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -336,7 +336,7 @@ def linear_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     launch) those parts unfolded (:class:`Parts`), which the consumer kernel folds. The
     same bits either way. ``launch``: as :func:`linear`'s (tests)."""
     return _linear(x, weight, bias, launch=launch,
-                   fold=os.environ.get(_PARTS_ENV, "1") == "0")
+                   fold=os.environ.get(PARTS_ENV, "1") == "0")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

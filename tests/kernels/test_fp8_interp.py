@@ -80,6 +80,26 @@ def check_fp8_linear_launches(torch, ti) -> None:
         with poisoned_empty():
             got = fp8_linear(x, q, s, launch=lp)
         assert torch.equal(got, ref), f"launch {lp}"
+    check_fp8_parts_folded_by_the_norm(torch, ti, q, s, x)
+
+
+def check_fp8_parts_folded_by_the_norm(torch, ti, q, s, x) -> None:
+    """The parts launch left to the norm (fp8_linear_parts: no fold launch) gives the
+    folded linear then the norm's bits, every part written (a poisoned workspace)."""
+    from megaserve.kernels.triton_impl.fp8_gemm import (LinearLaunch, fp8_linear,
+                                                        fp8_linear_parts)
+    from megaserve.kernels.triton_impl.parts import Parts
+
+    n = q.shape[0]
+    x = x.half()  # the interpreter adds bf16 as raw uint16 (check_linear_parts: fp16 too)
+    w = torch.rand(n).half() + 0.5
+    res = torch.randn(x.shape[0], n).half()
+    ref = ti.rms_norm(fp8_linear(x, q, s), w, 1e-6, res)
+    with poisoned_empty():
+        parts = fp8_linear_parts(x, q, s, launch=LinearLaunch(64, 64, parts=True))
+    assert isinstance(parts, Parts) and parts.ws.shape[0] > 1
+    out, h = ti.rms_norm(parts, w, 1e-6, res)
+    assert torch.equal(out, ref[0]) and torch.equal(h, ref[1]), "norm of the parts"
 
 
 def check_fp8_grouped(torch, ti) -> None:
