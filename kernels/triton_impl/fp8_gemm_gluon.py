@@ -64,29 +64,16 @@ def _tile(t, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _items(K, SPLIT_GROUPS: gl.constexpr, PARTS: gl.constexpr):
-    """(work items a tile, groups an item): PARTS: one a split, else one covering K."""
-    items = 1
-    item_groups = gl.cdiv(K, _GROUP)
-    if PARTS:
-        items = gl.cdiv(item_groups, SPLIT_GROUPS)
-        item_groups = SPLIT_GROUPS
-    return items, item_groups
-
-
-@gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, SPLIT_GROUPS: gl.constexpr,
-            PARTS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr):
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+            PROGRAMS: gl.constexpr):
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     num_groups = gl.cdiv(K, _GROUP)
-    items, item_groups = _items(K, SPLIT_GROUPS, PARTS)
     i = 0
-    for t in range(gl.program_id(0), tiles_m * tiles_n * items, PROGRAMS):
-        pm, pn = _tile(t // items, tiles_m, tiles_n, GROUP_M)
-        g_first = (t % items) * item_groups
-        for g in range(g_first, gl.minimum(g_first + item_groups, num_groups)):
+    for t in range(gl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+        pm, pn = _tile(t, tiles_m, tiles_n, GROUP_M)
+        for g in range(num_groups):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot),
@@ -100,16 +87,13 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, SPLIT_GROUPS:
 
 @gluon.jit
 def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M, N, K,
-         stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, PARTS: gl.constexpr,
-         HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-         STAGES: gl.constexpr, GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr,
-         C_TMA: gl.constexpr):
+         stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, HALF: gl.constexpr,
+         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+         GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr, C_TMA: gl.constexpr):
     """An MMA partition (one warp group): of each tile, rows ``HALF * 64 + [0, 64)``
     (BLOCK_M 128) or columns ``HALF * 64 + [0, 64)`` (BLOCK_M 64). C_TMA: its part of the
     tile goes out through c_smem by a TMA store (waited for before the next tile's store),
-    else by stores from registers. PARTS: a work item is one split of a tile, whose
-    ``0 + part`` goes from registers to c_ptr's ws `[S, M, N]` fp32 at split s's rows
-    (c_ptr's rows are ``s * M + row``; fp8_gemm's NOTE: the consumer folds them)."""
+    else by stores from registers."""
     ROWS: gl.constexpr = 64
     COLS: gl.constexpr = BLOCK_N if BLOCK_M == 128 else BLOCK_N // 2
     ROW0: gl.constexpr = HALF * ROWS if BLOCK_M == 128 else 0
@@ -123,30 +107,28 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
     tiles_n = gl.cdiv(N, BLOCK_N)
     num_groups = gl.cdiv(K, _GROUP)
     split = num_groups if SPLIT_GROUPS == 0 else SPLIT_GROUPS  # the host passes 0: one split
-    items, item_groups = _items(K, SPLIT_GROUPS, PARTS)
     i = 0
-    for t in range(gl.program_id(0), tiles_m * tiles_n * items, PROGRAMS):
-        pm, pn = _tile(t // items, tiles_m, tiles_n, GROUP_M)
-        g_first = (t % items) * item_groups
-        g_end = gl.minimum(g_first + item_groups, num_groups)
+    for t in range(gl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+        pm, pn = _tile(t, tiles_m, tiles_n, GROUP_M)
         rows = pm * BLOCK_M + ROW0 + gl.arange(0, ROWS, layout=ROW)
         row_ok = rows < M
         as_rows = as_ptr + rows.to(gl.int64) * stride_asm
         bs_row = bs_ptr + ((pn * BLOCK_N) // _GROUP) * stride_bsn
         total = zero
-        a_s = gl.load(as_rows + g_first, mask=row_ok, other=0.0)
-        b_s = gl.load(bs_row + g_first)
-        for g_lo in range(g_first, g_end, split):
+        a_s = gl.load(as_rows, mask=row_ok, other=0.0)
+        b_s = gl.load(bs_row)
+        for g_lo in range(0, num_groups, split):
             part = zero
-            for g in range(g_lo, gl.minimum(g_lo + split, g_end)):
+            for g in range(g_lo, gl.minimum(g_lo + split, num_groups)):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 d = warpgroup_mma(a_bufs.index(slot).slice(ROW0, ROWS),
                                   w_bufs.index(slot).slice(COL0, COLS).permute((1, 0)), zero,
                                   use_acc=False, is_async=True)
                 # group g + 1's scales load while the chain runs (0 past the last group)
-                a_s_next = gl.load(as_rows + g + 1, mask=row_ok & (g + 1 < g_end), other=0.0)
-                b_s_next = gl.load(bs_row + g + 1, mask=g + 1 < g_end, other=0.0)
+                a_s_next = gl.load(as_rows + g + 1, mask=row_ok & (g + 1 < num_groups),
+                                   other=0.0)
+                b_s_next = gl.load(bs_row + g + 1, mask=g + 1 < num_groups, other=0.0)
                 d = warpgroup_mma_wait(num_outstanding=0, deps=(d,))
                 mbarrier.arrive(empty.index(slot))
                 part = gl.fma(d, gl.expand_dims(a_s * b_s, 1), part)
@@ -154,12 +136,7 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
                 b_s = b_s_next
                 i += 1
             total = total + part
-        if PARTS:
-            cols = pn * BLOCK_N + COL0 + gl.arange(0, COLS, layout=COL)
-            at = (c_ptr + gl.expand_dims((g_first // SPLIT_GROUPS * M + rows).to(gl.int64) * N, 1)
-                  + gl.expand_dims(cols, 0))
-            gl.store(at, total, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < N, 0))
-        elif C_TMA:
+        if C_TMA:
             tma.store_wait(pendings=0)  # the previous tile's rows have left c_smem
             c_smem.store(total.to(c_desc.dtype))
             fence_async_shared()
@@ -177,14 +154,13 @@ def _mma(a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c_smem, M,
 
 @gluon.jit
 def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride_asm,
-                  stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, PARTS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr, C_TMA: gl.constexpr,
-                  MMA_REGS: gl.constexpr, LOAD_REGS: gl.constexpr, PDL: gl.constexpr):
+                  stride_bsn, stride_cm, SPLIT_GROUPS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                  PROGRAMS: gl.constexpr, C_TMA: gl.constexpr, MMA_REGS: gl.constexpr,
+                  LOAD_REGS: gl.constexpr, PDL: gl.constexpr):
     """The module docstring's GEMM over every tile; this program's warps are the first MMA
-    group. SPLIT_GROUPS: groups per K split (0: one split). PARTS: every (tile, split) a
-    work item, its part stored to c_ptr's ws `[S, M, N]` fp32 (not with C_TMA). C_TMA:
-    c_desc (64-row boxes of c) takes the tiles' rows, else c_ptr."""
+    group. SPLIT_GROUPS: groups per K split (0: one split). C_TMA: c_desc (64-row boxes of
+    c) takes the tiles' rows, else c_ptr."""
     pdl.gluon_wait_then_release(PDL)  # first: no memory access before it
     a_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_M, _GROUP], a_desc.layout)
     w_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, _GROUP], w_desc.layout)
@@ -204,31 +180,22 @@ def linear_kernel(a_desc, w_desc, as_ptr, bs_ptr, c_ptr, c_desc, M, N, K, stride
     fence_async_shared()
     gl.warp_specialize([
         (_mma, (a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c0, M, N, K,
-                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, PARTS, 0, BLOCK_M, BLOCK_N, STAGES,
+                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 0, BLOCK_M, BLOCK_N, STAGES,
                 GROUP_M, PROGRAMS, C_TMA)),
         (_mma, (a_bufs, w_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, c_desc, c1, M, N, K,
-                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, PARTS, 1, BLOCK_M, BLOCK_N, STAGES,
+                stride_asm, stride_bsn, stride_cm, SPLIT_GROUPS, 1, BLOCK_M, BLOCK_N, STAGES,
                 GROUP_M, PROGRAMS, C_TMA)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, SPLIT_GROUPS, PARTS,
-                   BLOCK_M, BLOCK_N, STAGES, GROUP_M, PROGRAMS)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N,
+                   STAGES, GROUP_M, PROGRAMS)),
     ], [4, 4], [MMA_REGS, LOAD_REGS])
 
 
-def tile_rows(m: int, n: int, sms: int, items: int = 1) -> int:
-    """Rows a tile: 128 (each MMA group 64 rows x 128 columns) where such tiles' work items
-    (``items`` a tile: the splits of a parts launch) number at least half the SMs, else 64
-    (each MMA group 64 x 64). H200, ``lab/fp8_gluon_sweep.py`` (us): Qwen3-30B-A3B qkv at
-    M = 256 (80 tiles of 128 rows) 11.1 against 14.0; at M = 128 (40) 10.8 against 8.8;
-    DeepSeek-V3 o_proj at M = 128 (56) 61.3 against 48.5."""
-    return 128 if 2 * triton.cdiv(m, 128) * triton.cdiv(n, BLOCK_N) * items >= sms else 64
-
-
-def parts_pay(m: int, n: int, k: int, split_groups: int, sms: int) -> bool:
-    """Whether a launch that leaves its split parts to the consumer (:func:`linear`'s
-    ``parts``) should: the weight has more than one split and the folded launch's tiles
-    would leave SMs idle (decode-sized M)."""
-    splits = triton.cdiv(triton.cdiv(k, GROUP), split_groups)
-    return splits > 1 and triton.cdiv(m, tile_rows(m, n, sms)) * triton.cdiv(n, BLOCK_N) < sms
+def tile_rows(m: int, n: int, sms: int) -> int:
+    """Rows a tile: 128 (each MMA group 64 rows x 128 columns) where such tiles number at
+    least half the SMs, else 64 (each MMA group 64 x 64). H200, ``lab/fp8_gluon_sweep.py``
+    (us): Qwen3-30B-A3B qkv at M = 256 (80 tiles of 128 rows) 11.1 against 14.0; at M = 128
+    (40) 10.8 against 8.8; DeepSeek-V3 o_proj at M = 128 (56) 61.3 against 48.5."""
+    return 128 if 2 * triton.cdiv(m, 128) * triton.cdiv(n, BLOCK_N) >= sms else 64
 
 
 def applies(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -247,38 +214,26 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 def linear(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
            out: torch.Tensor, split_groups: int, *, block_m: int | None = None,
-           stages: int = STAGES, c_tma: bool | None = None, pdl: bool = False,
-           parts: bool = False) -> None:
+           stages: int = STAGES, c_tma: bool | None = None, pdl: bool = False) -> None:
     """``out = a @ dequant(weight).T`` by fp8_gemm's arithmetic: a `[M, K]` e4m3 with group
     scales a_s `[M, G]` (:func:`fp8_gemm.quantize_rows`), weight `[N, K]` e4m3 with
     scale_inv `[ceil(N/128), G]`, split_groups the weight's K split (fp8_gemm.split_groups).
-    parts: out is the split parts' ws `[S, M, N]` fp32 (S > 1 splits, each stored as
-    ``0 + part``), left for the consumer to fold (fp8_gemm.fp8_linear_parts).
     block_m (default :func:`tile_rows`), stages, c_tma: the tile's rows, the ring's slots and
-    whether out is written by TMA (default: where TMA can write it; never parts); pdl:
-    launched with PDL (fp8_gemm.PDL_KERNELS' "gluon_linear"); speed only, the same bits."""
+    whether out is written by TMA (default: where TMA can write it); pdl: launched with PDL
+    (fp8_gemm.PDL_KERNELS' "gluon_linear"); speed only, the same bits."""
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count
-    m, n = a.shape[0], weight.shape[0]
-    items = 1
-    if parts:
-        items = out.shape[0]
-        if (out.dtype != torch.float32 or tuple(out.shape) != (items, m, n) or items < 2
-                or not out.is_contiguous()):
-            raise ValueError(f"fp8 Gluon linear: parts need a contiguous float32 [S >= 2, {m}, "
-                             f"{n}] ws, got {out.dtype} {list(out.shape)}")
-        c_tma = False
-    elif c_tma is None:
+    if c_tma is None:
         c_tma = (out.dtype in _GL_DTYPES and out.stride(1) == 1
                  and out.stride(0) * out.element_size() % 16 == 0 and out.data_ptr() % 16 == 0)
     args, constexprs = _launch(a, a_s, weight, scale_inv, out, split_groups, programs,
-                               block_m or tile_rows(m, n, programs, items), stages, c_tma,
-                               pdl, parts)
+                               block_m or tile_rows(a.shape[0], weight.shape[0], programs),
+                               stages, c_tma, pdl)
     linear_kernel[(programs,)](**args, **constexprs, num_warps=4, maxnreg=MAXNREG,
                                launch_pdl=pdl)
 
 
 def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, block_m: int,
-            stages: int, c_tma: bool, pdl: bool, parts: bool = False) -> tuple[dict, dict]:
+            stages: int, c_tma: bool, pdl: bool) -> tuple[dict, dict]:
     """:func:`linear_kernel`'s arguments and constexprs for :func:`linear`'s call."""
     m, k = a.shape
     n = weight.shape[0]
@@ -295,26 +250,23 @@ def _launch(a, a_s, weight, scale_inv, out, split_groups: int, programs: int, bl
     one_split = split_groups >= triton.cdiv(k, GROUP)
     args = dict(a_desc=a_desc, w_desc=w_desc, as_ptr=a_s, bs_ptr=scale_inv, c_ptr=out,
                 c_desc=c_desc, M=m, N=n, K=k, stride_asm=a_s.stride(0),
-                stride_bsn=scale_inv.stride(0), stride_cm=out.stride(-2))
-    constexprs = dict(SPLIT_GROUPS=0 if one_split else split_groups, PARTS=parts,
-                      BLOCK_M=block_m,
+                stride_bsn=scale_inv.stride(0), stride_cm=out.stride(0))
+    constexprs = dict(SPLIT_GROUPS=0 if one_split else split_groups, BLOCK_M=block_m,
                       BLOCK_N=BLOCK_N, STAGES=stages, GROUP_M=GROUP_M, PROGRAMS=programs,
                       C_TMA=c_tma, MMA_REGS=MMA_REGS, LOAD_REGS=LOAD_REGS, PDL=pdl)
     return args, constexprs
 
 
 def sm90_build(m: int, n: int, k: int, split_groups: int, *, block_m: int,
-               pdl: bool, parts: bool = False) -> Sm90Build:
+               pdl: bool) -> Sm90Build:
     """:func:`linear`'s kernel compiled for an H100/H200 (132 SMs) on any machine, at the
-    launch it makes for `[m, k] x [n, k]^T` with bf16 output stored by TMA, or with
-    ``parts`` its fp32 parts from registers (registers, spills, shared memory, SASS). No
-    GPU: CPU tensors stand in for the operands."""
+    launch it makes for `[m, k] x [n, k]^T` with bf16 output stored by TMA (registers,
+    spills, shared memory, SASS). No GPU: CPU tensors stand in for the operands."""
     fp8 = torch.float8_e4m3fn
     g = triton.cdiv(k, GROUP)
-    out = (torch.empty(triton.cdiv(g, split_groups), m, n) if parts
-           else torch.empty(m, n, dtype=torch.bfloat16))
     args, constexprs = _launch(torch.empty(m, k, dtype=fp8), torch.empty(m, g),
                                torch.empty(n, k, dtype=fp8),
-                               torch.empty(triton.cdiv(n, GROUP), g), out, split_groups, 132,
-                               block_m, STAGES, not parts, pdl, parts)
+                               torch.empty(triton.cdiv(n, GROUP), g),
+                               torch.empty(m, n, dtype=torch.bfloat16), split_groups, 132,
+                               block_m, STAGES, True, pdl)
     return compile_sm90(linear_kernel, args, constexprs, maxnreg=MAXNREG)
