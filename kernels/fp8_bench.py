@@ -343,11 +343,12 @@ def summarize_decode(bf16_json: str, fp8_json: str) -> None:
     bandwidth = fp8["copy_bandwidth_gbs"] * 1e9
     print(f"\n{fp8['model']} decode on {fp8['device']}: fp8 vs bf16 (copy {bandwidth / 1e12:.2f} TB/s)")
     print(f"{'batch':>5} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'fp8 roof ms':>12}"
-          f" {'fp8 step ms':>12} {'fp8 % roof':>11}")
+          f" {'fp8 step ms':>12} {'fp8 % roof':>11}{_STEADY_HEAD}")
     for a, b in zip(bf16["decode"], fp8["decode"]):
+        roof = fp8_roofline_ms(fp8, b, bandwidth)
         print(f"{b['batch']:5d} {a['tok_s']:11.0f} {b['tok_s']:10.0f} {b['tok_s'] / a['tok_s']:9.2f}"
-              f" {fp8_roofline_ms(fp8, b, bandwidth):12.3f} {b['step_ms_median']:12.3f}"
-              f" {100 * fp8_roofline_ms(fp8, b, bandwidth) / b['step_ms_median']:10.0f}%")
+              f" {roof:12.3f} {b['step_ms_median']:12.3f}"
+              f" {100 * roof / b['step_ms_median']:10.0f}%{_steady(b, roof)}")
 
 
 def summarize_roofline(fp8_json: str) -> None:
@@ -359,11 +360,21 @@ def summarize_roofline(fp8_json: str) -> None:
     bandwidth = fp8["copy_bandwidth_gbs"] * 1e9
     print(f"\n{fp8['model']} ({fp8['num_layers']} layers) fp8 decode on {fp8['device']} "
           f"(copy {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'batch':>5} {'tok/s':>8} {'step ms':>9} {'roof ms':>9} {'% roof':>7}")
+    print(f"{'batch':>5} {'tok/s':>8} {'step ms':>9} {'roof ms':>9} {'% roof':>7}{_STEADY_HEAD}")
     for b in fp8["decode"]:
         roof = fp8_roofline_ms(fp8, b, bandwidth)
         print(f"{b['batch']:5d} {b['tok_s']:8.0f} {b['step_ms_median']:9.3f} {roof:9.3f}"
-              f" {100 * roof / b['step_ms_median']:6.0f}%")
+              f" {100 * roof / b['step_ms_median']:6.0f}%{_steady(b, roof)}")
+
+
+# The steady step (back to back, as a serving loop runs; bench decode's steady_step_ms,
+# absent from older reports) beside the synchronised median.
+_STEADY_HEAD = f" {'steady ms':>10} {'% roof':>7}"
+
+
+def _steady(run: dict, roof: float) -> str:
+    ms = run.get("steady_step_ms")
+    return f" {ms:10.3f} {100 * roof / ms:6.0f}%" if ms else f" {'-':>10} {'-':>7}"
 
 
 def fp8_roofline_ms(report: dict, run: dict, bandwidth: float) -> float:
