@@ -24,8 +24,9 @@ activation is quantized inside the GEMM's K loop or by :func:`quantize_rows` bef
 (one jitted helper, :func:`quantize_tile`, the same fp32 operations either way), and
 whether a program folds the splits in registers or stores part_s to a workspace that
 :func:`_fold_kernel` (or the kernel that consumes the output: :func:`fp8_linear_parts`)
-folds in the same order (decode: S programs per tile instead of one), and whether :mod:`fp8_gemm_gluon`'s kernel (Hopper, prefill-sized calls) runs it instead of
-this module's. tests/kernels/test_fp8_gpu.py checks every launch bitwise against the others.
+folds in the same order (decode: S programs per tile instead of one), and whether
+:mod:`fp8_gemm_gluon`'s kernel (Hopper, prefill-sized calls) runs it instead of this
+module's. tests/kernels/test_fp8_gpu.py checks every launch bitwise against the others.
 
 Weights: e4m3 `[N, K]` with float32 ``scale_inv`` `[ceil(N/128), ceil(K/128)]`:
 DeepSeek-V3's and the Qwen3 FP8 checkpoints' 128 x 128 block format.
