@@ -1,7 +1,8 @@
 """Decode attention at serving batches on one GPU: the default launch against the same
 serial tile at other pipeline depths and warps (launch choices: the same bits, checked
-here with ``torch.equal``), us a call over copies of the caches. Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head
-dim 128, 16-token cache blocks), contexts drawn around ``--context``.
+here with ``torch.equal``), us a call over copies of the caches. Qwen3-30B-A3B's
+attention (32 query heads, 4 KV heads, head dim 128, 16-token cache blocks), contexts
+drawn around ``--context``.
 
     python lab/attn_decode_stages.py [--batches 64 256 1024] [--context 80 1000]
         [--variants 2,2 2,2,168 2,1,128 ...]
@@ -10,7 +11,6 @@ dim 128, 16-token cache blocks), contexts drawn around ``--context``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
@@ -20,12 +20,6 @@ from megaserve.kernels.triton_impl import attention as at
 HQ, HKV, DH, BLOCK = 32, 4, 128, 16
 
 
-def _variant(text: str) -> tuple[int, int, int]:
-    """"WARPS,STAGES[,MAXNREG]" → (warps, stages, maxnreg or 0)."""
-    v = [int(t) for t in text.split(",")]
-    return v[0], v[1], v[2] if len(v) > 2 else 0
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
@@ -33,8 +27,9 @@ def main() -> None:
     parser.add_argument("--table-blocks", type=int, default=0,
                         help="block-table width (the engine's: max_model_len / block size; "
                              "0: the longest context's)")
-    parser.add_argument("--variants", nargs="+", type=_variant,
-                        default=[_variant(v) for v in ("4,1", "4,2", "4,3", "2,2", "2,3", "8,2")],
+    parser.add_argument("--variants", nargs="+", type=at.decode_tile,
+                        default=[at.decode_tile(v)
+                                 for v in ("4,1", "4,2", "4,3", "2,2", "2,3", "8,2")],
                         help="serial tiles as WARPS,STAGES[,MAXNREG] (MAXNREG: registers a "
                              "thread, AttentionLaunch.maxnreg)")
     args = parser.parse_args()
@@ -77,12 +72,12 @@ def main() -> None:
             line = (f"ctx ~{ctx:5d} batch {b:5d}: KV {kv_bytes / 1e6:6.1f} MB at copy "
                     f"{kv_bytes / bandwidth * 1e6:5.1f} us; default {default.mode} "
                     f"w{default.num_warps} s{default.num_stages} {t_ref:6.1f}")
-            for warps, stages, regs in args.variants:
-                lp = dataclasses.replace(at.AttentionLaunch("serial", **at.DECODE_SERIAL_TILE),
-                                         num_warps=warps, num_stages=stages, maxnreg=regs)
+            for tile in args.variants:
+                lp = at.AttentionLaunch("serial", **tile)
                 same = torch.equal(run(lp), ref)
                 t = timed(lp)
-                name = f"w{warps} s{stages}" + (f" r{regs}" if regs else "")
+                name = (f"w{lp.num_warps} s{lp.num_stages}"
+                        + (f" r{lp.maxnreg}" if lp.maxnreg else ""))
                 line += f" | {name} {t:6.1f}{'' if same else ' BITS DIFFER'}"
             print(line, flush=True)
 

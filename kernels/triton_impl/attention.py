@@ -499,18 +499,22 @@ def rotary_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
 _DECODE_TILE_ENV = "MEGASERVE_ATTN_DECODE_TILE"
 
 
-def decode_serial_tile() -> dict:
-    """:data:`DECODE_SERIAL_TILE`, or with ``$MEGASERVE_ATTN_DECODE_TILE`` ("WARPS,STAGES"
-    or "WARPS,STAGES,MAXNREG"; tuning runs, lab/device/ab_decode.sh) its warps, stages and
-    register cap replaced (none changes a bit)."""
-    text = os.environ.get(_DECODE_TILE_ENV)
-    if not text:
-        return DECODE_SERIAL_TILE
+def decode_tile(text: str, source: str = "decode tile") -> dict:
+    """:data:`DECODE_SERIAL_TILE` with its warps, stages and register cap replaced by
+    ``text``, "WARPS,STAGES" or "WARPS,STAGES,MAXNREG" (none changes a bit); ``source``
+    names where ``text`` came from in the error."""
     v = [int(t) for t in text.split(",")]
     if len(v) not in (2, 3):
-        raise ValueError(f"${_DECODE_TILE_ENV}={text!r}: expected WARPS,STAGES[,MAXNREG]")
+        raise ValueError(f"{source} {text!r}: expected WARPS,STAGES[,MAXNREG]")
     return dict(DECODE_SERIAL_TILE, num_warps=v[0], num_stages=v[1],
                 maxnreg=v[2] if len(v) == 3 else 0)
+
+
+def decode_serial_tile() -> dict:
+    """:data:`DECODE_SERIAL_TILE`, or :func:`decode_tile` of ``$MEGASERVE_ATTN_DECODE_TILE``
+    (tuning runs, lab/device/ab_decode.sh)."""
+    text = os.environ.get(_DECODE_TILE_ENV)
+    return decode_tile(text, f"${_DECODE_TILE_ENV}") if text else DECODE_SERIAL_TILE
 
 
 def choose_launch(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int,
