@@ -4,6 +4,7 @@
 #   profile: nccl diagnosis, bench device-plane at batch 256 (traces) and 1024
 #   tests:   the device plane's GPU tests (bitwise across GPUs, cuda_ipc and nccl)
 #   bench:   the benchmark table of docs/results/disaggregation.md
+#   trace:   kernel timelines of one GPU, EP over 2 and 1 + 1 (lab/stream_busy.py's summary)
 #   speed:   the split's cost (plane kernels, bitwise across GPUs, tick vs NCCL, batch 256 A/B)
 #   speed2:  batch 1024, m = 3 and Qwen3-235B-A22B (LAYERS_235B layers, default 20)
 #   layouts: megaserve bench device-layouts (PARTS="30b 235b": one call each): Qwen3-30B-A3B:48 at 256 and 1024
@@ -140,6 +141,17 @@ layouts)  # the per-GPU comparison of docs/results/disaggregation.md "Layouts", 
   done
   step 235b-table layouts.log 30 $DL --merge "${files[@]}" --json "$OUT/l235b.json" --measurements "$OUT/m235b.json"; }
   ;;
+trace)  # kernel timelines (megaserve/runtime/step_trace.py) of 3 steady steps per case and
+  # process: one GPU, EP over 2, 1 + 1 at m = 1; lab/stream_busy.py's summary, traces.tgz
+  TR=/tmp/traces; rm -rf $TR
+  for spec in ${LAYOUTS_TRACE:-colocated=70 ep:2=200 split:1=80}; do
+    name=${spec%=*}; mkdir -p "$TR/${name/:/}"
+    MEGASERVE_EXPERT_TRACE="$TR/${name/:/}" step "trace-$name" layouts.log "${spec#*=}" \
+      python3 -m megaserve.bench.device_layouts --model $MODEL --cases ${CASES:-64x256,64x1024} \
+      --whole none --baseline "$name" --layouts "" --json "$TR/${name/:/}/rows.json"
+  done
+  python3 lab/stream_busy.py $TR/*/*.json > "$OUT/stream_busy.txt" 2>&1
+  tar czf "$OUT/traces.tgz" -C $TR . ;;
 bench)
   step bench_b256 bench.log 250 $BENCH --num-prompts 256 --max-num-seqs 256 --layouts cuda_ipc:1,cuda_ipc:2,cuda_ipc:3
   step bench_b1024 bench.log 250 $BENCH --num-prompts 1024 --max-num-seqs 1024 --layouts cuda_ipc:1 ;;

@@ -52,6 +52,7 @@ from megaserve.bench.layouts_report import measurements_file, merge, print_table
 
 SETTLE_STEPS = 4  # decode steps after every sequence has a token, before timing
 TIMED_STEPS = 10
+TRACED_STEPS = 3  # with $MEGASERVE_EXPERT_TRACE, after the timed steps
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,29 @@ def steady(engine, prompts: list[list[int]], params, device: str, tag: str) -> d
         engine.step()
     _sync(device)
     ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
+    _traced_steps(engine, tag)
     for i in range(len(prompts)):
         engine.abort_request(f"{tag}{i}")
     while engine.has_unfinished_requests():
         engine.step()
     return {"ms_step": ms, "steps_to_decode": steps, "timed_steps": TIMED_STEPS}
+
+
+def _traced_steps(engine, tag: str) -> None:
+    """With ``$MEGASERVE_EXPERT_TRACE`` (megaserve/runtime/step_trace.py): TRACED_STEPS more
+    steps in a trace window of every process, this one's timeline in ``front<tag>-0.json``."""
+    from megaserve.runtime.step_trace import START_FILE, StepTrace
+
+    front = StepTrace.from_env(f"front{tag.rstrip('.')}")
+    if front is None:
+        return
+    start = os.path.join(front.trace_dir, START_FILE)
+    open(start, "w").close()
+    for _ in range(TRACED_STEPS):
+        front.before_step()
+        engine.step()
+    os.remove(start)
+    front.before_step()
 
 
 def whole(engine, prompts: list[list[int]], params, device: str, tag: str) -> dict:

@@ -304,7 +304,7 @@ def _measure(layout: _Layout, base: dict, params, args) -> dict:
         row.update(_steady(engine, prompts, params, args.max_num_seqs, trace))
     finally:
         engine.shutdown()
-    if args.trace_dir:  # expert processes' timelines (device_engine.TRACE_ENV)
+    if args.trace_dir:  # expert processes' timelines (step_trace.TRACE_ENV)
         import glob
 
         for path in glob.glob(f"{args.trace_dir}/expert*.json"):

@@ -58,6 +58,7 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
 from megaserve.runtime.engine_client import EngineClient
 from megaserve.runtime.layout import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
+from megaserve.runtime.step_trace import START_FILE, TRACE_ENV
 from megaserve.runtime.routing import replica_router
 from megaserve.sampling_params import SamplingParams
 
@@ -145,7 +146,6 @@ def _worker_relay(spec: ExpertWorkerSpec) -> tuple[Relay, RelaySlots]:
     return Relay(endpoint, slots.outgoing, routes, slots.incoming), slots
 
 
-TRACE_ENV = "MEGASERVE_EXPERT_TRACE"
 TRACED_STEPS = 3
 
 
@@ -160,7 +160,7 @@ def _traced_graph_steps(server: ExpertServer, trace_dir: str):
 
     def traced(rows: int, replicas: tuple[int, ...] = (0,)) -> None:
         if state["done"] or (state["prof"] is None
-                             and not os.path.exists(os.path.join(trace_dir, "start"))):
+                             and not os.path.exists(os.path.join(trace_dir, START_FILE))):
             return step(rows, replicas)
         if state["prof"] is None:
             state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])

@@ -71,6 +71,7 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
                                         StepReport, Stop, WorkerFailure, WorkerReady,
                                         WorkerStats)
+from megaserve.runtime.step_trace import StepTrace
 from megaserve.runtime.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -439,6 +440,7 @@ class _DeviceWorker:
                                             daemon=True)
             self._reader.start()
         self.engine = self.barrier = self.experts = self.stream = None
+        self.trace = StepTrace.from_env(f"{spec.role}{spec.index}")
         with _startup_turn(spec):  # module HAZARD: one process at a time compiles and captures
             if self.replica is not None:
                 self._build_replica(peers, own_replica)
@@ -585,6 +587,8 @@ class _DeviceWorker:
             expert_ticks=self.expert.server.ticks if self.expert is not None else 0)
 
     def _run_step(self, message: RunStep) -> None:
+        if self.trace is not None:
+            self.trace.before_step()
         if self.barrier is not None:
             self.barrier.begin(message.step, message.replicas, message.sync_debug)
         with sync_debug_mode(message.sync_debug):
