@@ -11,12 +11,20 @@ of a tick, c = rows a tick uses, S = slot rows (c <= S), n = local experts.
 * :func:`local_ids`: the expert side's routed-row ids. Row (p, t, r) of a tick is the local
   index of expert ``ids[p, t, r]`` where t < ``counts[p]``, else the sentinel n (never
   computed): a mask, a lookup and a cast in one program.
+* :func:`route_rows`: the dispatch to one of several workers. The rows of the tokens
+  with at least one rank that worker owns go to its slot in token order (a prefix count of
+  such tokens), their ids with -1 where another worker owns the rank, and the count: one
+  grid instead of a cumsum, two index copies and half a dozen elementwise launches.
+* :func:`copy_routed`: the expert side's return of a tick's `[c, k, D]` outputs: only the
+  (row, rank) entries the worker computed (local id not the sentinel), which are the ones
+  the replica reads; the others are not written (half the bytes with two workers).
 * :func:`combine_into`: ``kernels.combine``'s sum (the same kernel, so the same bits)
   written straight into a given float32 buffer, e.g. the replica's inbox on another GPU.
 
 Nothing here reduces across rows or columns except :func:`combine_into`, whose reduction
-is ``kernels.combine``'s (a token's k products in ascending rank order): every output
-element is a function of its own inputs only, whatever T, P or the launch.
+is ``kernels.combine``'s (a token's k products in ascending rank order), and route_rows'
+prefix count, an exact integer sum: every output element is a function of its own inputs
+only, whatever T, P or the launch.
 """
 
 from __future__ import annotations
@@ -95,6 +103,137 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         w_src.stride(0), rows.stride(0), ids.stride(0), w_dst.stride(0),
         TOP_K=k, KP=triton.next_power_of_2(k), HAS_W=has_w,
         BLOCK_D=min(_PACK_BLOCK_D, triton.next_power_of_2(d)), num_warps=4)
+
+
+@triton.jit
+def _route_kernel(x_ptr, ids_ptr, owner_ptr, rows_ptr, slot_ids_ptr, count_ptr, pos_ptr,
+                  T, D, WORKER, stride_x, stride_ids, stride_rows, stride_sids,
+                  TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    first = pid * BLOCK_T  # this program's tokens: [first, first + BLOCK_T)
+    ranks = tl.arange(0, KP)
+    rmask = ranks < TOP_K
+    # the tokens before this block that WORKER needs: its rows' first slot row
+    base = tl.sum(tl.zeros((BLOCK_T,), tl.int32), axis=0)
+    for start in range(0, first, BLOCK_T):
+        toks = start + tl.arange(0, BLOCK_T)
+        m = (toks < T)[:, None] & rmask[None, :]
+        ids = tl.load(ids_ptr + toks[:, None].to(tl.int64) * stride_ids + ranks[None, :],
+                      mask=m, other=0)
+        own = tl.load(owner_ptr + ids, mask=m, other=-1)
+        base += tl.sum(tl.max((own == WORKER).to(tl.int32), axis=1), axis=0)
+    toks = first + tl.arange(0, BLOCK_T)
+    ok = toks < T
+    m = ok[:, None] & rmask[None, :]
+    ids = tl.load(ids_ptr + toks[:, None].to(tl.int64) * stride_ids + ranks[None, :], mask=m,
+                  other=0)
+    own = tl.load(owner_ptr + ids, mask=m, other=-1)
+    mine = m & (own == WORKER)
+    need = tl.max(mine.to(tl.int32), axis=1)  # [BLOCK_T]
+    pos = base + tl.cumsum(need, axis=0) - 1  # the torch path's need.cumsum(0) - 1
+    tl.store(pos_ptr + toks, pos.to(tl.int64), mask=ok)
+    has = ok & (need > 0)
+    dest = pos.to(tl.int64)
+    tl.store(slot_ids_ptr + dest[:, None] * stride_sids + ranks[None, :],
+             tl.where(mine, ids, -1).to(tl.int32), mask=has[:, None] & rmask[None, :])
+    src = toks.to(tl.int64)
+    for dstart in range(0, D, BLOCK_D):
+        cols = dstart + tl.arange(0, BLOCK_D)
+        cm = has[:, None] & (cols < D)[None, :]
+        row = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=cm)
+        tl.store(rows_ptr + dest[:, None] * stride_rows + cols[None, :], row, mask=cm)
+    if pid == tl.num_programs(0) - 1:
+        total = base + tl.sum(need, axis=0)
+        tl.store(count_ptr + tl.arange(0, 1), tl.zeros((1,), tl.int32) + total)
+
+
+_ROUTE_BLOCK_T = 16  # tokens a program routes
+_ROUTE_BLOCK_D = 512
+
+
+def route_rows(x: torch.Tensor, topk_ids: torch.Tensor, owner: torch.Tensor, worker: int,
+               rows: torch.Tensor, ids: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Write the tokens that expert worker ``worker`` serves into its inbox slot.
+
+    x: `[T, D]`; topk_ids: `[T, k]` int64; owner: `[N]` int64, the worker of each global
+    expert; rows: `[S, D]` x.dtype; ids: `[S, k]` int32; count: `[1]` int32. With need(t)
+    = some rank of token t is owned by ``worker`` and pos = need's inclusive prefix sum - 1
+    (`[T]` int64, returned): for every needed t, rows[pos[t]] = x[t] and ids[pos[t]] = its
+    ids, -1 where another worker owns the rank; count = the needed tokens. Nothing else is
+    written (the torch path's dump row neither). rows, ids and count may be another GPU's
+    memory mapped here. Raises ``ValueError`` for shapes or dtypes that do not fit.
+    """
+    t, d = x.shape
+    k = topk_ids.shape[1]
+    if (topk_ids.shape[0] != t or rows.shape[0] < t or rows.shape[1] != d
+            or ids.shape[0] < t or ids.shape[1] != k or count.numel() != 1
+            or owner.dim() != 1):
+        raise ValueError(f"route_rows: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                         f"owner {tuple(owner.shape)} do not fit rows {tuple(rows.shape)}, "
+                         f"ids {tuple(ids.shape)}, count {tuple(count.shape)}")
+    if (rows.dtype != x.dtype or ids.dtype != torch.int32 or count.dtype != torch.int32
+            or topk_ids.dtype != torch.int64 or owner.dtype != torch.int64):
+        raise ValueError(f"route_rows: rows must be {x.dtype}, ids and count int32, topk_ids "
+                         f"and owner int64; got {rows.dtype}, {ids.dtype}, {count.dtype}, "
+                         f"{topk_ids.dtype}, {owner.dtype}")
+    for name, tensor in (("x", x), ("rows", rows), ("topk_ids", topk_ids), ("ids", ids)):
+        if tensor.stride(1) != 1:
+            raise ValueError(f"route_rows: {name} must have unit column stride")
+    pos = torch.empty(t, dtype=torch.int64, device=x.device)
+    if t == 0:
+        count.fill_(0)
+        return pos
+    _route_kernel[(triton.cdiv(t, _ROUTE_BLOCK_T),)](
+        x, topk_ids, owner.contiguous(), rows, ids, count, pos, t, d, worker, x.stride(0),
+        topk_ids.stride(0), rows.stride(0), ids.stride(0), TOP_K=k,
+        KP=triton.next_power_of_2(k), BLOCK_T=_ROUTE_BLOCK_T,
+        BLOCK_D=min(_ROUTE_BLOCK_D, triton.next_power_of_2(d)), num_warps=4)
+    return pos
+
+
+@triton.jit
+def _copy_routed_kernel(src_ptr, local_ptr, dst_ptr, N, D, SENTINEL, stride_src,
+                        stride_dst, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    entries = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (row, rank) entries
+    ok = entries < N
+    local = tl.load(local_ptr + entries, mask=ok, other=SENTINEL)
+    live = (ok & (local != SENTINEL))[:, None]
+    flat = entries.to(tl.int64)[:, None]
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cm = live & (cols < D)[None, :]
+        v = tl.load(src_ptr + flat * stride_src + cols[None, :], mask=cm)
+        tl.store(dst_ptr + flat * stride_dst + cols[None, :], v, mask=cm)
+
+
+_COPY_BLOCK_N = 4  # (row, rank) entries a program copies
+
+
+def copy_routed(src: torch.Tensor, local: torch.Tensor, sentinel: int,
+                dst: torch.Tensor) -> None:
+    """``dst[t, r] = src[t, r]`` for the entries whose local expert ``local[t * k + r]`` is
+    not ``sentinel`` (the ones the expert worker computed); the others are not written.
+
+    src, dst: `[c, k, D]` of one dtype, each row-major over its (row, rank) entries with
+    unit last stride (dst may be another GPU's memory mapped here); local: `[c * k]` int64.
+    Raises ``ValueError`` for shapes or dtypes that do not fit.
+    """
+    c, k, d = src.shape
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"copy_routed: dst {dst.dtype} {tuple(dst.shape)} must match src "
+                         f"{src.dtype} {tuple(src.shape)}")
+    if local.shape != (c * k,) or local.dtype != torch.int64:
+        raise ValueError(f"copy_routed: local must be int64 `[{c * k}]`")
+    for name, tensor in (("src", src), ("dst", dst)):
+        if tensor.stride(2) != 1 or tensor.stride(0) != k * tensor.stride(1):
+            raise ValueError(f"copy_routed: {name} must be row-major over (row, rank) "
+                             "with unit last stride")
+    if c * k == 0:
+        return
+    _copy_routed_kernel[(triton.cdiv(c * k, _COPY_BLOCK_N),)](
+        src, local.contiguous(), dst, c * k, d, sentinel, src.stride(1), dst.stride(1),
+        BLOCK_N=_COPY_BLOCK_N, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
 
 
 @triton.jit

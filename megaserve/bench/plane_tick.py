@@ -195,7 +195,7 @@ def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int =
     stream, events = torch.cuda.Stream(), []
     owners = owner[topk_ids] if workers > 1 else None
     for e, inbox in enumerate(inboxes):  # kernels compiled and loaded before the capture
-        pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1, topk_w)
+        pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1, topk_w, owner)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -206,7 +206,7 @@ def tick_latency(workers: int, processes: bool, tokens: int = 256, hidden: int =
             owners = owner[topk_ids] if workers > 1 else None
             positions = []
             for e, inbox in enumerate(inboxes):
-                pos = pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1, topk_w)
+                pos = pack(inbox.slot(0), 0, x, topk_ids, owners, e, workers == 1, topk_w, owner)
                 if pos is not None:
                     positions.append(pos)
                 sf.write(inbox.flags[0, 0:1], sf.SET)

@@ -349,12 +349,14 @@ def plane_pack():
 
 def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Tensor,
          owners: torch.Tensor | None, worker: int, only_worker: bool,
-         topk_weights: torch.Tensor | None = None) -> torch.Tensor | None:
+         topk_weights: torch.Tensor | None = None,
+         owner_table: torch.Tensor | None = None) -> torch.Tensor | None:
     """Write the rows of micro-batch ``microbatch`` that expert worker ``worker`` needs into
     the replica's slot of its inbox (``ExpertInbox.slot``), in token order, with their expert ids (-1 where another worker serves
     that rank) and their count; kernels only, no host synchronisation.
 
-    x: `[T, D]`; topk_ids, owners: `[T, k]` int64; topk_weights: `[T, k]` float32, written
+    x: `[T, D]`; topk_ids, owners: `[T, k]` int64 (owners = owner_table[topk_ids], the
+    table `[N]` being what CUDA's one launch reads); topk_weights: `[T, k]` float32, written
     too where given (``only_worker``: the worker pre-reduces). Returns pos `[T]`, each
     token's row in the slot (-1 where none), or None for ``only_worker`` (row t is token t).
     """
@@ -374,6 +376,9 @@ def pack(inbox: InboxSlot, microbatch: int, x: torch.Tensor, topk_ids: torch.Ten
         return None
     if topk_weights is not None:
         raise ValueError("pre-reduced combines need one expert worker (module NOTE)")
+    if x.is_cuda and owner_table is not None:  # one launch: the same rows, ids, count, pos
+        return plane_pack().route_rows(x, topk_ids, owner_table, worker, slot_rows, slot_ids,
+                                       inbox.counts[microbatch: microbatch + 1])
     capacity = slot_rows.shape[0] - 1
     mine = owners == worker  # [T, k]
     need = mine.any(dim=1)  # [T]
@@ -593,7 +598,8 @@ class DeviceExperts:
         owners = None if only else self._owner[topk_ids]  # [T, k]
         positions = []
         for e, link in enumerate(self.links):
-            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, only, weights)
+            pos = pack(self._slots[e], microbatch, x, topk_ids, owners, e, only, weights,
+                       self._owner)
             if pos is not None:
                 positions.append(pos)
             self._signal(link, e, layer, microbatch, num_tokens, capturing)
@@ -850,6 +856,9 @@ class ExpertServer:
             elif self.shape.reduce_on_workers:  # the attention side's combine (module NOTE)
                 combined = kernels.combine(out[j], self.inbox.weights[r, i, :c])  # [c, D]
                 replica.out[i, self.index, :c, 0].copy_(combined)
+            elif out.is_cuda and replica.out.dtype == out.dtype:  # the entries it computed
+                plane_pack().copy_routed(out[j], local[j * c * k: (j + 1) * c * k],
+                                         len(self.part.expert_ids), replica.out[i, self.index, :c])
             else:
                 replica.out[i, self.index, :c].copy_(out[j])
             if use_flags and self.relay is not None:

@@ -26,6 +26,25 @@ def test_pack_rows_gpu(dtype: torch.dtype) -> None:
                             (1, 40, 2, 1), (13, 1500, 3, 16)])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_route_rows_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    checks.check_route_rows(torch, ti, "cuda", [dtype],
+                            [(256, 2048, 8, 128, 2), (1024, 2048, 8, 128, 2),
+                             (1023, 2048, 8, 128, 3), (1, 40, 2, 4, 2), (37, 600, 8, 128, 3)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_routed_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    checks.check_copy_routed(torch, ti, "cuda", [dtype],
+                             [(256, 8, 2048), (1024, 8, 2048), (9, 3, 1100), (1, 2, 4096)])
+
+
 def test_local_ids_gpu() -> None:
     import megaserve.kernels.triton_impl as ti
 

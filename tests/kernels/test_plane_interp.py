@@ -1,5 +1,6 @@
 """The device data plane's exchange kernels (kernels/triton_impl/plane_pack.py) under the
-Triton interpreter (CPU, CI): pack_rows, local_ids and combine_into.
+Triton interpreter (CPU, CI): pack_rows, route_rows, copy_routed, local_ids and
+combine_into.
 
 Each is checked against the torch operations it replaces in the data plane (the CPU path
 of megaserve.runtime.device_plane: copies, a masked lookup, kernels.combine) and, where it
@@ -18,7 +19,7 @@ import pytest
 
 from tests.kernels import interp_support
 
-CHECKS = ["pack_rows", "local_ids", "combine_into", "bad_input"]
+CHECKS = ["pack_rows", "route_rows", "copy_routed", "local_ids", "combine_into", "bad_input"]
 POISON_ID = -7  # an int32 no pack writes
 
 
@@ -53,6 +54,77 @@ def check_pack_rows(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
                     assert torch.isnan(weights[t:]).all(), "weights past T were written"
                 else:
                     assert torch.isnan(weights).all(), "weights written without topk_weights"
+
+
+def _route_ref(torch, x, topk_ids, owner, worker, slots):
+    """The data plane's torch path (megaserve.runtime.device_plane.pack, several workers):
+    rows, ids, count and positions, the dump row dropped."""
+    mine = owner[topk_ids] == worker
+    need = mine.any(dim=1)
+    pos = need.cumsum(0) - 1
+    rows = torch.zeros(slots + 1, x.shape[1], dtype=x.dtype, device=x.device)
+    ids = torch.zeros(slots + 1, topk_ids.shape[1], dtype=torch.int32, device=x.device)
+    dest = torch.where(need, pos, slots)
+    rows.index_copy_(0, dest, x)
+    ids.index_copy_(0, dest, torch.where(mine, topk_ids, -1).to(torch.int32))
+    return rows, ids, int(need.sum()), pos
+
+
+def check_route_rows(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
+    """Each worker's rows, ids, count and positions equal the torch path's; slot rows past
+    the count and every row of a token the worker does not need stay poisoned; a prefix of
+    the tokens gives the same rows (row invariance)."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    for dtype in dtypes or [torch.float32, torch.float16]:
+        for t, d, k, experts, workers in shapes or [(5, 40, 8, 16, 2), (1, 64, 2, 4, 2),
+                                                     (37, 600, 8, 128, 3), (16, 8, 1, 8, 2)]:
+            x = torch.randn(t, d, device=device).to(dtype)
+            topk_ids = torch.stack([torch.randperm(experts)[:k] for _ in range(t)]).to(device)
+            owner = (torch.arange(experts) * workers // experts).to(device)
+            for worker in range(workers):
+                rows = torch.full((t + 1, d), float("nan"), device=device).to(dtype)
+                ids = torch.full((t + 1, k), POISON_ID, dtype=torch.int32, device=device)
+                count = torch.full((1,), POISON_ID, dtype=torch.int32, device=device)
+                pos = plane_pack.route_rows(x, topk_ids, owner, worker, rows, ids, count)
+                ref_rows, ref_ids, ref_count, ref_pos = _route_ref(torch, x, topk_ids, owner,
+                                                                   worker, t)
+                n = ref_count
+                assert int(count) == n, f"count {int(count)} != {n}"
+                assert torch.equal(pos, ref_pos), f"positions differ: {pos} vs {ref_pos}"
+                assert torch.equal(_bits(torch, rows[:n]), _bits(torch, ref_rows[:n])), \
+                    "rows differ"
+                assert torch.isnan(rows[n:].float()).all(), "rows past the count were written"
+                assert torch.equal(ids[:n], ref_ids[:n]), "ids differ"
+                assert (ids[n:] == POISON_ID).all(), "ids past the count were written"
+                if t > 1:
+                    head = torch.full((t, d), float("nan"), device=device).to(dtype)
+                    head_ids = torch.full((t, k), POISON_ID, dtype=torch.int32, device=device)
+                    plane_pack.route_rows(x[:-1], topk_ids[:-1], owner, worker, head,
+                                          head_ids, count)
+                    m = int(count)
+                    assert torch.equal(_bits(torch, head[:m]), _bits(torch, rows[:m])), \
+                        "a prefix of the tokens routes differently"
+
+
+def check_copy_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
+    """Exactly the entries with a local expert are copied, bitwise, into a strided slice of
+    a larger buffer (the replica's inbox); everything else stays poisoned."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    for dtype in dtypes or [torch.float32, torch.float16]:
+        for c, k, d in shapes or [(6, 8, 40), (1, 2, 2048), (9, 3, 1100)]:
+            src = torch.randn(c, k, d, device=device).to(dtype)
+            sentinel = 5
+            local = torch.randint(0, sentinel + 1, (c * k,), device=device)
+            inbox = torch.full((2, c + 3, k, d), float("nan"), device=device).to(dtype)
+            dst = inbox[1, :c]
+            plane_pack.copy_routed(src, local, sentinel, dst)
+            live = (local != sentinel).view(c, k)
+            assert torch.equal(_bits(torch, dst[live]), _bits(torch, src[live])), "copies differ"
+            assert torch.isnan(dst[~live].float()).all(), "an entry with no expert was written"
+            outside = torch.cat([inbox[0].flatten(), inbox[1, c:].flatten()])
+            assert torch.isnan(outside.float()).all(), "copy_routed wrote outside its rows"
 
 
 def _local_ids_ref(torch, ids, counts, replicas, lookup, rows):
@@ -142,6 +214,14 @@ def check_bad_input(torch, ti, device="cpu") -> None:
                                      torch.zeros(3, dtype=torch.int32), 2),
         lambda: plane_pack.combine_into(torch.randn(2, 2, 8), torch.rand(2, 2),
                                         torch.empty(2, 8, dtype=torch.float16)),
+        lambda: plane_pack.route_rows(x, ids, torch.zeros(4, dtype=torch.int64, device=device),
+                                      0, rows, slot_ids, count),  # too few rows
+        lambda: plane_pack.route_rows(x, ids.int(), torch.zeros(4, dtype=torch.int64,
+                                      device=device), 0, torch.empty(5, 8, device=device),
+                                      slot_ids, count),  # int32 topk ids
+        lambda: plane_pack.copy_routed(torch.randn(2, 2, 8, device=device),
+                                       torch.zeros(3, dtype=torch.int64, device=device), 1,
+                                       torch.empty(2, 2, 8, device=device)),
     ]
     for i, case in enumerate(cases):
         try:
@@ -187,6 +267,17 @@ def test_plane_kernels_compile_for_sm90(variant: bool) -> None:
     for ones in ([], ["T"], ints):
         _compile_sm90(pp._pack_kernel, pointers, ints, ones,
                       dict(TOP_K=8, KP=8, HAS_W=variant, BLOCK_D=1024))
+    ints = ["T", "D", "WORKER", "stride_x", "stride_ids", "stride_rows", "stride_sids"]
+    pointers = dict(x_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i64", rows_ptr="*bf16",
+                    slot_ids_ptr="*i32", count_ptr="*i32", pos_ptr="*i64")
+    for ones in ([], ["T"], ["T", "WORKER"]):
+        _compile_sm90(pp._route_kernel, pointers, ints, ones,
+                      dict(TOP_K=8, KP=8, BLOCK_T=16, BLOCK_D=512))
+    ints = ["N", "D", "SENTINEL", "stride_src", "stride_dst"]
+    pointers = dict(src_ptr="*bf16", local_ptr="*i64", dst_ptr="*bf16")
+    for ones in ([], ["N", "SENTINEL"]):
+        _compile_sm90(pp._copy_routed_kernel, pointers, ints, ones,
+                      dict(BLOCK_N=4, BLOCK_D=1024))
     ints = ["P", "C", "stride_ir", "stride_it", "stride_cr", "stride_fr", "SENTINEL"]
     pointers = dict(ids_ptr="*i32", counts_ptr="*i32", replica_ptr="*i64", lookup_ptr="*i64",
                     out_ptr="*i64", flag_ptr="*i32")
