@@ -197,6 +197,8 @@ class LLMEngine:
                                           self.max_model_len, self.config.cuda_graphs)
         plan = memory.plan_kv_cache(self.config, bytes_per_block, self.max_model_len, profile)
         logger.info("%s", plan.describe())
+        if model.attention.device.type == "cpu":
+            memory.check_host_kv_memory(plan.memory_bytes, 1, plan.source)
         return plan
 
     # -- requests ---------------------------------------------------------------------

@@ -16,7 +16,8 @@ Three sources, first match wins:
    Memory in use on the device before the engine started (other processes, this
    process's CUDA context) is not charged to the budget, but the budget must be free.
    On CPU (no utilization to apply) the pool holds ``max_num_seqs`` full-length requests
-   within DEFAULT_CPU_KV_CACHE_BYTES.
+   within DEFAULT_CPU_KV_CACHE_BYTES; a CPU pool of any source must fit in the host's
+   available memory (:func:`check_host_kv_memory`).
 
 Shape legend: T = tokens of the profiling batch, S = its sequences, D = hidden, k = top-k.
 """
@@ -118,6 +119,56 @@ class KVCachePlan:
                 f"(from {self.source}); {self.max_full_length_requests} concurrent requests of "
                 f"max_model_len={self.max_model_len} fit "
                 f"({self.num_tokens / self.max_model_len:.2f}x)")
+
+
+def host_available_bytes() -> int | None:
+    """Host memory a new allocation can still take: ``/proc/meminfo``'s MemAvailable, capped
+    by this process's cgroup limit less its usage (v2 or v1) where one is set; None where
+    unknown (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" / a huge v1 number: no limit
+            available = min(available, max(0, int(limit) - usage))
+        break
+    return available
+
+
+def check_host_kv_memory(pool_bytes: int, num_pools: int, source: str,
+                         available_bytes: int | None = None) -> None:
+    """Raise ``ValueError`` (naming ``source``, the option that sized the pools) where
+    ``num_pools`` CPU KV pools of ``pool_bytes`` each do not fit in the host's available
+    memory (``available_bytes``, default :func:`host_available_bytes`; unknown: no check).
+
+    NOTE: a CPU pool is zero-filled at startup, so every page of it is touched: a pool
+    larger than what is free does not fail its allocation, the kernel's OOM killer ends
+    the process part-way through filling it. Processes that start together each see the
+    whole host free, so a front-end checks their sum before starting them."""
+    available = host_available_bytes() if available_bytes is None else available_bytes
+    need = pool_bytes * num_pools
+    if available is None or need <= available:
+        return
+    pools = f"{num_pools} KV pools of {pool_bytes / GIB:.2f} GiB" if num_pools > 1 else \
+        f"a KV pool of {pool_bytes / GIB:.2f} GiB"
+    raise ValueError(
+        f"{source}: {pools} need {need / GIB:.2f} GiB of host memory, but only "
+        f"{available / GIB:.2f} GiB are available (the kernel would kill a worker while it "
+        f"fills its pool); lower {source}, or on CPU leave kv_cache_memory_bytes and "
+        f"num_kv_blocks unset (the pool then holds max_num_seqs full-length requests within "
+        f"{DEFAULT_CPU_KV_CACHE_BYTES / GIB:.0f} GiB)")
 
 
 def blocks_in(budget_bytes: int, bytes_per_block: int) -> int:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import itertools
 import logging
 import functools
+import signal
 import threading
 import time
 from dataclasses import fields, replace
 
 from megaserve.comm import ChannelConfig, RendezvousServer
 from megaserve.engine.config import EngineConfig
+from megaserve.engine.memory import check_host_kv_memory
 from megaserve.engine.engine import (EngineStats, Prompt, derive_seed, load_tokenizer,
                                      resolve_eos_token_ids, resolve_max_model_len,
                                      validate_prompt)
@@ -48,16 +50,48 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
+# How long a failure that names a lost peer waits to see that peer's process dead: one the
+# kernel kills closes its sockets a moment before it can be reaped.
+PEER_DEATH_WAIT_S = 1.0
 
 
 class WorkerError(RuntimeError):
     """A worker failed or disappeared; the engine cannot continue."""
 
 
-def _raise_if_error(message) -> None:
-    """Turn a worker's WorkerFailure report into a WorkerError."""
-    if isinstance(message, WorkerFailure):
-        raise WorkerError(f"{message.role} worker {message.index} failed: {message.detail}")
+def exit_note(handle) -> str | None:
+    """How a worker's process ended ("killed by SIGKILL ...", "exit code 1"), or None while
+    it runs or where the launcher does not say (threads, Ray actors)."""
+    code = getattr(handle, "exitcode", None)
+    if code is None:
+        return None
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (out of memory? the kernel's OOM killer sends it: see dmesg)" if -code == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
+
+
+def _killed(handles) -> list[str]:
+    """'NAME was killed by SIG...' for every worker process a signal ended."""
+    return [f"{h.name} was {note}" for h in handles
+            if (note := exit_note(h)) is not None and note.startswith("killed")]
+
+
+def _check_host_kv_memory(config: EngineConfig) -> None:
+    """Raise ``ValueError`` where the KV pools of the CPU workers this host would start
+    (one per attention replica or whole engine) do not fit in its memory together: each
+    worker checks its own pool, but workers starting at once each see the host free
+    (megaserve.engine.memory.check_host_kv_memory). Pools sized by
+    ``kv_cache_memory_bytes`` are checked here; the others by each worker alone."""
+    if (config.device != "cpu" or config.launcher != "local"
+            or config.kv_cache_memory_bytes is None):
+        return
+    check_host_kv_memory(config.kv_cache_memory_bytes, config.attention_replicas,
+                         "kv_cache_memory_bytes")
 
 
 def _locked(method):
@@ -90,6 +124,7 @@ class DisaggregatedEngine(EngineClient):
         refusal = transport_refusal(config)
         if refusal is not None:
             raise ValueError(refusal)
+        _check_host_kv_memory(config)
         self.resolved_model = model or ResolvedModel.resolve(config.model)
         path = self.resolved_model.path
         self.model_config = self.resolved_model.config
@@ -195,7 +230,7 @@ class DisaggregatedEngine(EngineClient):
                     self._health = WorkerHealth("serving", None, self._budget.total)
                 return
             try:
-                self._recover(f"{', '.join(dead)} exited unexpectedly")
+                self._recover(self._exit_reason(dead))
             except WorkerError:
                 pass  # health says why; the next step() raises it
 
@@ -388,11 +423,11 @@ class DisaggregatedEngine(EngineClient):
         if message is None:
             self._check_alive()
             return None
-        if isinstance(message, WorkerFailure) and not (self._starting or self._closed):
-            self._recover(f"{message.role} worker {message.index} failed: "
-                          f"{message.detail.splitlines()[0]}")
+        if isinstance(message, WorkerFailure):
+            if self._starting or self._closed:
+                raise WorkerError(self._failure_reason(message, full=True))
+            self._recover(self._failure_reason(message, full=False))
             return None
-        _raise_if_error(message)
         if isinstance(message, WorkerStats):
             self.expert_stats[message.index] = message.stats
         return message
@@ -404,13 +439,32 @@ class DisaggregatedEngine(EngineClient):
             message = self._group.receive(1.0)
             if isinstance(message, WorkerFailure):
                 if self._starting:
-                    _raise_if_error(message)
-                self._recover(f"{message.role} worker {message.index} failed: "
-                              f"{message.detail.splitlines()[0]}")
+                    raise WorkerError(self._failure_reason(message, full=True))
+                self._recover(self._failure_reason(message, full=False))
                 return
             if self._starting:
-                raise WorkerError(f"{', '.join(dead)} exited unexpectedly")
-            self._recover(f"{', '.join(dead)} exited unexpectedly")
+                raise WorkerError(self._exit_reason(dead))
+            self._recover(self._exit_reason(dead))
+
+    def _exit_reason(self, dead: list[str]) -> str:
+        """Why the workers named ``dead`` are gone, with how each process ended."""
+        notes = {h.name: exit_note(h) for h in self._group.handles}
+        return ", ".join(f"{name} ({notes[name]})" if notes.get(name) else name
+                         for name in dead) + " exited unexpectedly"
+
+    def _failure_reason(self, message: WorkerFailure, full: bool) -> str:
+        """A worker's WorkerFailure as a reason (``full``: its whole traceback, else its
+        first line), after the workers a signal killed: a worker the kernel kills (the OOM
+        killer's SIGKILL) reports nothing itself, and its peers then fail with a lost
+        connection, which names only the symptom."""
+        detail = message.detail if full else message.detail.splitlines()[0]
+        reason = f"{message.role} worker {message.index} failed: {detail}"
+        deadline = time.monotonic() + (PEER_DEATH_WAIT_S if "PeerLostError" in message.detail else 0)
+        killed = _killed(self._group.handles)
+        while not killed and time.monotonic() < deadline:
+            time.sleep(0.05)
+            killed = _killed(self._group.handles)
+        return f"{'; '.join(killed)}; then {reason}" if killed else reason
 
     def stats(self) -> EngineStats:
         """Every replica's latest stats, summed, plus the counters of replaced groups."""

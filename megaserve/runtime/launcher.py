@@ -152,6 +152,12 @@ class _LocalHandle:
         """The process id (None for a thread)."""
         return getattr(self.worker, "pid", None)
 
+    @property
+    def exitcode(self) -> int | None:
+        """The process's exit status once it has exited (``-N``: killed by signal N);
+        None while it runs, and for a thread."""
+        return getattr(self.worker, "exitcode", None)
+
     def send(self, message: Any) -> None:
         self.inbox.put(message)
 
