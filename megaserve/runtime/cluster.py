@@ -37,7 +37,8 @@ from megaserve.runtime.routing import replica_router
 from megaserve.engine.output_processor import OutputProcessor
 from megaserve.runtime.launcher import WorkerLauncher, make_launcher
 from megaserve.runtime.messages import (AbortRequest, AddRequest, RunStep, StepOutputs,
-                                        WorkerFailure, WorkerReady, WorkerStats)
+                                        WorkerFailure, WorkerReady, WorkerStats,
+                                        unpack_output)
 from megaserve.runtime.recovery import (InFlightTable, LivenessWatch, RestartBudget,
                                         RestartPolicy, WorkerHealth, add_counters, restarted,
                                         worker_params)
@@ -400,10 +401,12 @@ class DisaggregatedEngine(EngineClient):
         replica, outs, stats = message.replica, message.outputs, message.stats
         self._stats[replica] = stats
         delivered = []
-        for out in outs:
-            if out.request_id not in self._router:
+        for packed in outs:
+            request_id = packed[0]
+            if request_id not in self._router:
                 continue  # the tail of a re-run the front-end already finished
-            prompt = self._prompts.get(out.request_id)
+            prompt = self._prompts.get(request_id)
+            out = unpack_output(packed, prompt, self._in_flight.prompt_ids(request_id))
             out, must_abort = self._in_flight.translate(out)
             out.prompt = prompt
             if must_abort:

@@ -573,7 +573,7 @@ class _DeviceWorker:
                 elif isinstance(message, AbortRequest):
                     out = self.engine.abort_request(message.request_id)
                     if out is not None:
-                        self.outbox.put(StepOutputs(self.replica, [out], self.engine.stats()))
+                        self.outbox.put(StepOutputs.of(self.replica, [out], self.engine.stats()))
                 else:
                     raise ValueError(f"attention worker {self.replica}: unexpected {message!r}")
 
@@ -597,4 +597,4 @@ class _DeviceWorker:
             finally:
                 if self.barrier is not None:  # a step that ran no MoE layer holds nobody up
                     self.barrier.report(self.replica, None)
-        self.outbox.put(StepOutputs(self.replica, outputs, self.engine.stats(), stepped=True))
+        self.outbox.put(StepOutputs.of(self.replica, outputs, self.engine.stats(), stepped=True))

@@ -103,12 +103,20 @@ class WorkerReady:
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """What an attention worker produced, with its engine's stats after it."""
+    """What an attention worker produced, with its engine's stats after it: each output
+    packed by :func:`pack_output`, without its prompt (the front-end holds every in-flight
+    prompt: a step at 1,024 sequences of 2,048 prompt tokens would otherwise pickle 2M
+    token ids)."""
 
     replica: int
-    outputs: list[RequestOutput]
+    outputs: list[tuple]
     stats: Any  # EngineStats
     stepped: bool = False  # True: the answer to a RunStep (lockstep)
+
+    @classmethod
+    def of(cls, replica: int, outputs: list[RequestOutput], stats: Any,
+           stepped: bool = False) -> StepOutputs:
+        return cls(replica, [pack_output(out) for out in outputs], stats, stepped)
 
 
 @dataclass(frozen=True)

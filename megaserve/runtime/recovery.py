@@ -162,6 +162,12 @@ class InFlightTable:
         if flight is not None and flight.replay is not None:
             self._outputs.release(flight.replay)
 
+    def prompt_ids(self, request_id: str) -> list[int]:
+        """The prompt's token ids of an in-flight request (workers' outputs leave them out:
+        messages.StepOutputs); [] for one the front-end no longer tracks."""
+        flight = self._flights.get(request_id)
+        return flight.prompt_ids if flight is not None else []
+
     def translate(self, out: RequestOutput) -> tuple[RequestOutput, bool]:
         """The output the caller sees for a worker's output, and whether the worker must
         be told to abort (the replay finished before the re-run did, e.g. a stop string

@@ -156,7 +156,7 @@ def _serve_attention(spec: WorkerSpec, endpoint: Endpoint | None, inbox, outbox)
         if busy:
             outputs = engine.step()
             if outputs:
-                outbox.put(StepOutputs(spec.index, outputs, engine.stats()))
+                outbox.put(StepOutputs.of(spec.index, outputs, engine.stats()))
 
 
 def _apply(spec: WorkerSpec, engine, message, outbox) -> None:
@@ -167,7 +167,7 @@ def _apply(spec: WorkerSpec, engine, message, outbox) -> None:
     elif isinstance(message, AbortRequest):
         out = engine.abort_request(message.request_id)
         if out is not None:
-            outbox.put(StepOutputs(spec.index, [out], engine.stats()))
+            outbox.put(StepOutputs.of(spec.index, [out], engine.stats()))
     else:
         raise ValueError(f"attention worker {spec.index}: unexpected message {message!r}")
 
@@ -199,7 +199,7 @@ def _serve_attention_lockstep(spec: WorkerSpec, engine, experts, inbox, outbox) 
             experts.set_participants(message.participants)
             outputs = engine.step()
             experts.end_step()
-            outbox.put(StepOutputs(spec.index, outputs, engine.stats(), stepped=True))
+            outbox.put(StepOutputs.of(spec.index, outputs, engine.stats(), stepped=True))
         else:
             _apply(spec, engine, message, outbox)
 
