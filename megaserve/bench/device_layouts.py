@@ -242,7 +242,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--whole", default=None,
                         help="cases also timed as a whole workload (default: the first; 'none': no case)")
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=16 << 30)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV pool per engine (default: 16 GiB on cuda, the engine's CPU "
+                             "default on cpu, where each process's pool is host memory)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--baseline", default="colocated", help="the layout measured first")
     parser.add_argument("--layouts", default="ep:2")
@@ -258,6 +260,8 @@ def main(argv: list[str]) -> int:
                         help="no run: print the table of these --json files (one per layout, one call) "
                              "and write --json / --measurements from them; the first file's baseline counts")
     args = parser.parse_args(argv)
+    if args.kv_cache_memory_bytes is None and args.device == "cuda":
+        args.kv_cache_memory_bytes = 16 << 30
     if args.merge:
         found = [path for path in args.merge if os.path.exists(path)]
         if not found:
