@@ -196,6 +196,7 @@ def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[st
     """One engine for layout ``name`` (``max_num_seqs``: the largest batch per replica);
     a row per case (module docstring)."""
     from megaserve import SamplingParams
+    from megaserve.engine.gc_heap import frozen_heap
     from megaserve.runtime.factory import make_engine
 
     _, _, replicas = layout_config(name, base, device)
@@ -208,22 +209,25 @@ def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[st
     print(f"layout {name}: {type(engine).__name__} started in {start_s:.1f} s", flush=True)
     rows = []
     try:
-        for n, case in enumerate(cases):
-            count = replicas * per_replica(case, replicas, total)
-            row = {"layout": name, "engine": type(engine).__name__, "gpus": gpus,
-                   "replicas": replicas, "m": config.microbatches, "input_len": case.input_len,
-                   "output_len": output_len, "batch": count // replicas, "seqs": count,
-                   "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "async_scheduling": config.async_scheduling, "start_s": start_s}
-            prompts = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n)
-            row.update(steady(engine, prompts, params, device, f"s{n}."))
-            row["tok_s"] = count / row["ms_step"] * 1e3
-            row["tok_s_gpu"] = row["tok_s"] / gpus
-            if case.name in whole_cases:
-                fresh = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n + 1)
-                row.update(whole(engine, fresh, params, device, f"w{n}."))
-                row["whole_tok_s_gpu"] = row["whole_tok_s"] / gpus
-            rows.append(row)
+        # The heap frozen as the server freezes it (megaserve/engine/gc_heap.py): a full
+        # collection over the front-end's objects would pause a step now and then.
+        with frozen_heap():
+            for n, case in enumerate(cases):
+                count = replicas * per_replica(case, replicas, total)
+                row = {"layout": name, "engine": type(engine).__name__, "gpus": gpus,
+                       "replicas": replicas, "m": config.microbatches, "input_len": case.input_len,
+                       "output_len": output_len, "batch": count // replicas, "seqs": count,
+                       "max_num_batched_tokens": config.max_num_batched_tokens,
+                       "async_scheduling": config.async_scheduling, "start_s": start_s}
+                prompts = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n)
+                row.update(steady(engine, prompts, params, device, f"s{n}."))
+                row["tok_s"] = count / row["ms_step"] * 1e3
+                row["tok_s_gpu"] = row["tok_s"] / gpus
+                if case.name in whole_cases:
+                    fresh = _prompts(engine.vocab_size, count, case.input_len, seed + 2 * n + 1)
+                    row.update(whole(engine, fresh, params, device, f"w{n}."))
+                    row["whole_tok_s_gpu"] = row["whole_tok_s"] / gpus
+                rows.append(row)
     finally:
         engine.shutdown()
     return rows
