@@ -26,8 +26,9 @@ case:
 
 * ``steady``: the ``R * B`` prompts are prefilled, decode runs until every sequence has a
   token plus :data:`SETTLE_STEPS` steps (graphs captured and replayed), then
-  :data:`TIMED_STEPS` steps are timed: ``ms_step`` (the TPOT at that batch) and
-  ``tok_s = R * B / ms_step``, whole and per GPU;
+  :data:`TIMED_STEPS` steps are timed: ``ms_step`` (the TPOT at that batch: the wall time
+  over the tokens each sequence received in it) and ``tok_s = R * B / ms_step``, whole
+  and per GPU;
 * for the cases in ``--whole``: the whole workload (``R * B`` fresh prompts, prefill
   included, every request to ``--output-len``) over its wall time, whole and per GPU.
 
@@ -125,29 +126,46 @@ def _sync(device: str) -> None:
 
 def steady(engine, prompts: list[list[int]], params, device: str, tag: str) -> dict:
     """Decode ms per step with every sequence of ``prompts`` decoding (module docstring);
-    the requests are aborted afterwards. ``steps_to_decode``: steps until each had a token."""
+    the requests are aborted afterwards. ``steps_to_decode``: steps until each had a token.
+
+    A step is what each sequence gains a token in, counted from the outputs: a front-end
+    whose ``step()`` returns whichever replica answered first (DP, no lockstep) makes
+    several calls a step."""
+    tokens: dict[str, int] = {}  # request id -> tokens delivered so far
+
+    def step() -> list:
+        outs = engine.step()
+        for out in outs:
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
+        return outs
+
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}{i}", p, params)
     started, steps = set(), 0
     while len(started) < len(prompts):
         if not engine.has_unfinished_requests():
             raise RuntimeError("every request finished before all were decoding: raise --output-len")
-        started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        started.update(out.request_id for out in step() if out.outputs[0].token_ids)
         steps += 1
     for _ in range(SETTLE_STEPS):
-        engine.step()
+        step()
     _sync(device)
+    before = sum(tokens.values())
     start = time.perf_counter()
     for _ in range(TIMED_STEPS):
-        engine.step()
+        step()
     _sync(device)
-    ms = (time.perf_counter() - start) / TIMED_STEPS * 1e3
+    elapsed = time.perf_counter() - start
+    decoded = (sum(tokens.values()) - before) / len(prompts)  # steps of every sequence
+    if decoded <= 0:
+        raise RuntimeError(f"no sequence gained a token in {TIMED_STEPS} steps")
     _traced_steps(engine, tag)
     for i in range(len(prompts)):
         engine.abort_request(f"{tag}{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return {"ms_step": ms, "steps_to_decode": steps, "timed_steps": TIMED_STEPS}
+    return {"ms_step": elapsed / decoded * 1e3, "steps_to_decode": steps,
+            "timed_steps": TIMED_STEPS, "decode_steps": decoded}
 
 
 def _traced_steps(engine, tag: str) -> None:
