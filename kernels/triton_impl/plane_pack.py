@@ -18,6 +18,9 @@ of a tick, c = rows a tick uses, S = slot rows (c <= S), n = local experts.
 * :func:`copy_routed`: the expert side's return of a tick's `[c, k, D]` outputs: only the
   (row, rank) entries the worker computed (local id not the sentinel), which are the ones
   the replica reads; the others are not written (half the bytes with two workers).
+* :func:`gather_routed`: the replica's side of that return: each (token, rank)'s row from
+  its owner's slot, `[T, k, D]` in rank order, in one launch (was a gather of the
+  positions, index arithmetic and an indexed copy).
 * :func:`combine_into`: ``kernels.combine``'s sum (the same kernel, so the same bits)
   written straight into a given float32 buffer, e.g. the replica's inbox on another GPU.
 
@@ -234,6 +237,56 @@ def copy_routed(src: torch.Tensor, local: torch.Tensor, sentinel: int,
     _copy_routed_kernel[(triton.cdiv(c * k, _COPY_BLOCK_N),)](
         src, local.contiguous(), dst, c * k, d, sentinel, src.stride(1), dst.stride(1),
         BLOCK_N=_COPY_BLOCK_N, BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
+
+
+@triton.jit
+def _gather_routed_kernel(out_ptr, owners_ptr, pos_ptr, dst_ptr, N, D, TOP_K, stride_pe,
+                          stride_we, stride_wr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    entries = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (token, rank), row-major
+    ok = entries < N
+    token = entries // TOP_K
+    rank = entries % TOP_K
+    owner = tl.load(owners_ptr + entries, mask=ok, other=0).to(tl.int64)
+    row = tl.load(pos_ptr + owner * stride_pe + token, mask=ok, other=0).to(tl.int64)
+    src = owner * stride_we + row * stride_wr + rank.to(tl.int64) * D  # out[owner, row, rank]
+    flat = entries.to(tl.int64)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cm = ok[:, None] & (cols < D)[None, :]
+        v = tl.load(out_ptr + src[:, None] + cols[None, :], mask=cm)
+        tl.store(dst_ptr + flat[:, None] * D + cols[None, :], v, mask=cm)
+
+
+def gather_routed(out: torch.Tensor, owners: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """``result[t, r] = out[owners[t, r], positions[owners[t, r], t], r]``: each (token,
+    rank)'s expert row from the slot of the worker that computed it.
+
+    out: `[E, C, k, D]` (one micro-batch of the replica's inbox; (row, rank, column)
+    contiguous within a worker); owners: `[T, k]` int64; positions: `[E, T]` int64, each
+    token's row in each worker's slot. Returns a new `[T, k, D]` tensor of out's dtype.
+    Raises ``ValueError`` for shapes or dtypes that do not fit.
+    """
+    e, c, k, d = out.shape
+    t = owners.shape[0]
+    if owners.shape != (t, k) or positions.dim() != 2 or positions.shape[0] != e \
+            or positions.shape[1] < t:
+        raise ValueError(f"gather_routed: out {tuple(out.shape)}, owners {tuple(owners.shape)}"
+                         f" and positions {tuple(positions.shape)} do not fit")
+    if owners.dtype != torch.int64 or positions.dtype != torch.int64:
+        raise ValueError("gather_routed: owners and positions must be int64")
+    if out.stride(3) != 1 or out.stride(2) != d or out.stride(1) != k * d \
+            or positions.stride(1) != 1:
+        raise ValueError("gather_routed: out must be contiguous within a worker's slot and "
+                         "positions have unit column stride")
+    result = torch.empty(t, k, d, dtype=out.dtype, device=out.device)
+    if t * k == 0:
+        return result
+    _gather_routed_kernel[(triton.cdiv(t * k, _COPY_BLOCK_N),)](
+        out, owners.contiguous(), positions, result, t * k, d, k, positions.stride(0),
+        out.stride(0), out.stride(1), BLOCK_N=_COPY_BLOCK_N,
+        BLOCK_D=min(1024, triton.next_power_of_2(d)), num_warps=4)
+    return result
 
 
 @triton.jit

@@ -403,6 +403,8 @@ def gather(inbox: ReplicaInbox, microbatch: int, owners: torch.Tensor | None,
     if positions is None:
         rows = owners.shape[0] if owners is not None else num_tokens
         return out[0, :rows]  # read before dispatch (l + 1, i) reuses the slot
+    if out.is_cuda:  # one launch, the same rows
+        return plane_pack().gather_routed(out, owners, positions)
     num_tokens, k = owners.shape
     capacity, hidden = out.shape[1], out.shape[3]
     pos = positions.gather(0, owners.T).T  # [T, k] row in the owner's slot

@@ -45,6 +45,16 @@ def test_copy_routed_gpu(dtype: torch.dtype) -> None:
                              [(256, 8, 2048), (1024, 8, 2048), (9, 3, 1100), (1, 2, 4096)])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_routed_gpu(dtype: torch.dtype) -> None:
+    import megaserve.kernels.triton_impl as ti
+
+    torch.manual_seed(0)
+    checks.check_gather_routed(torch, ti, "cuda", [dtype],
+                               [(256, 2, 257, 8, 2048), (1024, 2, 1025, 8, 2048),
+                                (23, 3, 30, 3, 1100), (1, 2, 2, 2, 64)])
+
+
 def test_local_ids_gpu() -> None:
     import megaserve.kernels.triton_impl as ti
 

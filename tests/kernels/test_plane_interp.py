@@ -1,6 +1,6 @@
 """The device data plane's exchange kernels (kernels/triton_impl/plane_pack.py) under the
-Triton interpreter (CPU, CI): pack_rows, route_rows, copy_routed, local_ids and
-combine_into.
+Triton interpreter (CPU, CI): pack_rows, route_rows, copy_routed, gather_routed, local_ids
+and combine_into.
 
 Each is checked against the torch operations it replaces in the data plane (the CPU path
 of megaserve.runtime.device_plane: copies, a masked lookup, kernels.combine) and, where it
@@ -19,7 +19,8 @@ import pytest
 
 from tests.kernels import interp_support
 
-CHECKS = ["pack_rows", "route_rows", "copy_routed", "local_ids", "combine_into", "bad_input"]
+CHECKS = ["pack_rows", "route_rows", "copy_routed", "gather_routed", "local_ids", "combine_into",
+          "bad_input"]
 POISON_ID = -7  # an int32 no pack writes
 
 
@@ -127,6 +128,31 @@ def check_copy_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> None
             assert torch.isnan(outside.float()).all(), "copy_routed wrote outside its rows"
 
 
+def check_gather_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
+    """Bitwise the data plane's torch gather (the CPU path of
+    megaserve.runtime.device_plane.gather, several workers) for random owners and slot
+    rows; a prefix of the tokens gives the same rows."""
+    from megaserve.kernels.triton_impl import plane_pack
+
+    for dtype in dtypes or [torch.float32, torch.float16]:
+        for t, e, cap, k, d in shapes or [(5, 2, 7, 8, 40), (1, 3, 2, 2, 64),
+                                          (23, 2, 30, 3, 1100)]:
+            out = torch.randn(1, e, cap, k, d, device=device).to(dtype)  # [m, E, C, k, D]
+            owners = torch.randint(0, e, (t, k), device=device)
+            positions = torch.randint(0, cap, (e, t), device=device)
+
+            pos = positions.gather(0, owners.T).T  # the torch path, written out
+            flat = (owners * cap + pos) * k + torch.arange(k, device=device)
+            ref = out[0].reshape(-1, d)[flat.reshape(-1)].view(t, k, d)
+            got = plane_pack.gather_routed(out[0], owners, positions)
+            assert got.shape == (t, k, d) and got.dtype == dtype
+            assert torch.equal(_bits(torch, got), _bits(torch, ref)), "rows differ"
+            if t > 1:
+                head = plane_pack.gather_routed(out[0], owners[:-1], positions[:, :-1])
+                assert torch.equal(_bits(torch, head), _bits(torch, got[:-1])), \
+                    "a prefix of the tokens gathers differently"
+
+
 def _local_ids_ref(torch, ids, counts, replicas, lookup, rows):
     """The data plane's CPU path: mask rows past the count, look every id up."""
     counts = counts[replicas]
@@ -219,6 +245,9 @@ def check_bad_input(torch, ti, device="cpu") -> None:
         lambda: plane_pack.route_rows(x, ids.int(), torch.zeros(4, dtype=torch.int64,
                                       device=device), 0, torch.empty(5, 8, device=device),
                                       slot_ids, count),  # int32 topk ids
+        lambda: plane_pack.gather_routed(torch.randn(2, 3, 2, 8, device=device),
+                                         torch.zeros(4, 2, dtype=torch.int32, device=device),
+                                         torch.zeros(2, 4, dtype=torch.int64, device=device)),
         lambda: plane_pack.copy_routed(torch.randn(2, 2, 8, device=device),
                                        torch.zeros(3, dtype=torch.int64, device=device), 1,
                                        torch.empty(2, 2, 8, device=device)),
@@ -277,6 +306,11 @@ def test_plane_kernels_compile_for_sm90(variant: bool) -> None:
     pointers = dict(src_ptr="*bf16", local_ptr="*i64", dst_ptr="*bf16")
     for ones in ([], ["N", "SENTINEL"]):
         _compile_sm90(pp._copy_routed_kernel, pointers, ints, ones,
+                      dict(BLOCK_N=4, BLOCK_D=1024))
+    ints = ["N", "D", "TOP_K", "stride_pe", "stride_we", "stride_wr"]
+    pointers = dict(out_ptr="*bf16", owners_ptr="*i64", pos_ptr="*i64", dst_ptr="*bf16")
+    for ones in ([], ["N"], ["N", "TOP_K"]):
+        _compile_sm90(pp._gather_routed_kernel, pointers, ints, ones,
                       dict(BLOCK_N=4, BLOCK_D=1024))
     ints = ["P", "C", "stride_ir", "stride_it", "stride_cr", "stride_fr", "SENTINEL"]
     pointers = dict(ids_ptr="*i32", counts_ptr="*i32", replica_ptr="*i64", lookup_ptr="*i64",
