@@ -58,8 +58,8 @@ from megaserve.runtime.device_plane import (DeviceExperts, EagerCompletions, Exp
 from megaserve.runtime.engine_client import EngineClient
 from megaserve.runtime.layout import device_plane_reason
 from megaserve.runtime.placement import ExpertPlacement
-from megaserve.runtime.step_trace import START_FILE, TRACE_ENV
 from megaserve.runtime.routing import replica_router
+from megaserve.runtime.step_trace import START_FILE, TRACE_ENV
 from megaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
