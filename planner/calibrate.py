@@ -135,7 +135,12 @@ def calibrate(paths: Sequence[str | Path] | str | Path, gpus: Mapping[str, GpuSp
 
 HBM_MAX = 0.90  # the most of its datasheet HBM bandwidth a GPU streams (fits may not claim more)
 MAX_LINEARISATIONS = 4  # fits of a GPU with async runs (each linearised at the previous one)
-OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us", "split_overhead_us")
+# Refits toward the smallest worst error after the least-squares fit (Lawson's reweighting:
+# each run's weight times its error): the acceptance is every run within 15 %, and plain least
+# squares lets many rows of one kind outvote a few of another
+MINIMAX_REWEIGHTS = 2
+OVERHEADS = ("step_overhead_us", "seq_overhead_us", "layer_overhead_us", "token_overhead_us",
+             "expert_row_overhead_us", "split_overhead_us")
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     return best, best_res
 
 
-def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
+def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency, reweights: int = MINIMAX_REWEIGHTS) -> RunFit:
     """Fit ``hbm_eff``, ``flops_eff`` and the overheads (:data:`OVERHEADS`; the split overhead stays 0 without runs that cross processes) of ``gpu``.
 
     ``flops_eff`` is capped at ``base.flops_eff`` (from GEMM measurements, or the datasheet
@@ -211,12 +216,15 @@ def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
     scheduling: max(GPU, host) per step) and piecewise in the two efficiencies, so: a grid
     over (hbm_eff, flops_eff), coarse then fine, and at each point a non-negative least
     squares for the overheads, exact for synchronous runs and linearised at the previous
-    fit for async ones. Raises InputError without runs.
+    fit for async ones. Then ``reweights`` weighted refits toward the smallest worst error
+    (Lawson: each run's weight is multiplied by its relative error, then normalised), since
+    every run, not the average one, must be predicted well. Raises InputError without runs.
     """
     if not runs:
         raise InputError(f"no runs measured on {gpu.name} to fit")
     zero = dataclasses.replace(base, **{k: 0.0 for k in OVERHEADS})
     measured = np.array([1.0 / r.tok_s for r in runs])
+    sqrt_w = np.ones(len(runs))  # square roots of the runs' weights in the least squares
 
     def times(eff: Efficiency) -> np.ndarray:
         return np.array([1.0 / predict(r, gpu, eff).tok_s for r in runs])
@@ -232,7 +240,7 @@ def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
 
         def solve(hbm: float, flops: float) -> tuple[float, np.ndarray]:
             t0 = times(dataclasses.replace(ref, hbm_eff=hbm, flops_eff=flops))
-            x, res = _nnls(a, 1.0 - t0 / measured + a @ x_ref)
+            x, res = _nnls(a * sqrt_w[:, None], (1.0 - t0 / measured + a @ x_ref) * sqrt_w)
             return res, x
 
         cap = base.flops_eff
@@ -246,15 +254,28 @@ def fit_runs(gpu: GpuSpec, runs: Sequence[Run], base: Efficiency) -> RunFit:
     # Predicted time is linear in the overheads for synchronous runs; an async run's step is
     # max(GPU, host) (perf.engine_step), piecewise linear: linearise at the last fit and refit
     # until the fit stops moving (without async runs the first pass is exact).
-    ref, eff = zero, zero
-    for _ in range(MAX_LINEARISATIONS):
-        hbm, flops, x = fit_at(ref)
-        fields = {"hbm_eff": round(hbm, 4), "flops_eff": round(flops, 4),
-                  **{k: round(float(v), 4) for k, v in zip(OVERHEADS, x)}}
-        eff = dataclasses.replace(base, **fields)
-        if not any(r.async_scheduling for r in runs) or eff == ref:
+    def fit_from(ref: Efficiency) -> Efficiency:
+        for _ in range(MAX_LINEARISATIONS):
+            hbm, flops, x = fit_at(ref)
+            fields = {"hbm_eff": round(hbm, 4), "flops_eff": round(flops, 4),
+                      **{k: round(float(v), 4) for k, v in zip(OVERHEADS, x)}}
+            eff = dataclasses.replace(base, **fields)
+            if not any(r.async_scheduling for r in runs) or eff == ref:
+                break
+            ref = eff
+        return eff
+
+    eff = fit_from(zero)
+    weights = np.ones(len(runs))
+    for _ in range(reweights):
+        err = np.array([e.worst for e in run_errors(runs, gpu, eff)])
+        if err.max() < 1e-3:  # already exact (synthetic runs)
             break
-        ref = eff
+        weights = weights * np.maximum(err, 1e-3)
+        weights = weights / weights.mean()
+        sqrt_w = np.sqrt(weights)
+        eff = fit_from(eff)
+    fields = {k: getattr(eff, k) for k in ("hbm_eff", "flops_eff", *OVERHEADS)}
     logger.info("calibrated %s on %d runs: %s", gpu.name, len(runs), fields)
     return RunFit(gpu.name, eff, run_errors(runs, gpu, base), run_errors(runs, gpu, eff))
 

@@ -84,6 +84,7 @@ class Hw:
         self.seq_oh = col(lambda g, e: e.seq_overhead_us * 1e-6)
         self.layer_oh = col(lambda g, e: e.layer_overhead_us * 1e-6)
         self.token_oh = col(lambda g, e: e.token_overhead_us * 1e-6)
+        self.row_oh = col(lambda g, e: e.expert_row_overhead_us * 1e-6)
         self.split_oh = col(lambda g, e: e.split_overhead_us * 1e-6)
 
 
@@ -169,7 +170,10 @@ def expert_time(model: ModelSpec, work: Workload, hw: Hw, tp_e, n_e, tokens):
     """One MoE layer on the busiest expert worker, for ``tokens`` tokens of all replicas.
 
     Reads the weights of its active experts (expected e_w * (1 - (1 - k/E)^tokens)) and runs
-    2 * assignments * expert_params FLOPs, assignments = tokens * k * e_w / E * skew.
+    2 * assignments * expert_params FLOPs, assignments = tokens * k * e_w / E * skew; plus the
+    calibrated cost per assignment (``expert_row_overhead_us``: permute, the grouped GEMM's
+    per-row cost at decode's few rows per expert, the weighted combine), which the roofline
+    misses and which a worker pays per assignment, not per token it receives.
     """
     e_w = experts_per_worker(model, n_e)
     active = e_w * (1 - (1 - model.top_k / model.num_experts) ** tokens)
@@ -178,7 +182,7 @@ def expert_time(model: ModelSpec, work: Workload, hw: Hw, tp_e, n_e, tokens):
     nbytes = active * model.expert_bytes / tp_e
     flops = 2 * assign * model.expert_params / tp_e
     rows = worker_rows(model, work, n_e, tokens)
-    return roofline(hw, nbytes, flops) + allreduce(model, work, hw, tp_e, rows)
+    return roofline(hw, nbytes, flops) + assign / tp_e * hw.row_oh + allreduce(model, work, hw, tp_e, rows)
 
 
 def dispatch_time(model: ModelSpec, work: Workload, hw_a: Hw, hw_e: Hw, tp_a, n_a, tp_e, n_e, b,

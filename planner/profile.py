@@ -47,6 +47,9 @@ class Efficiency:
     seq_overhead_us: float = 0.0  # per sequence per decode iteration (sampling, bookkeeping)
     layer_overhead_us: float = 0.0  # per layer per micro-batch per worker: kernel launches, tails
     token_overhead_us: float = 0.0  # per token per layer on the attention side (per-row kernels)
+    # per (token, expert) assignment per MoE layer on the expert side: routing permute, the
+    # grouped GEMM's per-row cost at the small row counts of decode, the weighted combine
+    expert_row_overhead_us: float = 0.0
     # per MoE layer per micro-batch, paid only where tokens cross processes (a disaggregated
     # unit, co-located EP over several GPUs): packing, flag hops, the remote side's preparation
     split_overhead_us: float = 0.0
@@ -57,7 +60,7 @@ class Efficiency:
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
         for name in ("link_alpha_us", "net_alpha_us", "msg_half_kb", "step_overhead_us", "seq_overhead_us",
-                     "layer_overhead_us", "token_overhead_us", "split_overhead_us"):
+                     "layer_overhead_us", "token_overhead_us", "expert_row_overhead_us", "split_overhead_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
