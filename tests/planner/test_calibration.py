@@ -155,6 +155,34 @@ def test_superseded_and_artifact_rows_of_2026_11_29_are_kept_but_not_fitted():
     assert not any(r.step_ms == 38.294 for r in shipped)
 
 
+def test_superseded_235b_ep_step_at_64_x_1024_bounds_the_prediction_from_above():
+    """Qwen3-235B-A22B:26, co-located EP over 2, 64 in, 1,024 sequences in total (512 per rank):
+    29.11 ms a step on 2c2a3bc, code that only lost work since (one-launch dispatch pack, a
+    masked return, no prompt ids pickled), so today's step is at most that. Not a fitted point:
+    an upper bound, the prediction within 5 % above it. With it, 1 + 1 at m = 1 on the same
+    1,024 sequences (56.03 ms measured, 2 GPUs) against EP per GPU: the measured ratio is at
+    most 1,024 / 56.03 / 2 : 1,024 / 29.11 / 2 = 0.52x, and the predicted one (both steps at
+    the measured case) not above it by more than 15 %. (36.38 ms is EP's step at 1,024 per
+    rank, ``--max-batch 1024``'s, not this case's.)"""
+    sup = measurements.MEASUREMENTS_DIR / "superseded" / "h200-qwen3-235b-a22b-26l-layouts-ep-2c2a3bc.json"
+    (ep,) = [r for r in measurements.load_runs([sup]) if r.input_len == 64]
+    assert (ep.ep, ep.batch, ep.step_ms, ep.async_scheduling) == (2, 1024, 29.107, True)
+    eff = load_profile("hopper").for_gpu("H200")
+    ep_ms = measurements.predict(ep, H200, eff).step_ms
+    assert ep_ms <= 1.05 * ep.step_ms, ep_ms
+    (split,) = [r for r in layout_runs() if r.model.name == "qwen3-235b-a22b:26l" and r.layout == "disaggregated"
+                and r.m == 1 and r.input_len == 64 and r.step_ms is not None]
+    assert split.batch == ep.batch == 1024
+    split_ms = measurements.predict(split, H200, eff).step_ms
+
+    def ratio(split_step, ep_step):  # 1 + 1 tok/s per GPU over EP's, same sequences, 2 GPUs each
+        return ep_step / split_step
+
+    measured_bound = ratio(split.step_ms, ep.step_ms)
+    assert measured_bound == pytest.approx(0.52, abs=0.005)
+    assert ratio(split_ms, ep_ms) <= (1 + TOLERANCE) * measured_bound
+
+
 def test_each_run_is_predicted_under_the_scheduling_it_ran_with():
     """The async runs are within 15 % only as async: predicted as synchronous with the same
     profile they miss by more than 15 %, and a fit that ignores the flag (every run taken
