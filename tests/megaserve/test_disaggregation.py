@@ -272,3 +272,21 @@ def _device_plane_engine_is_an_engine_client():
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                 and t.value.id == "self"}
     assert set(ATTRIBUTES) <= assigned, sorted(set(ATTRIBUTES) - assigned)
+
+
+def test_outputs_carry_their_prompts_though_workers_do_not_send_them():
+    """A worker's StepOutputs leaves each prompt out (messages.StepOutputs: a step at 1,024
+    sequences would pickle every prompt id); the front-end restores prompt ids and text
+    from its in-flight table, as the one-process engine returns them."""
+    from megaserve.runtime.messages import StepOutputs
+
+    prompts = [PROMPTS[4], "hello there"]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with LLM(dtype="float32") as llm:
+        want = [(o.prompt, o.prompt_token_ids) for o in llm.generate(prompts, params)]
+        one = llm.generate(prompts[:1], params)[0]
+    with LLM(dtype="float32", attention_replicas=2, expert_workers=1, transport="tcp") as llm:
+        got = [(o.prompt, o.prompt_token_ids) for o in llm.generate(prompts, params)]
+    assert got == want and len(want[0][1]) == 39
+    packed = StepOutputs.of(0, [one], None).outputs[0]
+    assert one.prompt_token_ids not in packed and one.request_id == packed[0]
