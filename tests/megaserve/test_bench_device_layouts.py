@@ -56,6 +56,13 @@ def test_a_colocated_cpu_run_times_steady_decode_and_the_whole_workload(tmp_path
     assert data["gpu"] == "H200" and runs[0].tok_s == pytest.approx(rows[0]["tok_s"], rel=1e-3)
 
 
+def test_a_steady_step_is_counted_by_the_tokens_each_sequence_received() -> None:
+    """One engine gives every sequence a token a step: the timed steps are its calls."""
+    base = dict(model="builtin:tiny-moe", dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    rows = dl.measure_layout("colocated", base, [dl.Case(8, 3)], set(), 40, "cpu", 0)
+    assert rows[0]["decode_steps"] == dl.TIMED_STEPS
+
+
 def test_planner_runs_name_the_layout_of_each_row() -> None:
     common = dict(input_len=64, output_len=256, ms_step=10.0, tok_s=100.0, replicas=1, batch=3, seqs=3)
     rows = [dict(common, layout="ep:2", m=1, seqs=6, replicas=2), dict(common, layout="split:3", m=3),
