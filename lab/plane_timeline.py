@@ -23,14 +23,17 @@ import sys
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def gpu_events(path: str) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every GPU event in a chrome trace, by start."""
+def gpu_records(path: str) -> list[dict]:
+    """Every GPU event (kernel, copy, memset) of a chrome trace, as the trace has it."""
     with open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    out = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-           if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
-    return sorted(out)
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+
+
+def gpu_events(path: str) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU event in a chrome trace, by start."""
+    return sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in gpu_records(path))
 
 
 def parts(attention: list, expert: list) -> dict[str, list[float]]:

@@ -14,17 +14,12 @@ did nothing for this process.
 from __future__ import annotations
 
 import collections
-import json
+import os
 import sys
 
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def gpu_events(path: str) -> list[dict]:
-    with open(path) as f:
-        trace = json.load(f)
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS]
+from plane_timeline import gpu_records  # noqa: E402  (lab/plane_timeline.py)
 
 
 def union_us(spans: list[tuple[float, float]]) -> float:
@@ -37,7 +32,7 @@ def union_us(spans: list[tuple[float, float]]) -> float:
 
 
 def summarise(path: str, top: int = 12) -> str:
-    events = gpu_events(path)
+    events = gpu_records(path)
     if not events:
         return f"{path}: no GPU events"
     spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events]

@@ -148,7 +148,7 @@ trace)  # kernel timelines (megaserve/runtime/step_trace.py) of 3 steady steps p
     name=${spec%=*}; mkdir -p "$TR/${name/:/}"
     MEGASERVE_EXPERT_TRACE="$TR/${name/:/}" step "trace-$name" layouts.log "${spec#*=}" \
       python3 -m megaserve.bench.device_layouts --model $MODEL --cases ${CASES:-64x256,64x1024} \
-      --whole none --baseline "$name" --layouts "" --json "$TR/${name/:/}/rows.json"
+      --whole none --baseline "$name" --layouts "" --json "$TR/rows-${name/:/}.json"
   done
   python3 lab/stream_busy.py $TR/*/*.json > "$OUT/stream_busy.txt" 2>&1
   tar czf "$OUT/traces.tgz" -C $TR . ;;
