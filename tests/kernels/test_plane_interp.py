@@ -58,17 +58,21 @@ def check_pack_rows(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
 
 
 def _route_ref(torch, x, topk_ids, owner, worker, slots):
-    """The data plane's torch path (megaserve.runtime.device_plane.pack, several workers):
-    rows, ids, count and positions, the dump row dropped."""
-    mine = owner[topk_ids] == worker
-    need = mine.any(dim=1)
-    pos = need.cumsum(0) - 1
-    rows = torch.zeros(slots + 1, x.shape[1], dtype=x.dtype, device=x.device)
-    ids = torch.zeros(slots + 1, topk_ids.shape[1], dtype=torch.int32, device=x.device)
-    dest = torch.where(need, pos, slots)
-    rows.index_copy_(0, dest, x)
-    ids.index_copy_(0, dest, torch.where(mine, topk_ids, -1).to(torch.int32))
-    return rows, ids, int(need.sum()), pos
+    """The data plane's torch path (megaserve.runtime.device_plane.pack for several
+    workers, run on the CPU): rows, ids, count and positions, the dump row dropped."""
+    from megaserve.runtime.device_plane import InboxSlot, pack
+
+    t, d = x.shape
+    k = topk_ids.shape[1]
+    slot = InboxSlot(rows=torch.zeros(1, slots + 1, d, dtype=x.dtype),
+                     ids=torch.zeros(1, slots + 1, k, dtype=torch.int32),
+                     counts=torch.zeros(1, dtype=torch.int32),
+                     flags=torch.zeros(1, dtype=torch.int32),
+                     weights=torch.zeros(1, slots + 1, k))
+    ids_cpu = topk_ids.cpu()
+    pos = pack(slot, 0, x.cpu(), ids_cpu, owner.cpu()[ids_cpu], worker, False)
+    return (slot.rows[0].to(x.device), slot.ids[0].to(x.device), int(slot.counts[0]),
+            pos.to(x.device))
 
 
 def check_route_rows(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
@@ -129,10 +133,13 @@ def check_copy_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> None
 
 
 def check_gather_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> None:
-    """Bitwise the data plane's torch gather (the CPU path of
-    megaserve.runtime.device_plane.gather, several workers) for random owners and slot
-    rows; a prefix of the tokens gives the same rows."""
+    """Bitwise the data plane's torch gather (megaserve.runtime.device_plane.gather for
+    several workers, run on the CPU) for random owners and slot rows; a prefix of the
+    tokens gives the same rows."""
+    from types import SimpleNamespace
+
     from megaserve.kernels.triton_impl import plane_pack
+    from megaserve.runtime.device_plane import gather
 
     for dtype in dtypes or [torch.float32, torch.float16]:
         for t, e, cap, k, d in shapes or [(5, 2, 7, 8, 40), (1, 3, 2, 2, 64),
@@ -141,9 +148,8 @@ def check_gather_routed(torch, ti, device="cpu", dtypes=None, shapes=None) -> No
             owners = torch.randint(0, e, (t, k), device=device)
             positions = torch.randint(0, cap, (e, t), device=device)
 
-            pos = positions.gather(0, owners.T).T  # the torch path, written out
-            flat = (owners * cap + pos) * k + torch.arange(k, device=device)
-            ref = out[0].reshape(-1, d)[flat.reshape(-1)].view(t, k, d)
+            ref = gather(SimpleNamespace(out=out.cpu()), 0, owners.cpu(),
+                         positions.cpu()).to(device)
             got = plane_pack.gather_routed(out[0], owners, positions)
             assert got.shape == (t, k, d) and got.dtype == dtype
             assert torch.equal(_bits(torch, got), _bits(torch, ref)), "rows differ"
