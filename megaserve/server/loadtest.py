@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import math
 import platform
 import random
 import statistics
@@ -50,6 +51,10 @@ async def _run_clients(server: str, requests: list[pb.GenerateRequest]) -> tuple
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The q-th percentile; nan for no values (a stream whose tokens all came in one chunk,
+    as on a busy machine, has no inter-token latency)."""
+    if not values:
+        return math.nan
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
