@@ -41,8 +41,7 @@ from megaserve.engine.engine import EngineStats, Prompt, load_tokenizer, validat
 from megaserve.outputs import CompletionOutput, RequestOutput
 from megaserve.runtime.factory import make_engine, uses_device_plane
 from megaserve.runtime.messages import (AbortRequest, AddRequest, EngineFailed, EngineOutputs,
-                                        EngineReady, RequestRejected, Stop, pack_output,
-                                        unpack_output)
+                                        EngineReady, RequestRejected, Stop, unpack_output)
 from megaserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -527,4 +526,4 @@ def _serve(engine, commands, results) -> None:
             return
         outputs = _apply(engine, batch, rejected)
         outputs += engine.step()
-        results.send(EngineOutputs([pack_output(o) for o in outputs], engine.stats()))
+        results.send(EngineOutputs.of(outputs, engine.stats()))

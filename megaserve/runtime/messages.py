@@ -156,6 +156,10 @@ class EngineOutputs:
     outputs: list[tuple]
     stats: Any  # EngineStats
 
+    @classmethod
+    def of(cls, outputs: list[RequestOutput], stats: Any) -> EngineOutputs:
+        return cls([pack_output(out) for out in outputs], stats)
+
 
 @dataclass(frozen=True)
 class RequestRejected:
