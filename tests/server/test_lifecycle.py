@@ -56,18 +56,20 @@ def test_health_is_not_serving_until_the_model_is_loaded(small_server):
         stub = generation_stub(channel)
         while time.monotonic() < deadline:
             try:
-                overall = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                overall = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
                 ready = health.Check(health_pb2.HealthCheckRequest(
-                    service="megaserve.v1.Generation"), timeout=2).status
-            except grpc.RpcError as e:  # not listening yet
-                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                    service="megaserve.v1.Generation"), timeout=5).status
+            except grpc.RpcError as e:  # not listening yet, or a check that a loaded box
+                # (loading holds both cores) did not answer in time: ask again
+                assert e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED), e.details()
                 time.sleep(0.005)
                 continue
             if not seen or seen[-1] != overall:
                 seen.append(overall)
             if overall == NOT_SERVING and refused_while_loading is None:
                 with pytest.raises(grpc.RpcError) as e:
-                    list(stub["Generate"](build_request("too early"), timeout=5))
+                    list(stub["Generate"](build_request("too early"), timeout=60))
                 refused_while_loading = e.value.code()
                 assert http_get(small_server.url + "/health")[0] == 503
             if overall == SERVING:
@@ -88,13 +90,13 @@ def test_waiting_cap_gives_resource_exhausted_and_429(small_server):
         # (4,000 tokens, cancelled below) outlast this bound.
         deadline = time.monotonic() + 120
         while True:  # which two run first is up to the engine
-            info = stub["GetServerInfo"](pb.GetServerInfoRequest(), timeout=5)
+            info = stub["GetServerInfo"](pb.GetServerInfoRequest(), timeout=60)
             if (info.num_in_flight, info.num_running, info.num_waiting) == (3, 2, 1):
                 break
             assert time.monotonic() < deadline, info
             time.sleep(0.02)
         with pytest.raises(grpc.RpcError) as e:
-            list(stub["Generate"](build_request("one too many"), timeout=10))
+            list(stub["Generate"](build_request("one too many"), timeout=60))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_waiting" in e.value.details()
         status, body = http_post(small_server.url + "/v1/completions", {"prompt": "too many"})
@@ -132,7 +134,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     wait_for(lambda: "shutting down" in small_server.log(), 60, "the drain's log line")
     with grpc.insecure_channel(small_server.grpc_address) as channel:  # no new work
         with pytest.raises(grpc.RpcError) as e:
-            list(generation_stub(channel)["Generate"](build_request("late"), timeout=5))
+            list(generation_stub(channel)["Generate"](build_request("late"), timeout=60))
         # UNAVAILABLE: the closed port, or the draining server's refusal; CANCELLED: a
         # connection gRPC accepted just before its stop closed the port (seen beside two
         # CPU hogs), whose call its stop then cancels. Either way the work is refused.
@@ -140,7 +142,7 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     wait_for(lambda: not _answers(small_server.url + "/health"), 60, "the HTTP port closed")
     for t in threads:
         t.join(30)
-    assert small_server.proc.wait(GRACE + 15) == 0
+    assert small_server.proc.wait(60) == 0  # bounds a hang; the log times the shutdown
     elapsed = time.monotonic() - sent
     assert results["short"].finish_reason == "length"
     assert len(results["short"].output_ids) == 40
@@ -148,11 +150,11 @@ def test_sigterm_finishes_short_work_aborts_long_work_and_exits_cleanly(small_se
     assert 0 < len(results["long"].output_ids) < LONG
     log = small_server.log()
     assert "aborted 1 request" in log and "Traceback" not in log
-    # The server's own shutdown fits in the grace period; the interpreter's exit after it
-    # (torch teardown) adds a little more, up to about a second on a loaded 2-core box.
+    # The server's own shutdown fits in the grace period, timed by its log: the
+    # interpreter's exit after it (torch teardown) goes at the machine's pace, unbounded.
     shutdown = _log_time(log, "shutting down")
     assert 0 < _log_time(log, "megaserve: stopped") - shutdown < GRACE
-    assert GRACE - 1.5 < elapsed < GRACE + 2.0, elapsed
+    assert GRACE - 1.5 < elapsed, elapsed  # the long request had its grace period
 
 
 def _answers(url: str) -> bool:

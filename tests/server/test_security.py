@@ -76,20 +76,20 @@ def test_api_key_guards_grpc_and_leaves_grpc_health_open(keyed_server):
         stub = generation_stub(channel)
         for metadata in ((), (("authorization", "Bearer nope"),)):
             with pytest.raises(grpc.RpcError) as e:
-                list(stub["Generate"](build_request("hi", max_tokens=2), timeout=10,
+                list(stub["Generate"](build_request("hi", max_tokens=2), timeout=60,
                                       metadata=metadata))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert_clean(e.value.details())
             with pytest.raises(grpc.RpcError) as e:
-                stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=10, metadata=metadata)
+                stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=60, metadata=metadata)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                           timeout=5)
+                                                           timeout=60)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         (done,) = [r.complete for r in stub["Generate"](
             build_request("hi", max_tokens=2), timeout=30, metadata=auth_metadata(KEY))]
         assert len(done.output_ids) == 2
-        info = stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=10,
+        info = stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=60,
                                     metadata=auth_metadata(KEY))
         assert info.model_name == "builtin:tiny-moe"
         assert info.dtype == "float32"  # resolved from the checkpoint, not "auto"
@@ -137,18 +137,18 @@ def test_grpc_abort_cannot_touch_other_callers_requests(server):
         attacker, owner = generation_stub(attacker_channel), generation_stub(owner_channel)
         # The HTTP stream's engine id is "<id>-<choice>": a guess must not abort it.
         for guess in (http_result["id"], f"{http_result['id']}-0"):
-            assert not attacker["Abort"](pb.AbortRequest(request_id=guess), timeout=5).found
+            assert not attacker["Abort"](pb.AbortRequest(request_id=guess), timeout=60).found
         # Another gRPC caller's request: not found for the attacker, found for its owner.
         call = owner["Generate"](build_request("mine", stream=True, request_id="owned-1",
                                                max_tokens=300, ignore_eos=True), timeout=60)
         first = next(call)
         assert first.WhichOneof("response") == "chunk"
-        assert not attacker["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=5).found
+        assert not attacker["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=60).found
         # Request ids are per connection: the same id elsewhere neither clashes nor leaks.
         (done,) = [r.complete for r in attacker["Generate"](
             build_request("same id", request_id="owned-1", max_tokens=2), timeout=30)]
         assert done.request_id == "owned-1" and len(done.output_ids) == 2
-        assert owner["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=5).found
+        assert owner["Abort"](pb.AbortRequest(request_id="owned-1"), timeout=60).found
         last = list(call)[-1]
         assert last.complete.finish_reason == "abort"
     thread.join(60)
@@ -177,7 +177,7 @@ def test_bearer_scheme_is_case_insensitive(keyed_server):
         assert status == 200, reply
     with grpc.insecure_channel(keyed_server.grpc_address) as channel:
         info = generation_stub(channel)["GetModelInfo"](
-            pb.GetModelInfoRequest(), timeout=10, metadata=(("authorization", f"bearer {KEY}"),))
+            pb.GetModelInfoRequest(), timeout=60, metadata=(("authorization", f"bearer {KEY}"),))
         assert info.model_name == "builtin:tiny-moe"
 
 
@@ -199,9 +199,9 @@ def test_request_ids_are_scoped_by_api_key_not_by_connection(keyed_server):
             build_request("theirs", request_id="job-1", max_tokens=2), timeout=30,
             metadata=theirs)]
         assert done.request_id == "job-1" and len(done.output_ids) == 2
-        assert not stub["Abort"](pb.AbortRequest(request_id="job-1"), timeout=5,
+        assert not stub["Abort"](pb.AbortRequest(request_id="job-1"), timeout=60,
                                  metadata=theirs).found
         # The owner, from a connection of its own.
         assert generation_stub(other)["Abort"](pb.AbortRequest(request_id="job-1"),
-                                               timeout=5, metadata=mine).found
+                                               timeout=60, metadata=mine).found
         assert list(call)[-1].complete.finish_reason == "abort"

@@ -30,7 +30,7 @@ def test_model_info_and_generation_in_token_ids(ids_server):
     srv, path = ids_server
     with grpc.insecure_channel(srv.grpc_address) as channel:
         stub = generation_stub(channel)
-        info = stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=10)
+        info = stub["GetModelInfo"](pb.GetModelInfoRequest(), timeout=60)
         assert list(info.eos_token_ids) == [7]
         assert info.vocab_size == json.loads((path / "config.json").read_text())["vocab_size"]
         replies = list(stub["Generate"](build_request([3, 4, 5], max_tokens=6, ignore_eos=True,
