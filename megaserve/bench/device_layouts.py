@@ -28,7 +28,9 @@ case:
   token plus :data:`SETTLE_STEPS` steps (graphs captured and replayed), then
   :data:`TIMED_STEPS` steps are timed: ``ms_step`` (the TPOT at that batch: the wall time
   over the tokens each sequence received in it) and ``tok_s = R * B / ms_step``, whole
-  and per GPU;
+  and per GPU; ``gc_passes`` / ``gc_ms``: the collector's passes of each generation in
+  the front-end's process during those steps and their time (the heap is frozen as the
+  server freezes it; a full pass is a pause of the step it falls in);
 * for the cases in ``--whole``: the whole workload (``R * B`` fresh prompts, prefill
   included, every request to ``--output-len``) over its wall time, whole and per GPU.
 
@@ -50,6 +52,7 @@ import time
 from dataclasses import dataclass
 
 from megaserve.bench.layouts_report import measurements_file, merge, print_table, write_json
+from megaserve.engine.gc_heap import collections_during, frozen_heap
 
 SETTLE_STEPS = 4  # decode steps after every sequence has a token, before timing
 TIMED_STEPS = 10
@@ -151,11 +154,12 @@ def steady(engine, prompts: list[list[int]], params, device: str, tag: str) -> d
         step()
     _sync(device)
     before = sum(tokens.values())
-    start = time.perf_counter()
-    for _ in range(TIMED_STEPS):
-        step()
-    _sync(device)
-    elapsed = time.perf_counter() - start
+    with collections_during() as passes:
+        start = time.perf_counter()
+        for _ in range(TIMED_STEPS):
+            step()
+        _sync(device)
+        elapsed = time.perf_counter() - start
     decoded = (sum(tokens.values()) - before) / len(prompts)  # steps of every sequence
     if decoded <= 0:
         raise RuntimeError(f"no sequence gained a token in {TIMED_STEPS} steps")
@@ -165,7 +169,8 @@ def steady(engine, prompts: list[list[int]], params, device: str, tag: str) -> d
     while engine.has_unfinished_requests():
         engine.step()
     return {"ms_step": elapsed / decoded * 1e3, "steps_to_decode": steps,
-            "timed_steps": TIMED_STEPS, "decode_steps": decoded}
+            "timed_steps": TIMED_STEPS, "decode_steps": decoded,
+            "gc_passes": passes.count, "gc_ms": passes.seconds * 1e3}
 
 
 def _traced_steps(engine, tag: str) -> None:
@@ -214,7 +219,6 @@ def measure_layout(name: str, base: dict, cases: list[Case], whole_cases: set[st
     """One engine for layout ``name`` (``max_num_seqs``: the largest batch per replica);
     a row per case (module docstring)."""
     from megaserve import SamplingParams
-    from megaserve.engine.gc_heap import frozen_heap
     from megaserve.runtime.factory import make_engine
 
     _, _, replicas = layout_config(name, base, device)

@@ -83,7 +83,7 @@ def print_table(payload: dict) -> None:
     print(f"device: {payload['device']} x {payload['gpus_visible']}  model: {payload['model']} "
           f"{payload['dtype']}  out {payload['output_len']}, greedy; baseline {payload['baseline']}")
     print(f"{'layout':<10} {'case':>9} {'GPUs':>4} {'ms/step':>8} {'tok/s/GPU':>9} {'vs base':>8} "
-          f"{'whole tok/s/GPU':>15} {'vs base':>8}")
+          f"{'whole tok/s/GPU':>15} {'vs base':>8} {'gc ms':>6}")
     key = (lambda r: (r["input_len"], r["seqs"])) if payload["batch_is"] == "total" else \
         (lambda r: (r["input_len"], r["batch"]))
     base = {key(r): r for r in rows if r["layout"] == payload["baseline"]}
@@ -94,6 +94,7 @@ def print_table(payload: dict) -> None:
         whole_ratio = (f"{whole_gpu / b['whole_tok_s_gpu']:.2f}x"
                        if whole_gpu and b and b.get("whole_tok_s_gpu") else "-")
         print(f"{r['layout']:<10} {r['input_len']:>4}x{r['batch']:<4} {r['gpus']:>4} {r['ms_step']:>8.2f} "
-              f"{r['tok_s_gpu']:>9.0f} {ratio:>8} {whole_gpu or 0:>15.0f} {whole_ratio:>8}")
+              f"{r['tok_s_gpu']:>9.0f} {ratio:>8} {whole_gpu or 0:>15.0f} {whole_ratio:>8} "
+              f"{r.get('gc_ms', float('nan')):>6.1f}")
     for name, why in payload["failed"].items():
         print(f"{name}: FAILED {why}")

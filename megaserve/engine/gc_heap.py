@@ -19,8 +19,10 @@ serves until it exits with :func:`freeze_for_life`.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 
 def _collect_and_freeze() -> int:
@@ -46,3 +48,34 @@ def freeze_for_life() -> int:
     until it exits (a spawned worker), never for a thread in someone else's process.
     Returns the number of objects frozen."""
     return _collect_and_freeze()
+
+
+@dataclass
+class Collections:
+    """The collector's passes in this process while :func:`collections_during` ran:
+    ``count[g]`` passes of generation g, ``seconds`` their time together."""
+
+    count: list[int] = field(default_factory=lambda: [0, 0, 0])
+    seconds: float = 0.0
+
+
+@contextmanager
+def collections_during() -> Iterator[Collections]:
+    """Counts and times the collector's passes in this process for the body (a bench's
+    timed steps: a full pass there is a pause no step of a server with a frozen heap
+    would see as often)."""
+    seen = Collections()
+    started: list[float] = []
+
+    def on_pass(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            seen.seconds += time.perf_counter() - started.pop()
+            seen.count[info["generation"]] += 1
+
+    gc.callbacks.append(on_pass)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(on_pass)

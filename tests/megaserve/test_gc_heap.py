@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from megaserve import LLM, SamplingParams
-from megaserve.engine.gc_heap import frozen_heap
+from megaserve.engine.gc_heap import collections_during, frozen_heap
 
 
 def _scanned(obj: object) -> bool:
@@ -45,3 +45,24 @@ def test_spawned_workers_freeze_their_heap_thread_workers_do_not() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert int(out.stdout.split()[-1]) > 1000
+
+
+def test_collections_during_counts_and_times_each_generations_passes() -> None:
+    before = len(gc.callbacks)
+    with collections_during() as passes:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    gc.collect(1)  # after the body: not counted
+    assert passes.count == [1, 0, 2]
+    assert passes.seconds > 0
+    assert len(gc.callbacks) == before  # its callback is gone
+
+
+def test_a_bench_row_reports_the_collections_of_its_timed_steps() -> None:
+    from megaserve.bench import device_layouts as dl
+
+    base = dict(model="builtin:tiny-moe", dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    row = dl.measure_layout("colocated", base, [dl.Case(8, 2)], set(), 24, "cpu", 0)[0]
+    assert len(row["gc_passes"]) == 3 and all(n >= 0 for n in row["gc_passes"])
+    assert row["gc_ms"] >= 0
