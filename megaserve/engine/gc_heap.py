@@ -62,8 +62,7 @@ class Collections:
 @contextmanager
 def collections_during() -> Iterator[Collections]:
     """Counts and times the collector's passes in this process for the body (a bench's
-    timed steps: a full pass there is a pause no step of a server with a frozen heap
-    would see as often)."""
+    timed steps: a pass falls inside one step and lengthens it)."""
     seen = Collections()
     started: list[float] = []
 

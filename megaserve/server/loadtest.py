@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import math
+import os
 import platform
 import random
 import statistics
