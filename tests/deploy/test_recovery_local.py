@@ -16,11 +16,14 @@ from megaserve.runtime.recovery import RestartPolicy
 from tests.processes import alive
 
 PROMPTS = ["Hello world, the", "Once upon a time", [5, 17, 99, 3, 250, 41, 7], "A B C D E F G"]
+# Streams long enough that none ends before every one has 3 tokens, however unevenly a
+# loaded machine runs the processes (data parallelism's engines do not step together: at
+# 18-24 tokens one engine finished its requests before the other's had 3, beside two hogs).
 PARAMS = [
-    SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True, logprobs=1),
-    SamplingParams(max_tokens=18, temperature=1.0, seed=4, top_k=30, ignore_eos=True),
-    SamplingParams(max_tokens=22, temperature=0.7, seed=8, stop=["e t", "qq"], ignore_eos=True),
+    SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=96, temperature=0.8, seed=11, ignore_eos=True, logprobs=1),
+    SamplingParams(max_tokens=72, temperature=1.0, seed=4, top_k=30, ignore_eos=True),
+    SamplingParams(max_tokens=88, temperature=0.7, seed=8, stop=["e t", "qq"], ignore_eos=True),
 ]
 LAYOUT = dict(dtype="float32", attention_replicas=2, expert_workers=2, transport="tcp")
 
