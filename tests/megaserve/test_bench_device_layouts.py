@@ -57,10 +57,13 @@ def test_a_colocated_cpu_run_times_steady_decode_and_the_whole_workload(tmp_path
 
 
 def test_a_steady_step_is_counted_by_the_tokens_each_sequence_received() -> None:
-    """One engine gives every sequence a token a step: the timed steps are its calls."""
+    """One engine gives every sequence a token a step: the timed steps are its calls. The
+    row also reports the collector's passes during them (gc_heap.collections_during)."""
     base = dict(model="builtin:tiny-moe", dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
     rows = dl.measure_layout("colocated", base, [dl.Case(8, 3)], set(), 40, "cpu", 0)
     assert rows[0]["decode_steps"] == dl.TIMED_STEPS
+    assert len(rows[0]["gc_passes"]) == 3 and all(n >= 0 for n in rows[0]["gc_passes"])
+    assert rows[0]["gc_ms"] >= 0
 
 
 def test_planner_runs_name_the_layout_of_each_row() -> None:
